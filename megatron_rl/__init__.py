@@ -1,0 +1,1 @@
+"""megatron_rl: a synchronous, strictly on-policy RL trainer on Megatron-Core + vLLM + Ray."""

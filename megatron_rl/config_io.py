@@ -1,0 +1,253 @@
+"""Load a YAML recipe into :class:`RunConfig`, apply dotted overrides, validate up front.
+
+Every error is a :class:`ConfigError` whose message names the offending key (``data.prompts_per_step``)
+and, for files, the file. Validation runs before Ray, Megatron or vLLM start.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megatron_rl.config import RunConfig
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the dotted key it concerns in the message."""
+
+
+def _field_types(cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _coerce(value: Any, typ: Any, key: str, from_string: bool) -> Any:
+    """Convert ``value`` to ``typ`` or raise naming ``key``. Strings from the CLI are parsed."""
+    if from_string and isinstance(value, str) and typ is not str:
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{key}: cannot parse {value!r}: {exc}") from None
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif typ is str:
+        if isinstance(value, str):
+            return value
+        if from_string and value is not None:
+            return str(value)
+    else:  # pragma: no cover - only the four scalar types are used in RunConfig
+        raise ConfigError(f"{key}: unsupported field type {typ}")
+    raise ConfigError(f"{key}: expected {typ.__name__}, got {type(value).__name__} {value!r}")
+
+
+def _apply_mapping(obj: Any, mapping: dict, prefix: str, source: str) -> None:
+    if not isinstance(mapping, dict):
+        raise ConfigError(f"{prefix or 'top level'} in {source}: expected a mapping, got {mapping!r}")
+    types = _field_types(type(obj))
+    for name, value in mapping.items():
+        key = f"{prefix}.{name}" if prefix else str(name)
+        if name not in types:
+            known = ", ".join(sorted(types))
+            raise ConfigError(f"unknown key '{key}' in {source} (known here: {known})")
+        current = getattr(obj, name)
+        if dataclasses.is_dataclass(current):
+            _apply_mapping(current, value, key, source)
+        else:
+            setattr(obj, name, _coerce(value, types[name], key, from_string=False))
+
+
+def apply_override(cfg: RunConfig, assignment: str) -> None:
+    """Apply one ``section.field=value`` override (value parsed as YAML scalar)."""
+    if "=" not in assignment:
+        raise ConfigError(f"override {assignment!r} must look like section.field=value")
+    dotted, raw = assignment.split("=", 1)
+    parts = dotted.strip().split(".")
+    obj: Any = cfg
+    for i, part in enumerate(parts):
+        key = ".".join(parts[: i + 1])
+        types = _field_types(type(obj))
+        if part not in types:
+            known = ", ".join(sorted(types))
+            raise ConfigError(f"unknown key '{key}' in command-line override (known here: {known})")
+        if i == len(parts) - 1:
+            if dataclasses.is_dataclass(getattr(obj, part)):
+                raise ConfigError(f"'{key}' is a section; override one of its fields")
+            setattr(obj, part, _coerce(raw, types[part], key, from_string=True))
+        else:
+            obj = getattr(obj, part)
+            if not dataclasses.is_dataclass(obj):
+                raise ConfigError(f"'{key}' is a field, not a section")
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> RunConfig:
+    """Read a recipe (or start from defaults when ``path`` is None) and apply overrides."""
+    cfg = RunConfig()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{p}: invalid YAML: {exc}") from None
+        _apply_mapping(cfg, data, "", str(p))
+    for assignment in overrides:
+        apply_override(cfg, assignment)
+    return cfg
+
+
+def config_to_dict(cfg: RunConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _choice(value: str, allowed: tuple[str, ...], key: str) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
+
+
+def _positive(value: float, key: str, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{key}: must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def read_hf_architecture(hf_path: str) -> dict | None:
+    """config.json of the model, or None when the model is not built yet (local run builds it)."""
+    cfg_file = Path(hf_path) / "config.json"
+    if not cfg_file.is_file():
+        return None
+    try:
+        return json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"model.hf_path: {cfg_file} is not valid JSON: {exc}") from None
+
+
+def resolve_device(cfg: RunConfig) -> str:
+    if cfg.cluster.device != "auto":
+        return cfg.cluster.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def validate(cfg: RunConfig, arch: dict | None = None, device: str | None = None) -> None:
+    """Check values and the parallel layout; raises ConfigError naming the key."""
+    _choice(cfg.model.dtype, ("float32", "bfloat16"), "model.dtype")
+    _choice(cfg.model.transformer_impl, ("auto", "local", "transformer_engine"), "model.transformer_impl")
+    _choice(cfg.cluster.device, ("auto", "cpu", "cuda"), "cluster.device")
+    _choice(cfg.rollout.backend, ("vllm",), "rollout.backend")
+    _choice(cfg.reward.kind, ("math",), "reward.kind")
+    _choice(cfg.algorithm.advantage, ("grpo", "drgrpo"), "algorithm.advantage")
+    _choice(cfg.algorithm.loss_agg, ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"), "algorithm.loss_agg")
+    _choice(cfg.algorithm.kl_type, ("k1", "k3"), "algorithm.kl_type")
+    _choice(cfg.trainer.wandb_mode, ("offline", "online"), "trainer.wandb_mode")
+    fmt = ("auto", "gsm8k", "math", "deepmath", "kodcode", "builtin", "custom")
+    _choice(cfg.data.format, fmt, "data.format")
+    _choice(cfg.data.eval_format, fmt, "data.eval_format")
+    if cfg.data.format == "custom" and not (cfg.data.prompt_key and cfg.data.answer_key):
+        raise ConfigError("data.prompt_key and data.answer_key are required when data.format is 'custom'")
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "data_parallel_size"):
+        _positive(getattr(cfg.parallel, key), f"parallel.{key}")
+    for key in ("tensor_parallel_size", "num_engines", "max_new_tokens", "max_num_seqs"):
+        _positive(getattr(cfg.rollout, key), f"rollout.{key}")
+    _positive(cfg.rollout.temperature, "rollout.temperature", allow_zero=True)
+    if not 0 < cfg.rollout.top_p <= 1:
+        raise ConfigError(f"rollout.top_p: must be in (0, 1], got {cfg.rollout.top_p}")
+    for key in ("prompts_per_step", "responses_per_prompt", "max_prompt_tokens"):
+        _positive(getattr(cfg.data, key), f"data.{key}")
+    _positive(cfg.data.eval_every, "data.eval_every", allow_zero=True)
+    _positive(cfg.reward.timeout_s, "reward.timeout_s")
+    _positive(cfg.reward.num_workers, "reward.num_workers")
+    _positive(cfg.algorithm.clip_low, "algorithm.clip_low", allow_zero=True)
+    _positive(cfg.algorithm.clip_high, "algorithm.clip_high", allow_zero=True)
+    _positive(cfg.algorithm.kl_coef, "algorithm.kl_coef", allow_zero=True)
+    _positive(cfg.algorithm.tis_cap, "algorithm.tis_cap", allow_zero=True)
+    _positive(cfg.algorithm.ppo_mini_batches, "algorithm.ppo_mini_batches")
+    if cfg.algorithm.overlong_buffer_tokens >= cfg.rollout.max_new_tokens:
+        raise ConfigError("algorithm.overlong_buffer_tokens must be smaller than rollout.max_new_tokens")
+    _positive(cfg.optimizer.lr, "optimizer.lr")
+    _positive(cfg.optimizer.micro_batch_tokens, "optimizer.micro_batch_tokens")
+    _positive(cfg.trainer.steps, "trainer.steps")
+    _positive(cfg.trainer.save_every, "trainer.save_every", allow_zero=True)
+    _positive(cfg.trainer.keep_checkpoints, "trainer.keep_checkpoints")
+    if cfg.data.prompts_per_step % cfg.algorithm.ppo_mini_batches:
+        raise ConfigError("algorithm.ppo_mini_batches must divide data.prompts_per_step")
+    if cfg.rollout.max_model_len and cfg.rollout.max_model_len < cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens:
+        raise ConfigError("rollout.max_model_len must be >= data.max_prompt_tokens + rollout.max_new_tokens")
+    if cfg.optimizer.micro_batch_tokens < cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens:
+        raise ConfigError("optimizer.micro_batch_tokens must hold one full sequence "
+                          "(>= data.max_prompt_tokens + rollout.max_new_tokens)")
+
+    device = device or resolve_device(cfg)
+    par = cfg.parallel
+    if device == "cpu":
+        if par.context_parallel_size > 1:
+            raise ConfigError("parallel.context_parallel_size > 1 needs Transformer Engine attention on GPUs; "
+                              "it cannot run on CPU (set it to 1 for CPU runs)")
+        if par.sequence_parallel:
+            raise ConfigError("parallel.sequence_parallel does not work on CPU (torch LayerNorm rejects it)")
+        if cfg.model.dtype == "bfloat16":
+            raise ConfigError("model.dtype bfloat16 is GPU-only here; use float32 on CPU")
+        if cfg.model.transformer_impl == "transformer_engine":
+            raise ConfigError("model.transformer_impl 'transformer_engine' needs a GPU; use 'auto' or 'local'")
+        cpus = cfg.cluster.num_cpus or os.cpu_count() or 1
+        # Each trainer rank and each engine needs one whole logical CPU; reward workers share.
+        need = _world_size(cfg) + cfg.rollout.num_engines + cfg.reward.num_workers * cfg.reward.worker_num_cpus
+        if need > cpus * 4:
+            raise ConfigError(f"cluster.num_cpus: layout needs {need:g} logical CPUs (trainer ranks + engines + "
+                              f"reward workers) but only {cpus} CPUs are available (oversubscription capped at 4x)")
+    else:
+        gpus = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
+        # Colocated: trainer ranks and engines share the same GPUs, so each must fit on its own.
+        if _world_size(cfg) > gpus:
+            raise ConfigError(f"parallel: trainer world size {_world_size(cfg)} (TPxPPxCPxDP) exceeds "
+                              f"cluster.num_nodes x cluster.gpus_per_node = {gpus} GPUs")
+        engine_gpus = cfg.rollout.tensor_parallel_size * cfg.rollout.num_engines
+        if engine_gpus > gpus:
+            raise ConfigError(f"rollout: {engine_gpus} GPUs for engines (tensor_parallel_size x num_engines) "
+                              f"exceed the {gpus} GPUs of the cluster")
+        if cfg.rollout.tensor_parallel_size > cfg.cluster.gpus_per_node:
+            raise ConfigError("rollout.tensor_parallel_size: a TP group must fit in one node "
+                              f"({cfg.cluster.gpus_per_node} GPUs)")
+    if arch is not None:
+        validate_against_architecture(cfg, arch)
+
+
+def _world_size(cfg: RunConfig) -> int:
+    p = cfg.parallel
+    return p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size * p.data_parallel_size
+
+
+def validate_against_architecture(cfg: RunConfig, arch: dict) -> None:
+    heads = arch.get("num_attention_heads")
+    kv = arch.get("num_key_value_heads", heads)
+    layers = arch.get("num_hidden_layers")
+    tp = cfg.parallel.tensor_model_parallel_size
+    pp = cfg.parallel.pipeline_model_parallel_size
+    if heads % tp:
+        raise ConfigError(f"parallel.tensor_model_parallel_size={tp} does not divide the model's "
+                          f"{heads} attention heads")
+    if kv % tp:
+        raise ConfigError(f"parallel.tensor_model_parallel_size={tp} does not divide the model's "
+                          f"{kv} KV groups (num_key_value_heads)")
+    if layers % pp:
+        raise ConfigError(f"parallel.pipeline_model_parallel_size={pp} does not divide the model's {layers} layers")
+    rtp = cfg.rollout.tensor_parallel_size
+    if heads % rtp or (kv % rtp and rtp % kv):
+        raise ConfigError(f"rollout.tensor_parallel_size={rtp} does not fit {heads} heads / {kv} KV heads")
+    max_pos = arch.get("max_position_embeddings")
+    total = cfg.rollout.max_model_len or (cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
+    if max_pos and total > max_pos:
+        raise ConfigError(f"rollout.max_new_tokens + data.max_prompt_tokens = {total} exceeds the model's "
+                          f"max_position_embeddings {max_pos}")

@@ -1,0 +1,95 @@
+"""The rollout engine contract every scheduler talks to.
+
+One request per response: each has its own id, token budget and seed, so a scheduler can abort
+any single response. Completions arrive as a stream, in finish order. Implementations: the vLLM
+backend (``vllm_engine.VLLMEngine``), its Ray actor wrapper (``ray_engine``), and in tests a
+fake engine for pure scheduling logic.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    """Unique id; used to abort and to match the completion."""
+    prompt_ids: list[int]
+    """Prompt tokens (already templated)."""
+    max_tokens: int
+    """Budget for this response (resumed requests get budget - already generated)."""
+    seed: int
+    """Per-request sampling seed (reproducible rollouts)."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus threshold."""
+    return_logprobs: bool = True
+    """Return the sampled token's logprob per step."""
+
+
+@dataclass
+class Completion:
+    request_id: str
+    """Id of the request this finishes."""
+    token_ids: list[int]
+    """Generated tokens (for an abort: the partial tokens)."""
+    logprobs: list[float]
+    """Logprob of each generated token under the engine's weights (empty if not requested)."""
+    finish_reason: str
+    """'stop' (EOS/stop token), 'length' (budget used up) or 'abort'."""
+    weight_version: int
+    """Engine weight version that generated the tokens (set by reload_weights)."""
+    submit_time: float = 0.0
+    """time.monotonic() when the request was submitted."""
+    finish_time: float = 0.0
+    """time.monotonic() when it finished."""
+
+
+@dataclass
+class EngineStats:
+    running: int = 0
+    """Requests decoding now."""
+    waiting: int = 0
+    """Requests queued (not yet scheduled)."""
+    preemptions: int = 0
+    """Cumulative preemptions (KV cache ran out) since the engine started."""
+    kv_cache_usage: float = 0.0
+    """Fraction of KV cache blocks in use (0..1)."""
+    capacity: int = 0
+    """Most sequences the engine decodes at once (max_num_seqs)."""
+    extra: dict = field(default_factory=dict)
+    """Backend-specific numbers."""
+
+
+class RolloutEngine(abc.ABC):
+    """Async engine interface. All methods are coroutines run on one event loop."""
+
+    @abc.abstractmethod
+    async def submit(self, request: GenerationRequest) -> None:
+        """Queue a request; returns at once. Its completion appears in ``completions()``."""
+
+    @abc.abstractmethod
+    def completions(self) -> AsyncIterator[Completion]:
+        """Async iterator over completions in finish order (aborted ones included, with
+        finish_reason 'abort'). Runs until the engine is shut down."""
+
+    @abc.abstractmethod
+    async def abort(self, request_ids: list[str]) -> None:
+        """Stop these requests now. Each still yields one Completion with reason 'abort'
+        (unless it had already finished). Unknown ids are ignored."""
+
+    @abc.abstractmethod
+    async def reload_weights(self, weights_dir: str, version: int) -> None:
+        """Load HF-named safetensors from ``weights_dir`` in place and tag later completions
+        with ``version``. Must not be called with requests in flight."""
+
+    @abc.abstractmethod
+    async def stats(self) -> EngineStats:
+        """Current load: running, waiting, preemptions, KV usage."""
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None:
+        """Free the engine; pending requests are aborted."""

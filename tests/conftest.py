@@ -1,0 +1,56 @@
+"""Shared fixtures: a tiny random-init Qwen2.5-architecture checkpoint, data paths, GPU gating."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+# Keep vLLM/Ray/torch caches and sockets out of $HOME and the repo.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """Random-init tiny Qwen2 (tied embeddings): 2 layers, h=128, 4 heads, 2 KV groups."""
+    from megatron_rl.model.tiny import build_tiny_qwen2
+
+    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny_tied"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_untied_model_dir(tmp_path_factory) -> Path:
+    """Like tiny_model_dir but with a separate lm_head and 4 layers (for PP=2 x 2 layers)."""
+    from megatron_rl.model.tiny import build_tiny_qwen2
+
+    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny_untied"), seed=1, num_layers=4, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def gsm8k_dir() -> Path:
+    path = SHARED_DATA / "gsm8k"
+    if not (path / "train.jsonl").is_file():
+        pytest.skip(f"GSM8K data not found at {path} (expected ../shared/data/gsm8k beside the repo)")
+    return path
