@@ -1,0 +1,51 @@
+"""The baseline rollout scheduler (what veRL does): P0 prompts x R0 responses, wait for all.
+
+It runs through the same engine, reward and training code as RollPacker's tail batching, so a
+benchmark of the two compares only the scheduling policy.
+"""
+from __future__ import annotations
+
+import time
+
+from megatron_rl.hooks import RolloutBatch, RolloutContext, RolloutScheduler
+from megatron_rl.rollout.generate import InFlight, accept_completion, submit_prompt
+from megatron_rl.sample import Sample
+
+
+class BaselineScheduler(RolloutScheduler):
+    """Synchronous rollout: every response of every prompt runs to completion."""
+
+    name = "baseline"
+
+    async def next_batch(self, ctx: RolloutContext) -> RolloutBatch:
+        p0 = ctx.cfg.data.prompts_per_step
+        r0 = ctx.cfg.data.responses_per_prompt
+        start = time.monotonic()
+        prompts = ctx.next_prompts(p0)
+        flight = InFlight()
+        groups: dict[str, list[Sample]] = {p.prompt_id: [] for p in prompts}
+        for prompt in prompts:
+            await submit_prompt(ctx, flight, prompt, r0, round_type=self.name)
+        stream = ctx.engine.completions()
+        while flight.samples:
+            sample = accept_completion(ctx, flight, await stream.__anext__())
+            if sample is None:
+                raise RuntimeError("baseline rollout saw an aborted request; nothing should abort here")
+            group = groups[sample.prompt.prompt_id]
+            group.append(sample)
+            if len(group) == r0:
+                # Scoring started as each response finished; the group is ready once all are scored.
+                for rid in [s.request_id for s in group]:
+                    await flight.scoring.pop(rid)
+                group.sort(key=lambda s: s.response_index)
+                ctx.on_group_complete(group)
+        end = time.monotonic()
+        ordered = [groups[p.prompt_id] for p in prompts]
+        metrics = {
+            "rollout/prompts_launched": float(len(prompts)),
+            "rollout/responses_launched": float(len(prompts) * r0),
+            "rollout/responses_aborted": 0.0,
+            "rollout/aborted_tokens": 0.0,
+        }
+        return RolloutBatch(groups=ordered, round_type=self.name, metrics=metrics,
+                            request_intervals=flight.intervals, rollout_window=(start, end))

@@ -1,0 +1,84 @@
+"""A fake rollout engine for pure scheduling tests (no model).
+
+Each request "decodes" one token per tick, up to a length chosen by ``length_fn(request)``
+(capped by max_tokens), at most ``capacity`` requests at a time. Abort works like vLLM's: the
+request ends at once with finish_reason 'abort' and its partial tokens. Always used beside tests
+on the real vLLM engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable
+
+from megatron_rl.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine
+
+
+class FakeEngine(RolloutEngine):
+    def __init__(self, length_fn: Callable[[GenerationRequest], int], capacity: int = 64, tick_s: float = 0.0):
+        self.length_fn = length_fn
+        self.capacity = capacity
+        self.tick_s = tick_s
+        self.version = 0
+        self.waiting: list[GenerationRequest] = []
+        self.running: dict[str, tuple[GenerationRequest, int, int, float]] = {}
+        self.queue: asyncio.Queue[Completion] = asyncio.Queue()
+        self.submitted: list[GenerationRequest] = []
+        self.aborted: list[str] = []
+        self._task: asyncio.Task | None = None
+
+    async def submit(self, request: GenerationRequest) -> None:
+        self.submitted.append(request)
+        self.waiting.append(request)
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        while self.waiting or self.running:
+            while self.waiting and len(self.running) < self.capacity:
+                req = self.waiting.pop(0)
+                target = min(req.max_tokens, max(1, self.length_fn(req)))
+                self.running[req.request_id] = (req, 0, target, time.monotonic())
+            for rid in list(self.running):
+                req, n, target, t0 = self.running[rid]
+                n += 1
+                if n >= target:
+                    del self.running[rid]
+                    reason = "length" if target >= req.max_tokens else "stop"
+                    self._emit(req, n, reason, t0)
+                else:
+                    self.running[rid] = (req, n, target, t0)
+            await asyncio.sleep(self.tick_s)
+
+    def _emit(self, req: GenerationRequest, n: int, reason: str, t0: float) -> None:
+        tokens = [(req.seed + i) % 250 for i in range(n)]
+        self.queue.put_nowait(Completion(req.request_id, tokens, [-1.0] * n, reason, self.version, t0, time.monotonic()))
+
+    async def completions(self):
+        while True:
+            yield await self.queue.get()
+
+    async def abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.aborted.append(rid)
+            if rid in self.running:
+                req, n, _, t0 = self.running.pop(rid)
+                self._emit(req, n, "abort", t0)
+            else:
+                for i, req in enumerate(self.waiting):
+                    if req.request_id == rid:
+                        self.waiting.pop(i)
+                        self._emit(req, 0, "abort", time.monotonic())
+                        break
+
+    async def reload_weights(self, weights_dir: str, version: int) -> None:
+        if self.running or self.waiting:
+            raise RuntimeError("reload with requests in flight")
+        self.version = version
+
+    async def stats(self) -> EngineStats:
+        return EngineStats(running=len(self.running), waiting=len(self.waiting), capacity=self.capacity)
+
+    async def shutdown(self) -> None:
+        if self._task:
+            self._task.cancel()

@@ -1,0 +1,66 @@
+"""The baseline scheduler on a fake engine (pure scheduling; the real engine is covered by the
+integration tests): P0 groups of R0 scored responses, deterministic seeds, version checks."""
+import asyncio
+
+import pytest
+
+from megatron_rl.baseline import BaselineScheduler
+from megatron_rl.config import RunConfig
+from megatron_rl.hooks import RolloutContext
+from megatron_rl.rollout.generate import request_seed
+from megatron_rl.sample import Prompt
+from tests.helpers.fake_engine import FakeEngine
+
+
+def make_ctx(engine, prompts, version=0, p0=3, r0=4, completed=None):
+    cfg = RunConfig()
+    cfg.data.prompts_per_step = p0
+    cfg.data.responses_per_prompt = r0
+    cfg.rollout.max_new_tokens = 50
+    it = iter(prompts)
+
+    async def score(sample):
+        await asyncio.sleep(0)
+        sample.reward = float(len(sample.response_ids) % 2)
+        sample.correct = bool(sample.reward)
+        return sample
+
+    return RolloutContext(cfg=cfg, engine=engine, score=score, cancel_scores=lambda s: None,
+                          next_prompts=lambda n: [next(it) for _ in range(n)], policy_version=version, step=7,
+                          on_group_complete=(completed.append if completed is not None else (lambda g: None)))
+
+
+def prompts(n):
+    return [Prompt(prompt_id=f"p{i}", token_ids=[1, 2, i], answer=str(i)) for i in range(n)]
+
+
+def test_baseline_returns_p0_complete_scored_groups():
+    engine = FakeEngine(length_fn=lambda r: 3 + r.seed % 40, capacity=5)
+    completed = []
+    ctx = make_ctx(engine, prompts(10), completed=completed)
+    batch = asyncio.run(BaselineScheduler().next_batch(ctx))
+    assert [g[0].prompt.prompt_id for g in batch.groups] == ["p0", "p1", "p2"]
+    for group in batch.groups:
+        assert [s.response_index for s in group] == [0, 1, 2, 3]
+        assert all(s.reward is not None and s.policy_version == 0 for s in group)
+        assert all(len(s.response_ids) == 3 + request_seed(ctx.cfg.trainer.seed, 7, s.prompt.prompt_id,
+                                                           s.response_index) % 40 or s.finish_reason == "length"
+                   for s in group)
+    assert len(completed) == 3  # the hook saw every group once
+    assert len(engine.submitted) == 12 and not engine.aborted
+    assert len({r.seed for r in engine.submitted}) == 12
+    assert len(batch.request_intervals) == 12
+    assert batch.metrics["rollout/responses_launched"] == 12.0
+
+
+def test_stale_engine_weights_are_refused():
+    engine = FakeEngine(length_fn=lambda r: 2)
+    engine.version = 3  # the engine missed the sync to version 4
+    ctx = make_ctx(engine, prompts(3), version=4)
+    with pytest.raises(RuntimeError, match="weight version 3"):
+        asyncio.run(BaselineScheduler().next_batch(ctx))
+
+
+def test_seeds_are_reproducible_and_distinct():
+    assert request_seed(1, 2, "p", 0) == request_seed(1, 2, "p", 0)
+    assert len({request_seed(1, s, f"p{i}", r) for s in range(3) for i in range(5) for r in range(4)}) == 60

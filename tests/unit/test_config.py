@@ -1,0 +1,114 @@
+"""Config loading, overrides and up-front validation: every error names its key."""
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.config import RunConfig
+from megatron_rl.config_io import ConfigError, load_config, validate, validate_against_architecture
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_ARCH = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+             "max_position_embeddings": 1024}
+
+
+def test_recipe_loads_and_overrides_apply():
+    cfg = load_config(REPO / "examples/qwen2.5/tiny_cpu.yaml", ["trainer.steps=5", "rollout.temperature=0.7",
+                                                               "trainer.run_dir=/tmp/x", "trainer.resume=true"])
+    assert cfg.trainer.steps == 5
+    assert cfg.rollout.temperature == 0.7
+    assert cfg.trainer.run_dir == "/tmp/x"
+    assert cfg.trainer.resume is True
+    assert cfg.parallel.tensor_model_parallel_size == 2
+    validate(cfg, TINY_ARCH, device="cpu")
+
+
+@pytest.mark.parametrize("override, key", [
+    ("trainer.stepz=3", "trainer.stepz"),
+    ("nosection.x=1", "nosection"),
+    ("trainer.steps=abc", "trainer.steps"),
+    ("trainer.steps=1.5", "trainer.steps"),
+    ("trainer.resume=maybe", "trainer.resume"),
+])
+def test_bad_override_names_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_unknown_yaml_key_names_file_and_key(tmp_path):
+    f = tmp_path / "r.yaml"
+    f.write_text("trainer:\n  steps: 3\n  lr: 0.1\n")
+    with pytest.raises(ConfigError, match=r"trainer\.lr.*r\.yaml"):
+        load_config(f)
+
+
+def test_wrong_type_in_yaml(tmp_path):
+    f = tmp_path / "r.yaml"
+    f.write_text("data:\n  prompts_per_step: eight\n")
+    with pytest.raises(ConfigError, match=r"data\.prompts_per_step"):
+        load_config(f)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["parallel.tensor_model_parallel_size=3"], "tensor_model_parallel_size"),
+    (["parallel.tensor_model_parallel_size=4"], "KV groups"),
+    (["parallel.pipeline_model_parallel_size=3"], "pipeline_model_parallel_size"),
+    (["rollout.max_new_tokens=2000"], "max_position_embeddings"),
+])
+def test_impossible_layout_against_architecture(overrides, key):
+    cfg = load_config(None, overrides)
+    with pytest.raises(ConfigError, match=key):
+        validate(cfg, TINY_ARCH, device="cpu")
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["parallel.context_parallel_size=2"], "context_parallel_size"),
+    (["parallel.sequence_parallel=true"], "sequence_parallel"),
+    (["model.dtype=bfloat16"], "model.dtype"),
+    (["algorithm.loss_agg=mean"], "algorithm.loss_agg"),
+    (["rollout.top_p=0"], "rollout.top_p"),
+    (["data.prompts_per_step=0"], "data.prompts_per_step"),
+    (["data.format=custom"], "data.prompt_key"),
+    (["parallel.data_parallel_size=8", "cluster.num_cpus=2"], "cluster.num_cpus"),
+])
+def test_cpu_refusals(overrides, key):
+    cfg = load_config(None, overrides)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        validate(cfg, device="cpu")
+
+
+def test_gpu_count_checked():
+    cfg = load_config(None, ["parallel.tensor_model_parallel_size=4", "parallel.data_parallel_size=4",
+                             "cluster.gpus_per_node=8", "cluster.num_nodes=1"])
+    with pytest.raises(ConfigError, match="exceeds"):
+        validate(cfg, device="cuda")
+    cfg.cluster.num_nodes = 2
+    validate(cfg, device="cuda")
+
+
+def test_cp_accepted_on_gpu_config():
+    cfg = load_config(None, ["parallel.context_parallel_size=2", "parallel.tensor_model_parallel_size=2"])
+    validate(cfg, device="cuda")
+
+
+def test_every_field_has_a_docstring():
+    import ast
+    import inspect
+
+    import megatron_rl.config as mod
+
+    tree = ast.parse(inspect.getsource(mod))
+    missing = []
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            body = node.body
+            for i, stmt in enumerate(body):
+                if isinstance(stmt, ast.AnnAssign):
+                    nxt = body[i + 1] if i + 1 < len(body) else None
+                    if not (isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                            and isinstance(nxt.value.value, str)):
+                        missing.append(f"{node.name}.{stmt.target.id}")
+    assert not missing, f"fields without a docstring: {missing}"
+
+
+def test_defaults_are_valid():
+    validate(RunConfig(), TINY_ARCH, device="cpu")
