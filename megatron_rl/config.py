@@ -14,9 +14,6 @@ class ModelConfig:
     hf_path: str = "artifacts/tiny-qwen2.5"
     """Directory with a Hugging Face Qwen2/Qwen2.5 checkpoint (config.json, safetensors,
     tokenizer). The policy and the reference model start from it."""
-    megatron_checkpoint: str = ""
-    """Optional Megatron checkpoint directory to load the policy from instead of ``hf_path``'s
-    weights (the architecture still comes from ``hf_path``'s config.json)."""
     dtype: str = "float32"
     """Training parameter dtype: 'float32' or 'bfloat16' (bf16 needs a GPU)."""
     use_reference_model: bool = False

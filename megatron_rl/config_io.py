@@ -42,6 +42,11 @@ def _coerce(value: Any, typ: Any, key: str, from_string: bool) -> Any:
     elif typ is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads '1e-5' (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
     elif typ is str:
         if isinstance(value, str):
             return value

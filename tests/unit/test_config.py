@@ -112,3 +112,12 @@ def test_every_field_has_a_docstring():
 
 def test_defaults_are_valid():
     validate(RunConfig(), TINY_ARCH, device="cpu")
+
+
+def test_exponent_floats_without_dot(tmp_path):
+    f = tmp_path / "r.yaml"
+    f.write_text("optimizer:\n  lr: 1e-5\n")
+    assert load_config(f).optimizer.lr == 1e-5
+    assert load_config(None, ["optimizer.lr=3e-4"]).optimizer.lr == 3e-4
+    with pytest.raises(ConfigError, match=r"optimizer\.lr"):
+        load_config(None, ["optimizer.lr=fast"])

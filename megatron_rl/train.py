@@ -1,0 +1,111 @@
+"""Entry point: ``python -m megatron_rl.train --config recipe.yaml [section.key=value ...]``.
+
+Validates the whole configuration before any process starts, then places the trainer ranks,
+rollout engines and reward workers with Ray and runs the loop.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from megatron_rl.config import RunConfig
+from megatron_rl.config_io import (ConfigError, config_to_dict, load_config, read_hf_architecture, resolve_device,
+                                   validate)
+
+log = logging.getLogger("megatron_rl")
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[RunConfig, str]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML recipe (e.g. examples/qwen2.5/tiny_cpu.yaml)")
+    parser.add_argument("--scheduler", default="baseline", choices=available_schedulers(),
+                        help="rollout scheduler (baseline: veRL-style P0 x R0, wait for all)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.steps=5")
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    return cfg, args.scheduler
+
+
+def available_schedulers() -> list[str]:
+    return ["baseline"]
+
+
+def make_scheduler(name: str, cfg: RunConfig):
+    from megatron_rl.baseline import BaselineScheduler
+
+    return BaselineScheduler()
+
+
+def build_and_run(cfg: RunConfig, scheduler_name: str = "baseline") -> list[dict]:
+    """Validate, place every process, run the loop, tear down. Returns per-step metrics."""
+    device = resolve_device(cfg)
+    arch = read_hf_architecture(cfg.model.hf_path)
+    if arch is None:
+        raise ConfigError(f"model.hf_path: no config.json in {cfg.model.hf_path} "
+                          "(build the tiny model with tools/make_tiny_model.py --out DIR)")
+    validate(cfg, arch, device)
+    if cfg.algorithm.kl_coef > 0:
+        cfg.model.use_reference_model = True
+    run_dir = Path(cfg.trainer.run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
+
+    import ray
+    from transformers import AutoTokenizer
+
+    from megatron_rl.data.datasets import load_prompts
+    from megatron_rl.distributed.cluster import engine_actor_options, free_port, start_ray, trainer_actor_options
+    from megatron_rl.reward.workers import RewardPool
+    from megatron_rl.rollout.ray_engine import create_engine_client
+    from megatron_rl.rollout.weight_sync import default_sync_dir
+    from megatron_rl.trainer import TrainerParts, run_trainer
+    from megatron_rl.training.policy_group import PolicyGroup
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
+    train_prompts = load_prompts(cfg.data, tokenizer, split="train")
+    eval_prompts = load_prompts(cfg.data, tokenizer, split="eval") if cfg.data.eval_every else []
+    log.info("data: %d train prompts, %d eval prompts", len(train_prompts), len(eval_prompts))
+
+    start_ray(cfg, run_dir, device)
+    policy = engine = rewards = None
+    try:
+        port = cfg.cluster.master_port or free_port()
+        policy = PolicyGroup(cfg, device, trainer_actor_options(cfg, device), port)
+        engine = create_engine_client(cfg, cfg.model.hf_path, engine_actor_options(cfg, device))
+        rewards = RewardPool.from_run_config(cfg)
+        policy.load_hf(cfg.model.hf_path)
+        sync_dir = cfg.rollout.weight_sync_dir or default_sync_dir(run_dir)
+        parts = TrainerParts(cfg=cfg, policy=policy, engine=engine, rewards=rewards, train_prompts=train_prompts,
+                             eval_prompts=eval_prompts, scheduler=make_scheduler(scheduler_name, cfg),
+                             weight_sync_dir=str(sync_dir))
+        return run_trainer(parts)
+    finally:
+        for part in (rewards, engine, policy):
+            if part is not None:
+                try:
+                    result = part.shutdown()
+                    if asyncio.iscoroutine(result):  # the engine contract's shutdown is async
+                        asyncio.run(result)
+                except Exception as exc:  # teardown must not hide the real error
+                    log.warning("shutdown of %s failed: %s", type(part).__name__, exc)
+        ray.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg, scheduler = parse_args(argv)
+        build_and_run(cfg, scheduler)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""The synchronous on-policy RL loop, top to bottom.
+
+    rollout (scheduler hook) -> rewards (already scored as responses finished) -> shaping,
+    filtering, advantages -> old/ref logprobs -> Megatron train step -> weight sync -> metrics,
+    validation, checkpoint.
+
+The loop owns no scheduling policy: ``scheduler`` (baseline or RollPacker's tail batching) picks
+prompts and decides when a step's rollout is done; ``hooks`` observe groups as they complete.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+
+from megatron_rl import evaluation
+from megatron_rl.algorithms.advantages import compute_advantages
+from megatron_rl.algorithms.filters import filter_zero_variance
+from megatron_rl.checkpoint import CheckpointManager
+from megatron_rl.config import RunConfig
+from megatron_rl.data.cursor import PromptCursor
+from megatron_rl.hooks import RolloutBatch, RolloutContext, RolloutScheduler, StepHook
+from megatron_rl.metrics import MetricsLogger, PhaseTimer, length_stats, occupancy
+from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.sample import Prompt, Sample
+from megatron_rl.training.policy_group import PolicyGroup
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainerParts:
+    """Everything the loop drives; built by ``megatron_rl.train`` (or a test)."""
+
+    cfg: RunConfig
+    policy: PolicyGroup
+    engine: RolloutEngine
+    rewards: "object"  # megatron_rl.reward.workers.RewardPool (async score / cancel)
+    train_prompts: list[Prompt]
+    eval_prompts: list[Prompt]
+    scheduler: RolloutScheduler
+    hooks: list[StepHook] = field(default_factory=list)
+    weight_sync_dir: str = ""
+
+
+class Trainer:
+    def __init__(self, parts: TrainerParts):
+        self.p = parts
+        self.cfg = parts.cfg
+        self.cursor = PromptCursor(len(parts.train_prompts), seed=self.cfg.trainer.seed, shuffle=self.cfg.data.shuffle)
+        self.checkpoints = CheckpointManager(self.cfg.trainer.run_dir, keep=self.cfg.trainer.keep_checkpoints,
+                                             config_dict=dataclasses.asdict(self.cfg))
+        self.version = 0  # policy version == number of optimizer steps taken == step index
+        self.start_step = 0
+
+    # ---------------------------------------------------------------- the loop
+    async def run(self) -> list[dict]:
+        cfg = self.cfg
+        self._resume_if_asked()
+        metrics_log = MetricsLogger(cfg.trainer.run_dir, cfg.trainer, start_step=self.start_step,
+                                    total_steps=cfg.trainer.steps)
+        history = []
+        try:
+            if self.start_step > 0:
+                await self._sync_weights()  # the engine started from HF weights; bring it to the checkpoint
+            # Validation before training goes into the first step's record (val/policy_version = 0).
+            initial_val = await self._validate() if cfg.data.eval_every and self.start_step == 0 else {}
+            for step in range(self.start_step, cfg.trainer.steps):
+                metrics = await self._step(step)
+                metrics.update(initial_val)
+                initial_val = {}
+                if cfg.data.eval_every and ((step + 1) % cfg.data.eval_every == 0 or step + 1 == cfg.trainer.steps):
+                    metrics.update(await self._validate())
+                if self._should_save(step):
+                    self._save(step + 1)
+                metrics_log.log(step, metrics)
+                for hook in self.p.hooks:
+                    hook.on_step_end(step, metrics)
+                history.append(metrics)
+        finally:
+            metrics_log.close()
+        return history
+
+    async def _step(self, step: int) -> dict:
+        timer = PhaseTimer()
+        step_start = time.monotonic()
+        with timer("rollout"):
+            batch = await self.p.scheduler.next_batch(self._context(step))
+        for hook in self.p.hooks:
+            hook.on_batch_ready(step, batch)
+        samples, prep_metrics = self._prepare(batch)
+        self._check_on_policy(samples)
+        with timer("logprob"):
+            if samples:
+                self._set_logprobs(samples)
+        with timer("train"):
+            train_metrics = self.p.policy.train_step(samples) if samples else {}
+        self.version += 1
+        with timer("weight_sync"):
+            await self._sync_weights()
+        elapsed = time.monotonic() - step_start
+        metrics = self._step_metrics(step, batch, samples, timer, elapsed)
+        metrics.update(prep_metrics)
+        metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
+        self._record_trained_prompts(step, batch)
+        return metrics
+
+    # ---------------------------------------------------------------- pieces
+    def _context(self, step: int) -> RolloutContext:
+        def on_group_complete(group: list[Sample]) -> None:
+            for hook in self.p.hooks:
+                hook.on_group_complete(step, group)
+
+        return RolloutContext(
+            cfg=self.cfg, engine=self.p.engine, score=self.p.rewards.score, cancel_scores=self.p.rewards.cancel_samples,
+            next_prompts=self._next_prompts, policy_version=self.version, step=step,
+            on_group_complete=on_group_complete,
+        )
+
+    def _next_prompts(self, n: int) -> list[Prompt]:
+        return [self.p.train_prompts[i] for i in self.cursor.take(n)]
+
+    def _prepare(self, batch: RolloutBatch) -> tuple[list[Sample], dict]:
+        """Reward shaping, zero-variance filter, advantages. Returns the samples to train on."""
+        # Overlong shaping already happened in the reward workers (reward = shaped, raw_reward = rule).
+        alg = self.cfg.algorithm
+        groups = batch.groups
+        metrics: dict[str, float] = {}
+        if alg.filter_zero_variance:
+            result = filter_zero_variance(groups)
+            groups = result.kept
+            metrics["batch/groups_filtered"] = float(result.num_filtered)
+        samples = [s for g in groups for s in g]
+        compute_advantages(samples, kind=alg.advantage)
+        metrics["batch/groups_trained"] = float(len(groups))
+        return samples, metrics
+
+    def _check_on_policy(self, samples: list[Sample]) -> None:
+        stale = [s.request_id for s in samples if s.policy_version != self.version]
+        if stale:
+            raise RuntimeError(f"{len(stale)} samples were not generated by the current policy version "
+                               f"{self.version} (e.g. {stale[:3]}): training would be off-policy")
+
+    def _set_logprobs(self, samples: list[Sample]) -> None:
+        old = self.p.policy.compute_logprobs(samples, "policy")
+        for s, lp in zip(samples, old):
+            if len(lp) != len(s.response_ids):
+                raise RuntimeError(f"trainer returned {len(lp)} logprobs for {len(s.response_ids)} tokens "
+                                   f"of {s.request_id}")
+            s.old_logprobs = lp
+        if self.cfg.algorithm.kl_coef > 0:
+            ref = self.p.policy.compute_logprobs(samples, "reference")
+            for s, lp in zip(samples, ref):
+                s.ref_logprobs = lp
+
+    async def _sync_weights(self) -> None:
+        """Trainer shards -> HF names -> safetensors -> engine reload, tagged with the version."""
+        self.p.policy.write_hf_weights(self.p.weight_sync_dir)
+        await self.p.engine.reload_weights(self.p.weight_sync_dir, self.version)
+
+    async def _validate(self) -> dict:
+        return await evaluation.validate(self.cfg, self.p.engine, self.p.rewards, self.p.eval_prompts,
+                                         policy_version=self.version)
+
+    # ---------------------------------------------------------------- metrics
+    def _step_metrics(self, step: int, batch: RolloutBatch, trained: list[Sample], timer: PhaseTimer,
+                      elapsed: float) -> dict:
+        samples = batch.samples
+        lengths = [len(s.response_ids) for s in samples]
+        rewards = [s.reward for s in samples]
+        last_finish = max((s.timings.get("finished", 0.0) for s in samples), default=batch.rollout_window[1])
+        phases = timer.as_dict()
+        # Rewards are computed while generation runs; only the wait after the last response counts.
+        reward_tail = max(0.0, batch.rollout_window[1] - last_finish) if samples else 0.0
+        phases["rollout"] = max(0.0, phases.get("rollout", 0.0) - reward_tail)
+        phases["reward"] = reward_tail
+        capacity = self.cfg.rollout.max_num_seqs * self.cfg.rollout.num_engines
+        m = {
+            "step": step,
+            "policy_version": self.version,
+            "round_type": batch.round_type,
+            "time/step": elapsed,
+            **{f"time/{k}": v for k, v in phases.items()},
+            "reward/mean": sum(rewards) / max(1, len(rewards)),
+            "reward/accuracy": sum(bool(s.correct) for s in samples) / max(1, len(samples)),
+            "rollout/tokens_per_s": sum(lengths) / max(1e-9, phases["rollout"]),
+            "rollout/engine_occupancy": occupancy(batch.request_intervals, capacity, batch.rollout_window),
+            "rollout/truncated_fraction": sum(s.finish_reason == "length" for s in samples) / max(1, len(samples)),
+            "batch/samples_trained": float(len(trained)),
+        }
+        m.update({f"response_length/{k}": v for k, v in length_stats(lengths).items()})
+        # Trainer vs engine logprobs of the same tokens: catches stale or mis-mapped weight syncs.
+        diffs = [abs(a - b) for s in trained if s.engine_logprobs for a, b in zip(s.old_logprobs, s.engine_logprobs)]
+        if diffs:
+            m["rollout/logprob_abs_diff_max"] = max(diffs)
+            m["rollout/logprob_abs_diff_mean"] = sum(diffs) / len(diffs)
+        m.update(batch.metrics)
+        return m
+
+    def _record_trained_prompts(self, step: int, batch: RolloutBatch) -> None:
+        self.trained_log.append(step, [g[0].prompt.prompt_id for g in batch.groups])
+
+    # ---------------------------------------------------------------- checkpoints
+    def _should_save(self, step: int) -> bool:
+        every = self.cfg.trainer.save_every
+        return step + 1 == self.cfg.trainer.steps or (every > 0 and (step + 1) % every == 0)
+
+    def _save(self, next_step: int) -> None:
+        tmp = self.checkpoints.begin(next_step)
+        self.p.policy.save_checkpoint(str(tmp))
+        state = {"next_step": next_step, "version": self.version, "cursor": self.cursor.state_dict(),
+                 "scheduler": self.p.scheduler.state_dict()}
+        self.checkpoints.commit(next_step, tmp, driver_state=state)
+
+    def _resume_if_asked(self) -> None:
+        from megatron_rl.trained_log import TrainedPromptLog
+
+        self.trained_log = TrainedPromptLog(self.cfg.trainer.run_dir)
+        if not self.cfg.trainer.resume:
+            self.trained_log.truncate(0)
+            return
+        path = self.checkpoints.latest()
+        if path is None:
+            log.warning("trainer.resume=true but no checkpoint in %s/checkpoints: starting from step 0",
+                        self.cfg.trainer.run_dir)
+            self.trained_log.truncate(0)
+            return
+        state = self.checkpoints.load_driver_state(path)
+        self.p.policy.load_checkpoint(str(path))
+        self.cursor.load_state_dict(state["cursor"])
+        self.p.scheduler.load_state_dict(state["scheduler"])
+        self.start_step = int(state["next_step"])
+        self.version = int(state["version"])
+        self.trained_log.truncate(self.start_step)
+        log.info("resumed from %s at step %d", path, self.start_step)
+
+
+def run_trainer(parts: TrainerParts) -> list[dict]:
+    return asyncio.run(Trainer(parts).run())

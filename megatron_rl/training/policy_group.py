@@ -1,0 +1,121 @@
+"""Driver-side handle on the trainer ranks (Megatron workers hosted in Ray actors).
+
+Every call goes to all ranks (SPMD: a collective called on only some ranks of a gloo group hangs)
+and every ray.get has a timeout, so a dead rank is an error rather than a silent hang.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import ray
+
+from megatron_rl.config import RunConfig
+from megatron_rl.sample import Sample
+
+CALL_TIMEOUT_S = float(os.environ.get("MEGATRON_RL_CALL_TIMEOUT_S", "1800"))
+
+
+class TrainerRank:
+    """Ray actor body: one Megatron rank. Heavy imports happen here, not on the driver."""
+
+    def __init__(self, cfg: RunConfig, rank: int, world_size: int, master_addr: str, master_port: int, device: str):
+        import torch
+
+        if device == "cpu":
+            from megatron_rl.distributed.cpu_shim import apply_cpu_shim
+
+            apply_cpu_shim()
+            torch.set_num_threads(1)
+        from megatron_rl.training.megatron_worker import MegatronWorker
+
+        self.cfg = cfg
+        self.device = device
+        self.worker = MegatronWorker(cfg, rank, world_size, master_addr, master_port)
+
+    def _call(self, name: str, *args, **kwargs):
+        if self.device == "cpu":
+            from megatron_rl.distributed.cpu_shim import cpu_device_mode
+
+            # The device-rewriting mode is thread-local: enter it in the thread running the call.
+            with cpu_device_mode():
+                return getattr(self.worker, name)(*args, **kwargs)
+        return getattr(self.worker, name)(*args, **kwargs)
+
+    def load_hf(self, hf_path: str) -> None:
+        return self._call("load_hf", hf_path)
+
+    def compute_logprobs(self, samples: list[Sample], which: str) -> list[list[float]] | None:
+        return self._call("compute_logprobs", samples, which)
+
+    def train_step(self, samples: list[Sample]) -> dict:
+        from megatron_rl.algorithms.losses import compute_policy_loss
+
+        loss_fn = functools.partial(compute_policy_loss, cfg=self.cfg.algorithm)
+        return self._call("train_step", samples, loss_fn)
+
+    def write_hf_weights(self, directory: str) -> bool:
+        """Gather the HF-named weights; rank 0 writes them as safetensors for the engine."""
+        state = self._call("export_hf_state_dict")
+        if state is None:
+            return False
+        from megatron_rl.rollout.weight_sync import write_hf_weights
+
+        write_hf_weights(state, directory)
+        return True
+
+    def save_checkpoint(self, directory: str) -> None:
+        return self._call("save_checkpoint", directory)
+
+    def load_checkpoint(self, directory: str) -> None:
+        return self._call("load_checkpoint", directory)
+
+    def shutdown(self) -> None:
+        return self._call("shutdown")
+
+
+class PolicyGroup:
+    """All trainer ranks of the run; methods mirror MegatronWorker's and return rank 0's result."""
+
+    def __init__(self, cfg: RunConfig, device: str, actor_options: dict, master_port: int):
+        p = cfg.parallel
+        self.world_size = (p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+                           * p.context_parallel_size * p.data_parallel_size)
+        remote_cls = ray.remote(TrainerRank)
+        master_addr = "127.0.0.1" if cfg.cluster.num_nodes == 1 else ray.util.get_node_ip_address()
+        self.actors = [
+            remote_cls.options(**actor_options, name=None).remote(cfg, rank, self.world_size, master_addr,
+                                                                  master_port, device)
+            for rank in range(self.world_size)
+        ]
+
+    def _all(self, method: str, *args) -> list[Any]:
+        refs = [getattr(a, method).remote(*args) for a in self.actors]
+        return ray.get(refs, timeout=CALL_TIMEOUT_S)
+
+    def load_hf(self, hf_path: str) -> None:
+        self._all("load_hf", hf_path)
+
+    def compute_logprobs(self, samples: list[Sample], which: str = "policy") -> list[list[float]]:
+        return self._all("compute_logprobs", samples, which)[0]
+
+    def train_step(self, samples: list[Sample]) -> dict:
+        return self._all("train_step", samples)[0]
+
+    def write_hf_weights(self, directory: str) -> None:
+        if not any(self._all("write_hf_weights", directory)):
+            raise RuntimeError("no trainer rank wrote the HF weights for the engine")
+
+    def save_checkpoint(self, directory: str) -> None:
+        self._all("save_checkpoint", directory)
+
+    def load_checkpoint(self, directory: str) -> None:
+        self._all("load_checkpoint", directory)
+
+    def shutdown(self) -> None:
+        try:
+            self._all("shutdown")
+        finally:
+            for a in self.actors:
+                ray.kill(a)

@@ -1,0 +1,77 @@
+"""Print the configuration reference (every section and field with its default and docstring)
+as Markdown, straight from megatron_rl/config.py, so the README cannot drift from the code.
+
+    python tools/config_reference.py            # print
+    python tools/config_reference.py --check README.md   # exit 1 if README's copy is stale
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import megatron_rl.config as config_module  # noqa: E402
+from megatron_rl.config import RunConfig  # noqa: E402
+
+BEGIN, END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
+
+
+def field_docs() -> dict[str, dict[str, str]]:
+    """{class name: {field: docstring}} read from the source (dataclass fields keep no docs)."""
+    tree = ast.parse(inspect.getsource(config_module))
+    docs: dict[str, dict[str, str]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            body, fields = node.body, {}
+            for i, stmt in enumerate(body[:-1]):
+                nxt = body[i + 1]
+                if isinstance(stmt, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                    fields[stmt.target.id] = " ".join(str(nxt.value.value).split())
+            docs[node.name] = fields
+    return docs
+
+
+def render() -> str:
+    docs = field_docs()
+    root = RunConfig()
+    lines = []
+    for section in dataclasses.fields(RunConfig):
+        obj = getattr(root, section.name)
+        cls = type(obj)
+        lines += [f"**`{section.name}`**: {docs['RunConfig'][section.name]}", "",
+                  "| key | default | meaning |", "| --- | --- | --- |"]
+        for f in dataclasses.fields(cls):
+            default = getattr(obj, f.name)
+            text = docs[cls.__name__][f.name].replace("|", "\\|")
+            lines.append(f"| `{section.name}.{f.name}` | `{default!r}` | {text} |")
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", metavar="README", help="fail if the README's reference block differs")
+    args = parser.parse_args()
+    text = render()
+    if not args.check:
+        print(text, end="")
+        return 0
+    readme = Path(args.check).read_text()
+    if BEGIN not in readme or END not in readme:
+        print(f"{args.check}: no {BEGIN} ... {END} block", file=sys.stderr)
+        return 1
+    current = readme.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n") + "\n"
+    if current != text:
+        print(f"{args.check}: the config reference is stale; regenerate with tools/config_reference.py",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
