@@ -119,17 +119,69 @@ class DataConfig:
 
 
 @dataclass
+class SchedulerConfig:
+    name: str = "baseline"
+    """Rollout scheduler: 'baseline' (veRL-style: P0 prompts x R0 responses, wait for all) or
+    'tail_batching' (RollPacker: speculative short rounds, a long-prompt queue, long rounds)."""
+    eta_prompts: float = 1.25
+    """eta_P (tail batching): a short round launches ceil(eta_P x P0) prompts; the first P0 that
+    complete form the batch. 1.0 disables prompt over-provisioning."""
+    eta_responses: float = 1.25
+    """eta_R (tail batching): each short-round prompt gets ceil(eta_R x R0) responses; the first R0
+    that finish are kept. 1.0 disables response over-provisioning (no length bias)."""
+    max_refills: int = 4
+    """DAPO mode (algorithm.filter_zero_variance): most extra launches per step to replace filtered
+    groups before the step fails with a clear error."""
+
+
+@dataclass
 class RewardConfig:
     kind: str = "math"
-    """Reward function: 'math' (math-verify on \\boxed{} or '####' answers)."""
+    """Reward function: 'math' (math-verify on \\boxed{} or '####' answers), 'code' (the
+    response's last fenced code block run against the prompt's tests in the sandbox), 'mixed'
+    (per prompt by ``Prompt.metadata['format']``: code formats such as 'kodcode' go to the code
+    reward, the rest to math) or 'judge' (an LLM judge, see ``judge_model``)."""
     timeout_s: float = 2.0
-    """Per-response reward timeout; a timed-out response scores ``timeout_reward``."""
+    """Per-response timeout of the math reward; a timed-out response scores ``timeout_reward``."""
     timeout_reward: float = 0.0
     """Reward given when scoring times out or fails."""
     num_workers: int = 1
     """Ray reward workers (separate processes from the trainer)."""
     worker_num_cpus: float = 0.25
     """Logical CPUs reserved per reward worker (fractional keeps placement possible)."""
+    min_workers: int = 0
+    """Fewest reward workers when autoscaling; 0 means ``num_workers``."""
+    max_workers: int = 0
+    """Most reward workers when autoscaling; 0 means ``num_workers`` (no autoscaling). The pool
+    starts with ``num_workers`` and grows/shrinks within [min_workers, max_workers]."""
+    scale_up_queue_per_worker: float = 2.0
+    """Add a worker when responses in flight per worker exceed this."""
+    scale_up_wait_s: float = 1.0
+    """Add a worker when the recent mean reward queue wait exceeds this many seconds."""
+    scale_down_idle_s: float = 60.0
+    """Remove a worker that has been idle this long (keep it above a training phase's length)."""
+    adaptive_timeout: bool = True
+    """Code reward timeout per problem: min(max(code_timeout_min_s, code_timeout_scale x slowest
+    correct run), code_timeout_max_s); off uses code_timeout_max_s for every response."""
+    code_timeout_scale: float = 1.5
+    """lambda of the adaptive code timeout."""
+    code_timeout_min_s: float = 2.0
+    """T_min of the adaptive code timeout (seconds)."""
+    code_timeout_max_s: float = 30.0
+    """T_max of the adaptive code timeout, and the timeout of problems with no anchor yet."""
+    sandbox_isolation: str = "auto"
+    """Code sandbox isolation: 'auto' (network/PID namespaces via unshare when available, else
+    the in-interpreter audit hook alone), 'namespaces' (require them) or 'audit'."""
+    sandbox_memory_mb: int = 1024
+    """Address-space limit of a sandboxed program in MiB."""
+    judge_model: str = ""
+    """Hugging Face directory of the judge model for kind 'judge' (served by a second vLLM engine)."""
+    judge_max_new_tokens: int = 16
+    """Token budget of a judge reply (it only has to say YES or NO)."""
+    judge_max_prompt_tokens: int = 1024
+    """Longest judge prompt; longer responses are cut from the left to fit."""
+    judge_template: str = ""
+    """Judge instruction with {question}, {reference} and {response}; empty uses the built-in one."""
 
 
 @dataclass
@@ -212,6 +264,8 @@ class RunConfig:
     """Where processes run."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Generation engines."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """Which rollout scheduler fills each step's batch (baseline or RollPacker tail batching)."""
     data: DataConfig = field(default_factory=DataConfig)
     """Prompts for training and validation."""
     reward: RewardConfig = field(default_factory=RewardConfig)

@@ -152,7 +152,17 @@ def validate(cfg: RunConfig, arch: dict | None = None, device: str | None = None
     _choice(cfg.model.transformer_impl, ("auto", "local", "transformer_engine"), "model.transformer_impl")
     _choice(cfg.cluster.device, ("auto", "cpu", "cuda"), "cluster.device")
     _choice(cfg.rollout.backend, ("vllm",), "rollout.backend")
-    _choice(cfg.reward.kind, ("math",), "reward.kind")
+    _choice(cfg.reward.kind, ("math", "code", "mixed", "judge"), "reward.kind")
+    _choice(cfg.reward.sandbox_isolation, ("auto", "namespaces", "audit"), "reward.sandbox_isolation")
+    if cfg.reward.kind == "judge" and not cfg.reward.judge_model:
+        raise ConfigError("reward.judge_model is required when reward.kind is 'judge'")
+    _validate_reward_scaling(cfg)
+    _choice(cfg.scheduler.name, ("baseline", "tail_batching"), "scheduler.name")
+    for key in ("eta_prompts", "eta_responses"):
+        if getattr(cfg.scheduler, key) < 1.0:
+            raise ConfigError(f"scheduler.{key}: must be >= 1.0 (over-provisioning factor), "
+                              f"got {getattr(cfg.scheduler, key)}")
+    _positive(cfg.scheduler.max_refills, "scheduler.max_refills", allow_zero=True)
     _choice(cfg.algorithm.advantage, ("grpo", "drgrpo"), "algorithm.advantage")
     _choice(cfg.algorithm.loss_agg, ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"), "algorithm.loss_agg")
     _choice(cfg.algorithm.kl_type, ("k1", "k3"), "algorithm.kl_type")
@@ -208,7 +218,8 @@ def validate(cfg: RunConfig, arch: dict | None = None, device: str | None = None
             raise ConfigError("model.transformer_impl 'transformer_engine' needs a GPU; use 'auto' or 'local'")
         cpus = cfg.cluster.num_cpus or os.cpu_count() or 1
         # Each trainer rank and each engine needs one whole logical CPU; reward workers share.
-        need = _world_size(cfg) + cfg.rollout.num_engines + cfg.reward.num_workers * cfg.reward.worker_num_cpus
+        need = (_world_size(cfg) + cfg.rollout.num_engines
+                + max(cfg.reward.num_workers, cfg.reward.max_workers) * cfg.reward.worker_num_cpus)
         if need > cpus * 4:
             raise ConfigError(f"cluster.num_cpus: layout needs {need:g} logical CPUs (trainer ranks + engines + "
                               f"reward workers) but only {cpus} CPUs are available (oversubscription capped at 4x)")
@@ -227,6 +238,19 @@ def validate(cfg: RunConfig, arch: dict | None = None, device: str | None = None
                               f"({cfg.cluster.gpus_per_node} GPUs)")
     if arch is not None:
         validate_against_architecture(cfg, arch)
+
+
+def _validate_reward_scaling(cfg: RunConfig) -> None:
+    r = cfg.reward
+    low, high = r.min_workers or r.num_workers, r.max_workers or r.num_workers
+    if not low <= r.num_workers <= high:
+        raise ConfigError(f"reward.num_workers={r.num_workers} must lie within reward.min_workers..reward.max_workers "
+                          f"({low}..{high}; 0 means num_workers)")
+    for key in ("code_timeout_scale", "code_timeout_min_s", "scale_up_queue_per_worker", "sandbox_memory_mb",
+                "judge_max_new_tokens", "judge_max_prompt_tokens"):
+        _positive(getattr(r, key), f"reward.{key}")
+    if r.code_timeout_max_s < r.code_timeout_min_s:
+        raise ConfigError("reward.code_timeout_max_s must be >= reward.code_timeout_min_s")
 
 
 def _world_size(cfg: RunConfig) -> int:

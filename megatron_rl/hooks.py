@@ -58,6 +58,8 @@ class RolloutBatch:
     """(submit, finish) times of every request of the round, aborted ones included (occupancy)."""
     rollout_window: tuple[float, float] = (0.0, 0.0)
     """Start and end of the rollout phase (time.monotonic())."""
+    filtered_prompt_ids: list[str] = field(default_factory=list)
+    """Prompts deliberately dropped this step (DAPO zero-variance groups): neither trained nor queued."""
 
     @property
     def samples(self) -> list[Sample]:

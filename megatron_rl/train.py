@@ -20,28 +20,26 @@ from megatron_rl.config_io import (ConfigError, config_to_dict, load_config, rea
 log = logging.getLogger("megatron_rl")
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[RunConfig, str]:
+def parse_args(argv: list[str] | None = None) -> RunConfig:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML recipe (e.g. examples/qwen2.5/tiny_cpu.yaml)")
-    parser.add_argument("--scheduler", default="baseline", choices=available_schedulers(),
-                        help="rollout scheduler (baseline: veRL-style P0 x R0, wait for all)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.steps=5")
     args = parser.parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
-    return cfg, args.scheduler
+    return load_config(args.config, args.overrides)
 
 
-def available_schedulers() -> list[str]:
-    return ["baseline"]
+def make_scheduler(cfg: RunConfig):
+    """The rollout scheduler named by scheduler.name (RollPacker's is imported only when chosen)."""
+    if cfg.scheduler.name == "tail_batching":
+        from rollpacker.tail_batching import TailBatchingScheduler
 
-
-def make_scheduler(name: str, cfg: RunConfig):
+        return TailBatchingScheduler()
     from megatron_rl.baseline import BaselineScheduler
 
     return BaselineScheduler()
 
 
-def build_and_run(cfg: RunConfig, scheduler_name: str = "baseline") -> list[dict]:
+def build_and_run(cfg: RunConfig) -> list[dict]:
     """Validate, place every process, run the loop, tear down. Returns per-step metrics."""
     device = resolve_device(cfg)
     arch = read_hf_architecture(cfg.model.hf_path)
@@ -81,7 +79,7 @@ def build_and_run(cfg: RunConfig, scheduler_name: str = "baseline") -> list[dict
         policy.load_hf(cfg.model.hf_path)
         sync_dir = cfg.rollout.weight_sync_dir or default_sync_dir(run_dir)
         parts = TrainerParts(cfg=cfg, policy=policy, engine=engine, rewards=rewards, train_prompts=train_prompts,
-                             eval_prompts=eval_prompts, scheduler=make_scheduler(scheduler_name, cfg),
+                             eval_prompts=eval_prompts, scheduler=make_scheduler(cfg),
                              weight_sync_dir=str(sync_dir))
         return run_trainer(parts)
     finally:
@@ -97,12 +95,16 @@ def build_and_run(cfg: RunConfig, scheduler_name: str = "baseline") -> list[dict
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatron_rl.data.datasets import DatasetError
+
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        cfg, scheduler = parse_args(argv)
-        build_and_run(cfg, scheduler)
+        build_and_run(parse_args(argv))
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    except DatasetError as exc:
+        print(f"data error: {exc}", file=sys.stderr)
         return 2
     return 0
 

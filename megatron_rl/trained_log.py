@@ -16,9 +16,10 @@ class TrainedPromptLog:
         self.path = Path(run_dir) / "trained_prompts.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
-    def append(self, step: int, prompt_ids: list[str]) -> None:
+    def append(self, step: int, prompt_ids: list[str], filtered_ids: list[str] = ()) -> None:
+        """Record the prompts trained at ``step`` and those deliberately filtered (DAPO)."""
         with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, "prompt_ids": prompt_ids}) + "\n")
+            f.write(json.dumps({"step": step, "prompt_ids": prompt_ids, "filtered_ids": list(filtered_ids)}) + "\n")
             f.flush()
             os.fsync(f.fileno())
 

@@ -104,7 +104,7 @@ class Trainer:
         metrics = self._step_metrics(step, batch, samples, timer, elapsed)
         metrics.update(prep_metrics)
         metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
-        self._record_trained_prompts(step, batch)
+        self._record_trained_prompts(step, batch, samples)
         return metrics
 
     # ---------------------------------------------------------------- pieces
@@ -196,11 +196,20 @@ class Trainer:
         if diffs:
             m["rollout/logprob_abs_diff_max"] = max(diffs)
             m["rollout/logprob_abs_diff_mean"] = sum(diffs) / len(diffs)
+        # Short and long rounds are bimodal: also report step time and lengths per round type.
+        rt = batch.round_type
+        m[f"round/{rt}/time_step"] = elapsed
+        m[f"round/{rt}/time_rollout"] = phases["rollout"]
+        m.update({f"round/{rt}/response_length_{k}": v for k, v in length_stats(lengths).items()})
         m.update(batch.metrics)
         return m
 
-    def _record_trained_prompts(self, step: int, batch: RolloutBatch) -> None:
-        self.trained_log.append(step, [g[0].prompt.prompt_id for g in batch.groups])
+    def _record_trained_prompts(self, step: int, batch: RolloutBatch, samples: list[Sample]) -> None:
+        trained = list(dict.fromkeys(s.prompt.prompt_id for s in samples))
+        # Filtered by the scheduler (DAPO refill) or by the loop's zero-variance filter.
+        filtered = list(batch.filtered_prompt_ids) + [g[0].prompt.prompt_id for g in batch.groups
+                                                      if g[0].prompt.prompt_id not in set(trained)]
+        self.trained_log.append(step, trained, filtered)
 
     # ---------------------------------------------------------------- checkpoints
     def _should_save(self, step: int) -> bool:

@@ -30,6 +30,8 @@ class InFlight:
     """request_id -> sample (response not yet finished)."""
     scoring: dict[str, asyncio.Task] = field(default_factory=dict)
     """request_id -> reward task of a finished response."""
+    finished: dict[str, Sample] = field(default_factory=dict)
+    """request_id -> finished (not aborted) response of this round."""
     intervals: list[tuple[float, float]] = field(default_factory=list)
     """(submit, finish) of every finished or aborted request."""
     aborted_tokens: int = 0
@@ -79,6 +81,7 @@ def accept_completion(ctx: RolloutContext, flight: InFlight, done: Completion) -
     sample.finish_reason = done.finish_reason
     sample.policy_version = done.weight_version
     sample.timings["finished"] = done.finish_time or time.monotonic()
+    flight.finished[done.request_id] = sample
     flight.scoring[done.request_id] = asyncio.ensure_future(ctx.score(sample))
     return sample
 
@@ -94,3 +97,16 @@ async def abort_all(ctx: RolloutContext, flight: InFlight) -> None:
         done = await stream.__anext__()
         accept_completion(ctx, flight, done)
 
+
+
+def cancel_scoring(ctx: RolloutContext, flight: InFlight, request_ids: list[str]) -> None:
+    """Stop reward work of finished responses that will not be trained.
+
+    The reward pool is told first (it cancels the remote task), then the local awaiting task.
+    """
+    ids = [rid for rid in request_ids if rid in flight.scoring]
+    ctx.cancel_scores([flight.finished[rid] for rid in ids])
+    for rid in ids:
+        task = flight.scoring.pop(rid)
+        if not task.done():
+            task.cancel()

@@ -102,6 +102,11 @@ class RayEngineClient(RolloutEngine):
         self.poll_wait_s = poll_wait_s
         self.call_timeout_s = call_timeout_s
         self._closed = False
+        # One pump task long-polls the actor and fills a local queue. Readers only ever await
+        # the local queue, so a reader that is cancelled or abandoned (a scheduler that stops
+        # listening once its batch is full) cannot lose a completion the actor already handed out.
+        self._local: asyncio.Queue = asyncio.Queue()
+        self._pump_task: asyncio.Task | None = None
 
     @classmethod
     def create(
@@ -140,14 +145,29 @@ class RayEngineClient(RolloutEngine):
         await self._call("submit", request)
 
     def completions(self) -> AsyncIterator[Completion]:
-        """Completions in finish order, fetched in batches by long-polling ``drain``."""
-        return self._poll()
+        """Completions in finish order, fetched in batches by long-polling ``drain``.
 
-    async def _poll(self) -> AsyncIterator[Completion]:
-        while not self._closed:
-            batch = await self._call("drain", self.poll_wait_s)
-            for completion in batch:
-                yield completion
+        Any number of iterators may be created over the client's life; each item goes to
+        exactly one of them.
+        """
+        return self._read()
+
+    async def _read(self) -> AsyncIterator[Completion]:
+        if self._pump_task is None or self._pump_task.done() and self._local.empty():
+            self._pump_task = asyncio.ensure_future(self._pump())
+        while True:
+            item = await self._local.get()
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+    async def _pump(self) -> None:
+        try:
+            while not self._closed:
+                for completion in await self._call("drain", self.poll_wait_s):
+                    self._local.put_nowait(completion)
+        except Exception as exc:  # surfaces in the reader instead of dying silently
+            self._local.put_nowait(exc)
 
     async def abort(self, request_ids: list[str]) -> None:
         """Abort requests on the actor's engine."""
@@ -168,6 +188,11 @@ class RayEngineClient(RolloutEngine):
         if self._closed:
             return
         self._closed = True
+        if self._pump_task is not None and not self._pump_task.done():
+            try:
+                self._pump_task.cancel()
+            except RuntimeError:  # its event loop is already closed
+                pass
         try:
             await asyncio.wait_for(self.actor.shutdown.remote(), timeout=60.0)
         finally:

@@ -208,6 +208,11 @@ class VLLMEngine(RolloutEngine):
             dtype=dtype or "float32",
             enforce_eager=True,  # no CUDA graphs / torch.compile on CPU
             kv_cache_memory_bytes=int(cfg.cpu_kv_cache_gib * _GIB),
+            # vLLM's CPU path cannot rewind a seeded request's torch.Generator after a partial
+            # (chunked) prefill ("CPU Generator does not use offset") and the engine dies. Whole
+            # prefills only: each step's token budget holds at least one full sequence.
+            enable_chunked_prefill=False,
+            max_num_batched_tokens=max(self.max_model_len, 8192),
         )
 
     def _start(self, seed: int, logprobs_mode: str, dtype: str | None) -> Any:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_rl.checkpoint import CheckpointManager
 from megatron_rl.data.cursor import PromptCursor
 
 pytestmark = pytest.mark.integration
@@ -73,10 +74,15 @@ def test_loop_runs_on_policy_with_engine_parity(tiny_model_dir, tmp_path):
     assert [len(r["prompt_ids"]) for r in trained] == [P0] * 3
 
 
-def test_sigkill_mid_step_then_resume_loses_and_repeats_no_prompt(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("scheduler", ["baseline", "tail_batching"])
+def test_sigkill_mid_step_then_resume_loses_and_repeats_no_prompt(tiny_model_dir, tmp_path, scheduler):
+    """Killed during step 2 (for tail batching: a short round, with prompts in the long-prompt
+    queue); the resumed run trains every prompt the cursor handed out exactly once, or still
+    holds it in the checkpointed queue."""
     run_dir = tmp_path / "run"
-    steps = 5
-    args = _overrides(tiny_model_dir, run_dir, steps, ["trainer.save_every=1", "trainer.keep_checkpoints=5"])
+    steps = 5  # tail batching with eta 1.25: four short rounds, then one long round
+    args = _overrides(tiny_model_dir, run_dir, steps, ["trainer.save_every=1", "trainer.keep_checkpoints=5",
+                                                       f"scheduler.name={scheduler}"])
     proc = _run_train(args, tmp_path / "log1.txt")
     # Kill while step 2 or later is in flight: checkpoint step_000002 exists (steps 0-1 committed).
     deadline = time.monotonic() + 600
@@ -98,10 +104,16 @@ def test_sigkill_mid_step_then_resume_loses_and_repeats_no_prompt(tiny_model_dir
     trained = _read_jsonl(run_dir / "trained_prompts.jsonl")
     assert [r["step"] for r in trained] == list(range(steps))
     got = [pid for r in trained for pid in r["prompt_ids"]]
-    assert len(got) == len(set(got)) == steps * P0, "a prompt was lost or trained twice"
-    # Exactly the order an uninterrupted run takes from the data cursor.
-    cursor = PromptCursor(64, seed=1234, shuffle=True)
-    expected = [f"arith:{i}" for i in cursor.take(steps * P0)]
-    assert got == expected
+    assert len(got) == len(set(got)) == steps * P0, "a prompt was trained twice"
+    final = CheckpointManager.load_driver_state(run_dir / "checkpoints" / f"step_{steps:06d}")
+    queued = [p.prompt_id for p in final["scheduler"].get("queue", [])]
+    handed_out = PromptCursor(64, seed=1234, shuffle=True).take(final["cursor"]["position"])
+    expected = [f"arith:{i}" for i in handed_out]
+    assert sorted(got + queued) == sorted(expected), "a prompt was lost"
+    if scheduler == "baseline":
+        assert got == expected  # the same order as an uninterrupted run
+    else:
+        rounds = [r["round_type"] for r in _read_jsonl(run_dir / "metrics.jsonl")]
+        assert rounds == ["short"] * 4 + ["long"], rounds
     metrics = _read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in metrics] == list(range(steps))

@@ -206,3 +206,14 @@ def test_reload_weights_in_place(engine, loop, hf_model, tiny_model_dir, tmp_pat
     assert again.weight_version == 2
     assert again.token_ids == before.token_ids
     assert again.logprobs == pytest.approx(before.logprobs, abs=1e-5)
+
+
+def test_many_seeded_requests_with_long_prompts_do_not_crash(engine, loop):
+    """Regression: more prompt tokens than one step's default budget (2048) made vLLM chunk a
+    seeded prefill, and its CPU generator cannot rewind ("CPU Generator does not use offset"),
+    which killed the engine. Whole prefills keep it alive."""
+    prompt = list(range(1, 200)) * 2  # 398 tokens
+    requests = [GenerationRequest(f"big-{i}", prompt, max_tokens=4, seed=i) for i in range(12)]
+    got = run(loop, generate(engine, requests), timeout=300)
+    assert sorted(got) == sorted(r.request_id for r in requests)
+    assert all(c.finish_reason in ("stop", "length") and 1 <= len(c.token_ids) <= 4 for c in got.values())

@@ -1,0 +1,1 @@
+"""RollPacker policies (tail batching, planner, reward scheduler, stream trainer) plugged into megatron_rl."""

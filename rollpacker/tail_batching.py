@@ -1,0 +1,247 @@
+"""RollPacker's tail batching as a rollout scheduler (arXiv 2509.21009, section 4).
+
+Short round (speculative execution): launch ceil(eta_P x P0) prompts with ceil(eta_R x R0)
+responses each, one engine request per response. Per prompt the first R0 responses that finish
+are kept; the first P0 prompts to complete form the batch; everything still running is aborted
+at once and pending reward work of discarded responses is cancelled. Prompts that did not
+complete go whole into the long-prompt queue (their partial responses are thrown away).
+
+Long round: when the queue holds >= P0 prompts, the step takes P0 of them with exactly R0
+responses each and waits for all: no over-provisioning, the same token budget.
+
+DAPO mode (``algorithm.filter_zero_variance``): a complete group whose R0 rewards are all equal
+is filtered (it never enters the queue) and the round launches more prompts, at most
+``scheduler.max_refills`` times, until P0 valid groups are in.
+
+Strictly on-policy: every response is generated from scratch by the current weights within the
+step; only the order in which prompts are trained changes. The queue is checkpointed.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from megatron_rl.algorithms.filters import is_zero_variance
+from megatron_rl.hooks import RolloutBatch, RolloutContext, RolloutScheduler
+from megatron_rl.rollout.generate import InFlight, abort_all, accept_completion, cancel_scoring, submit_prompt
+from megatron_rl.sample import Prompt, Sample
+
+
+class RefillLimitError(RuntimeError):
+    """DAPO mode could not fill the batch with valid groups within scheduler.max_refills."""
+
+
+@dataclass
+class _PromptState:
+    prompt: Prompt
+    finished: list[Sample] = field(default_factory=list)
+    """Finished responses in finish order (the first R0 are the kept ones)."""
+    group_task: asyncio.Task | None = None
+    """Awaits the kept responses' rewards once R0 have finished."""
+
+
+@dataclass
+class _RoundLog:
+    """Counters of one step, turned into metrics."""
+
+    prompts_launched: int = 0
+    responses_launched: int = 0
+    refills: int = 0
+    filtered: list[str] = field(default_factory=list)
+    queued: int = 0
+    extra_tokens: int = 0
+    """Tokens of finished responses that were not kept (extra responses, queued prompts)."""
+    finished_lengths: dict[str, list[int]] = field(default_factory=dict)
+    """prompt id -> lengths of every finished response (kept or not): the length-bias monitor."""
+
+
+class TailBatchingScheduler(RolloutScheduler):
+    """Short rounds with speculative over-provisioning, a long-prompt queue and long rounds."""
+
+    name = "tail_batching"
+
+    def __init__(self) -> None:
+        self.queue: deque[Prompt] = deque()
+        """Long-prompt queue: prompts whose short round did not complete (training state)."""
+
+    # ------------------------------------------------------------------ checkpoint state
+    def state_dict(self) -> dict:
+        return {"queue": list(self.queue)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.queue = deque(state.get("queue", []))
+
+    # ------------------------------------------------------------------ one step
+    async def next_batch(self, ctx: RolloutContext) -> RolloutBatch:
+        p0 = ctx.cfg.data.prompts_per_step
+        start = time.monotonic()
+        if len(self.queue) >= p0:
+            round_type = "long"
+            batch_groups, log, flight = await self._long_round(ctx)
+        else:
+            round_type = "short"
+            batch_groups, log, flight = await self._short_round(ctx)
+        end = time.monotonic()
+        for group in batch_groups:
+            for sample in group:
+                sample.round_type = round_type
+        return RolloutBatch(groups=batch_groups, round_type=round_type,
+                            metrics=self._metrics(round_type, batch_groups, log, flight),
+                            request_intervals=flight.intervals, rollout_window=(start, end),
+                            filtered_prompt_ids=log.filtered)
+
+    async def _short_round(self, ctx: RolloutContext):
+        cfg = ctx.cfg
+        p0, r0 = cfg.data.prompts_per_step, cfg.data.responses_per_prompt
+        n_responses = math.ceil(cfg.scheduler.eta_responses * r0)
+        flight, log = InFlight(), _RoundLog()
+        states: dict[str, _PromptState] = {}
+
+        async def launch(num_prompts: int) -> None:
+            for prompt in ctx.next_prompts(num_prompts):
+                states[prompt.prompt_id] = _PromptState(prompt)
+                await submit_prompt(ctx, flight, prompt, n_responses, "short", attempt=log.refills)
+                log.prompts_launched += 1
+                log.responses_launched += n_responses
+
+        await launch(math.ceil(cfg.scheduler.eta_prompts * p0))
+        batch = await self._collect(ctx, flight, states, log, p0, r0,
+                                    refill=lambda missing: launch(math.ceil(cfg.scheduler.eta_prompts * missing)))
+        self._requeue_incomplete(states, batch, log, r0, front=False)
+        return batch, log, flight
+
+    async def _long_round(self, ctx: RolloutContext):
+        p0, r0 = ctx.cfg.data.prompts_per_step, ctx.cfg.data.responses_per_prompt
+        flight, log = InFlight(), _RoundLog()
+        states: dict[str, _PromptState] = {}
+
+        async def launch(num_prompts: int) -> None:
+            # Long rounds take queued prompts first, then fresh ones (DAPO refills).
+            take = [self.queue.popleft() for _ in range(min(num_prompts, len(self.queue)))]
+            take += ctx.next_prompts(num_prompts - len(take))
+            for prompt in take:
+                states[prompt.prompt_id] = _PromptState(prompt)
+                await submit_prompt(ctx, flight, prompt, r0, "long", attempt=log.refills)
+                log.prompts_launched += 1
+                log.responses_launched += r0
+
+        await launch(p0)
+        batch = await self._collect(ctx, flight, states, log, p0, r0, refill=launch)
+        self._requeue_incomplete(states, batch, log, r0, front=True)
+        return batch, log, flight
+
+    def _requeue_incomplete(self, states: dict[str, _PromptState], batch: list[list[Sample]], log: _RoundLog,
+                            r0: int, front: bool) -> None:
+        """Queue every launched prompt that is neither in the batch nor filtered (whole prompt:
+        its finished responses are discarded and it is regenerated later); count discarded tokens."""
+        in_batch = {g[0].prompt.prompt_id for g in batch}
+        filtered = set(log.filtered)
+        leftovers = []
+        for pid, state in states.items():
+            if pid in in_batch or pid in filtered:
+                log.extra_tokens += sum(len(s.response_ids) for s in state.finished[r0:])
+            else:
+                log.extra_tokens += sum(len(s.response_ids) for s in state.finished)
+                leftovers.append(state.prompt)
+        if front:
+            self.queue.extendleft(reversed(leftovers))
+        else:
+            self.queue.extend(leftovers)
+        log.queued += len(leftovers)
+
+    async def _collect(self, ctx: RolloutContext, flight: InFlight, states: dict[str, _PromptState],
+                       log: _RoundLog, p0: int, r0: int, refill) -> list[list[Sample]]:
+        """Consume completions until P0 valid groups are in; then abort the rest."""
+        dapo = ctx.cfg.algorithm.filter_zero_variance
+        batch: list[list[Sample]] = []
+        stream = ctx.engine.completions()
+        next_done: asyncio.Future | None = None
+        group_tasks: set[asyncio.Task] = set()
+        try:
+            while len(batch) < p0:
+                if not flight.samples and not group_tasks:
+                    # Out of work: only DAPO filtering can leave the batch short of P0.
+                    if log.refills >= ctx.cfg.scheduler.max_refills:
+                        raise RefillLimitError(
+                            f"step {ctx.step}: only {len(batch)} of {p0} groups have reward variance after "
+                            f"{log.refills} refills ({len(log.filtered)} groups filtered); raise "
+                            f"scheduler.max_refills or turn off algorithm.filter_zero_variance")
+                    log.refills += 1
+                    await refill(p0 - len(batch))
+                    continue
+                waiters = set(group_tasks)
+                if flight.samples:
+                    if next_done is None:
+                        next_done = asyncio.ensure_future(stream.__anext__())
+                    waiters.add(next_done)
+                done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                if next_done is not None and next_done in done:
+                    completion, next_done = next_done.result(), None
+                    sample = accept_completion(ctx, flight, completion)
+                    if sample is not None:
+                        self._on_finished(ctx, flight, states[sample.prompt.prompt_id], sample, r0, log, group_tasks)
+                for task in done & group_tasks:
+                    group_tasks.discard(task)
+                    group = task.result()
+                    if dapo and is_zero_variance(group):
+                        log.filtered.append(group[0].prompt.prompt_id)
+                    elif len(batch) < p0:
+                        batch.append(group)
+                        ctx.on_group_complete(group)
+                    # else: completed in the same instant the batch filled; it is queued below.
+        finally:
+            if next_done is not None:
+                next_done.cancel()
+        # The batch is full: abort every request still running and drop unfinished groups.
+        for task in group_tasks:
+            task.cancel()
+        await abort_all(ctx, flight)
+        used = {s.request_id for g in batch for s in g}
+        cancel_scoring(ctx, flight, [rid for rid in flight.scoring if rid not in used])
+        return batch
+
+    def _on_finished(self, ctx: RolloutContext, flight: InFlight, state: _PromptState, sample: Sample, r0: int,
+                     log: _RoundLog, group_tasks: set) -> None:
+        state.finished.append(sample)
+        log.finished_lengths.setdefault(state.prompt.prompt_id, []).append(len(sample.response_ids))
+        if len(state.finished) == r0:
+            kept = list(state.finished)
+            tasks = [flight.scoring[s.request_id] for s in kept]
+
+            async def scored_group() -> list[Sample]:
+                await asyncio.gather(*tasks)
+                return sorted(kept, key=lambda s: s.response_index)
+
+            state.group_task = asyncio.ensure_future(scored_group())
+            group_tasks.add(state.group_task)
+        elif len(state.finished) > r0:
+            # An extra response of an already complete prompt: not needed, stop scoring it.
+            cancel_scoring(ctx, flight, [sample.request_id])
+
+    # ------------------------------------------------------------------ metrics
+    def _metrics(self, round_type: str, batch: list[list[Sample]], log: _RoundLog, flight: InFlight) -> dict:
+        kept = [len(s.response_ids) for g in batch for s in g]
+        same_prompts = [n for g in batch for n in log.finished_lengths.get(g[0].prompt.prompt_id, [])]
+        metrics = {
+            "rollout/is_long_round": float(round_type == "long"),
+            "rollout/queue_length": float(len(self.queue)),
+            "rollout/prompts_launched": float(log.prompts_launched),
+            "rollout/responses_launched": float(log.responses_launched),
+            "rollout/responses_aborted": float(flight.num_aborted),
+            "rollout/aborted_tokens": float(flight.aborted_tokens),
+            "rollout/discarded_finished_tokens": float(log.extra_tokens),
+            "rollout/wasted_tokens": float(flight.aborted_tokens + log.extra_tokens),
+            "rollout/prompts_queued": float(log.queued),
+            "rollout/refills": float(log.refills),
+            "rollout/groups_filtered": float(len(log.filtered)),
+        }
+        if kept and same_prompts:
+            # Keeping the first R0 of eta_R x R0 favours short answers: compare with all finished ones.
+            metrics["rollout/length_bias/trained_mean"] = sum(kept) / len(kept)
+            metrics["rollout/length_bias/finished_mean"] = sum(same_prompts) / len(same_prompts)
+            metrics["rollout/length_bias/ratio"] = metrics["rollout/length_bias/trained_mean"] / max(
+                1e-9, metrics["rollout/length_bias/finished_mean"])
+        return metrics

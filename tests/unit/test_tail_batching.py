@@ -1,0 +1,175 @@
+"""Tail batching on a fake engine: short/long rounds, the long-prompt queue, aborts, DAPO refills,
+exactly-once over an epoch, checkpointed queue. (The real engine runs it in the integration tests
+and in tools/benchmark.py.)"""
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from megatron_rl.config import RunConfig
+from megatron_rl.data.cursor import PromptCursor
+from megatron_rl.hooks import RolloutContext
+from megatron_rl.sample import Prompt
+from rollpacker.tail_batching import RefillLimitError, TailBatchingScheduler
+from tests.helpers.fake_engine import FakeEngine
+
+P0, R0 = 4, 4
+
+
+def make_prompts(n: int, long_every: int = 5) -> list[Prompt]:
+    """Prompt i is 'long' (its responses need 200 ticks) when i % long_every == long_every - 1."""
+    return [Prompt(prompt_id=f"p{i}", token_ids=[7, i], answer=str(i)) for i in range(n)]
+
+
+def lengths(long_every: int = 5):
+    def length_fn(req):
+        idx = req.prompt_ids[1]
+        base = 200 if idx % long_every == long_every - 1 else 5
+        return base + req.seed % 7  # responses of a prompt differ a little
+
+    return length_fn
+
+
+class Harness:
+    """A minimal driver: cursor + scorer + context, like the trainer's."""
+
+    def __init__(self, prompts, engine, dapo=False, reward_fn=None, max_refills=4, eta_p=1.25, eta_r=1.25):
+        self.cfg = RunConfig()
+        self.cfg.data.prompts_per_step, self.cfg.data.responses_per_prompt = P0, R0
+        self.cfg.rollout.max_new_tokens = 1000
+        self.cfg.scheduler.eta_prompts, self.cfg.scheduler.eta_responses = eta_p, eta_r
+        self.cfg.scheduler.max_refills = max_refills
+        self.cfg.algorithm.filter_zero_variance = dapo
+        self.prompts, self.engine = prompts, engine
+        self.cursor = PromptCursor(len(prompts), seed=0, shuffle=False)
+        self.reward_fn = reward_fn or (lambda s: float(len(s.response_ids) % 2))
+        self.cancelled: list[str] = []
+        self.scored: list[str] = []
+        self.loop = asyncio.new_event_loop()  # one loop for the engine's whole life, like the trainer
+
+    async def score(self, sample):
+        await asyncio.sleep(0)
+        sample.reward = self.reward_fn(sample)
+        self.scored.append(sample.request_id)
+        return sample
+
+    def ctx(self, step: int) -> RolloutContext:
+        return RolloutContext(cfg=self.cfg, engine=self.engine, score=self.score,
+                              cancel_scores=lambda ss: self.cancelled.extend(s.request_id for s in ss),
+                              next_prompts=lambda n: [self.prompts[i] for i in self.cursor.take(n)],
+                              policy_version=0, step=step)
+
+    def run(self, sched, step):
+        return self.loop.run_until_complete(asyncio.wait_for(sched.next_batch(self.ctx(step)), timeout=60))
+
+
+def test_short_round_keeps_first_r0_and_first_p0_prompts_then_aborts_the_rest():
+    engine = FakeEngine(lengths(), capacity=1000)
+    h = Harness(make_prompts(40), engine)
+    sched = TailBatchingScheduler()
+    batch = h.run(sched, 0)
+    n_prompts, n_resp = math.ceil(1.25 * P0), math.ceil(1.25 * R0)
+    assert batch.round_type == "short"
+    assert len(engine.submitted) == n_prompts * n_resp == batch.metrics["rollout/responses_launched"]
+    # p4 is the long prompt of the first five: it did not complete and went whole into the queue.
+    assert sorted(g[0].prompt.prompt_id for g in batch.groups) == ["p0", "p1", "p2", "p3"]
+    assert [p.prompt_id for p in sched.queue] == ["p4"]
+    for group in batch.groups:
+        assert len(group) == R0 and all(s.reward is not None and s.round_type == "short" for s in group)
+        # The kept responses are the first R0 to finish: the shortest of the eta_R x R0.
+        pid = group[0].prompt.prompt_id
+        all_lengths = sorted(5 + r.seed % 7 for r in engine.submitted if f"-{pid}-" in r.request_id)
+        assert sorted(len(s.response_ids) for s in group) == all_lengths[:R0]
+    # Everything unfinished was aborted; nothing is left running in the engine.
+    assert not engine.running and not engine.waiting
+    assert batch.metrics["rollout/responses_aborted"] == len(engine.aborted) >= n_resp  # p4's responses
+    assert batch.metrics["rollout/aborted_tokens"] > 0
+    assert batch.metrics["rollout/wasted_tokens"] >= batch.metrics["rollout/aborted_tokens"]
+    assert batch.metrics["rollout/length_bias/ratio"] <= 1.0
+
+
+def test_extra_responses_have_their_reward_work_cancelled():
+    engine = FakeEngine(lengths(), capacity=1000)
+    h = Harness(make_prompts(40), engine)
+    batch = h.run(TailBatchingScheduler(), 0)
+    kept = {s.request_id for g in batch.groups for s in g}
+    # The 5th finished response of every complete prompt was cancelled, never kept.
+    assert h.cancelled and not (set(h.cancelled) & kept)
+
+
+def test_long_round_after_four_short_rounds_and_exactly_once():
+    engine = FakeEngine(lengths(), capacity=1000)
+    h = Harness(make_prompts(20), engine)
+    sched = TailBatchingScheduler()
+    rounds, trained = [], []
+    for step in range(5):
+        before = len(engine.submitted)
+        batch = h.run(sched, step)
+        rounds.append(batch.round_type)
+        trained += [g[0].prompt.prompt_id for g in batch.groups]
+        if batch.round_type == "long":
+            # No over-provisioning: exactly P0 x R0 requests, nothing aborted.
+            assert len(engine.submitted) - before == P0 * R0
+            assert batch.metrics["rollout/responses_aborted"] == 0
+            assert all(len(g) == R0 and g[0].round_type == "long" for g in batch.groups)
+    assert rounds == ["short"] * 4 + ["long"]
+    assert sorted(trained, key=lambda p: int(p[1:])) == [f"p{i}" for i in range(20)]  # each exactly once
+    assert len(sched.queue) == 0
+
+
+def test_queue_survives_checkpoint_and_resume():
+    h = Harness(make_prompts(20), FakeEngine(lengths(), capacity=1000))
+    sched = TailBatchingScheduler()
+    trained = []
+    for step in range(2):
+        trained += [g[0].prompt.prompt_id for g in h.run(sched, step).groups]
+    state, cursor_state = sched.state_dict(), h.cursor.state_dict()
+    assert [p.prompt_id for p in state["queue"]] == ["p4", "p9"]
+    # "Restart": a fresh scheduler, cursor and engine restored from the checkpointed state.
+    h2 = Harness(make_prompts(20), FakeEngine(lengths(), capacity=1000))
+    h2.cursor.load_state_dict(cursor_state)
+    resumed = TailBatchingScheduler()
+    resumed.load_state_dict(state)
+    for step in range(2, 5):
+        trained += [g[0].prompt.prompt_id for g in h2.run(resumed, step).groups]
+    assert sorted(trained, key=lambda p: int(p[1:])) == [f"p{i}" for i in range(20)]
+
+
+def test_eta_one_means_no_over_provisioning():
+    engine = FakeEngine(lengths(long_every=1000), capacity=1000)
+    h = Harness(make_prompts(20), engine, eta_p=1.0, eta_r=1.0)
+    batch = h.run(TailBatchingScheduler(), 0)
+    assert len(engine.submitted) == P0 * R0 and not engine.aborted
+    assert batch.metrics["rollout/length_bias/ratio"] == pytest.approx(1.0)
+
+
+def test_dapo_filters_zero_variance_groups_and_refills():
+    engine = FakeEngine(lengths(long_every=1000), capacity=1000)
+    # Even-numbered prompts get the same reward for every response (zero variance).
+    h = Harness(make_prompts(40), engine, dapo=True,
+                reward_fn=lambda s: 1.0 if int(s.prompt.prompt_id[1:]) % 2 == 0 else float(s.response_index % 2))
+    sched = TailBatchingScheduler()
+    batch = h.run(sched, 0)
+    ids = [g[0].prompt.prompt_id for g in batch.groups]
+    assert len(ids) == P0 and all(int(p[1:]) % 2 == 1 for p in ids)
+    assert batch.filtered_prompt_ids and all(int(p[1:]) % 2 == 0 for p in batch.filtered_prompt_ids)
+    assert batch.metrics["rollout/refills"] >= 1
+    # Filtered groups never enter the queue.
+    assert not set(batch.filtered_prompt_ids) & {p.prompt_id for p in sched.queue}
+
+
+def test_dapo_refill_bound_is_a_clear_error():
+    h = Harness(make_prompts(40), FakeEngine(lengths(long_every=1000), capacity=1000), dapo=True,
+                reward_fn=lambda s: 1.0, max_refills=2)
+    with pytest.raises(RefillLimitError, match="scheduler.max_refills"):
+        h.run(TailBatchingScheduler(), 0)
+
+
+def test_samples_carry_the_current_policy_version():
+    engine = FakeEngine(lengths(), capacity=1000)
+    engine.version = 0
+    h = Harness(make_prompts(20), engine)
+    batch = h.run(TailBatchingScheduler(), 0)
+    assert {s.policy_version for s in batch.samples} == {0}
