@@ -48,4 +48,4 @@ class BaselineScheduler(RolloutScheduler):
             "rollout/aborted_tokens": 0.0,
         }
         return RolloutBatch(groups=ordered, round_type=self.name, metrics=metrics,
-                            request_intervals=flight.intervals, rollout_window=(start, end))
+                            requests=flight.requests, rollout_window=(start, end))

@@ -54,8 +54,9 @@ class RolloutBatch:
     """Scheduler's name for this round (baseline / short / long)."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Scheduler metrics (requests launched, aborted, wasted tokens, queue length...)."""
-    request_intervals: list[tuple[float, float]] = field(default_factory=list)
-    """(submit, finish) times of every request of the round, aborted ones included (occupancy)."""
+    requests: list[tuple[float, float, str]] = field(default_factory=list)
+    """(submit, finish, finish_reason) of every request of the round, aborted ones included
+    (engine occupancy and the rollout timeline plot)."""
     rollout_window: tuple[float, float] = (0.0, 0.0)
     """Start and end of the rollout phase (time.monotonic())."""
     filtered_prompt_ids: list[str] = field(default_factory=list)

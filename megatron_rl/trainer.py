@@ -25,6 +25,7 @@ from megatron_rl.hooks import RolloutBatch, RolloutContext, RolloutScheduler, St
 from megatron_rl.metrics import MetricsLogger, PhaseTimer, length_stats, occupancy
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.sample import Prompt, Sample
+from megatron_rl.step_log import StepLog
 from megatron_rl.training.policy_group import PolicyGroup
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class Trainer:
         self.checkpoints = CheckpointManager(self.cfg.trainer.run_dir, keep=self.cfg.trainer.keep_checkpoints,
                                              config_dict=dataclasses.asdict(self.cfg))
         self.version = 0  # policy version == number of optimizer steps taken == step index
+        self.t0 = time.monotonic()
         self.start_step = 0
 
     # ---------------------------------------------------------------- the loop
@@ -186,7 +188,7 @@ class Trainer:
             "reward/mean": sum(rewards) / max(1, len(rewards)),
             "reward/accuracy": sum(bool(s.correct) for s in samples) / max(1, len(samples)),
             "rollout/tokens_per_s": sum(lengths) / max(1e-9, phases["rollout"]),
-            "rollout/engine_occupancy": occupancy(batch.request_intervals, capacity, batch.rollout_window),
+            "rollout/engine_occupancy": occupancy([(s, e) for s, e, _ in batch.requests], capacity, batch.rollout_window),
             "rollout/truncated_fraction": sum(s.finish_reason == "length" for s in samples) / max(1, len(samples)),
             "batch/samples_trained": float(len(trained)),
         }
@@ -209,7 +211,12 @@ class Trainer:
         # Filtered by the scheduler (DAPO refill) or by the loop's zero-variance filter.
         filtered = list(batch.filtered_prompt_ids) + [g[0].prompt.prompt_id for g in batch.groups
                                                       if g[0].prompt.prompt_id not in set(trained)]
-        self.trained_log.append(step, trained, filtered)
+        self.trained_log.append(step, prompt_ids=trained, filtered_ids=filtered)
+        # Times relative to the trainer's start so steps line up on one axis in the plot.
+        self.timeline_log.append(step, round_type=batch.round_type,
+                                 window=[t - self.t0 for t in batch.rollout_window],
+                                 requests=[[s - self.t0, e - self.t0, reason] for s, e, reason in batch.requests],
+                                 response_lengths=[len(s.response_ids) for s in batch.samples])
 
     # ---------------------------------------------------------------- checkpoints
     def _should_save(self, step: int) -> bool:
@@ -224,26 +231,23 @@ class Trainer:
         self.checkpoints.commit(next_step, tmp, driver_state=state)
 
     def _resume_if_asked(self) -> None:
-        from megatron_rl.trained_log import TrainedPromptLog
-
-        self.trained_log = TrainedPromptLog(self.cfg.trainer.run_dir)
-        if not self.cfg.trainer.resume:
-            self.trained_log.truncate(0)
-            return
-        path = self.checkpoints.latest()
-        if path is None:
+        self.trained_log = StepLog(self.cfg.trainer.run_dir, "trained_prompts.jsonl")
+        self.timeline_log = StepLog(self.cfg.trainer.run_dir, "rollout_timeline.jsonl")
+        path = self.checkpoints.latest() if self.cfg.trainer.resume else None
+        if self.cfg.trainer.resume and path is None:
             log.warning("trainer.resume=true but no checkpoint in %s/checkpoints: starting from step 0",
                         self.cfg.trainer.run_dir)
-            self.trained_log.truncate(0)
-            return
-        state = self.checkpoints.load_driver_state(path)
-        self.p.policy.load_checkpoint(str(path))
-        self.cursor.load_state_dict(state["cursor"])
-        self.p.scheduler.load_state_dict(state["scheduler"])
-        self.start_step = int(state["next_step"])
-        self.version = int(state["version"])
+        if path is not None:
+            state = self.checkpoints.load_driver_state(path)
+            self.p.policy.load_checkpoint(str(path))
+            self.cursor.load_state_dict(state["cursor"])
+            self.p.scheduler.load_state_dict(state["scheduler"])
+            self.start_step = int(state["next_step"])
+            self.version = int(state["version"])
+            log.info("resumed from %s at step %d", path, self.start_step)
+        # Steps from start_step on are (re)done: drop what a killed run logged for them.
         self.trained_log.truncate(self.start_step)
-        log.info("resumed from %s at step %d", path, self.start_step)
+        self.timeline_log.truncate(self.start_step)
 
 
 def run_trainer(parts: TrainerParts) -> list[dict]:

@@ -90,7 +90,7 @@ class TailBatchingScheduler(RolloutScheduler):
                 sample.round_type = round_type
         return RolloutBatch(groups=batch_groups, round_type=round_type,
                             metrics=self._metrics(round_type, batch_groups, log, flight),
-                            request_intervals=flight.intervals, rollout_window=(start, end),
+                            requests=flight.requests, rollout_window=(start, end),
                             filtered_prompt_ids=log.filtered)
 
     async def _short_round(self, ctx: RolloutContext):

@@ -49,7 +49,7 @@ def test_baseline_returns_p0_complete_scored_groups():
     assert len(completed) == 3  # the hook saw every group once
     assert len(engine.submitted) == 12 and not engine.aborted
     assert len({r.seed for r in engine.submitted}) == 12
-    assert len(batch.request_intervals) == 12
+    assert len(batch.requests) == 12
     assert batch.metrics["rollout/responses_launched"] == 12.0
 
 

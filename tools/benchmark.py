@@ -1,0 +1,172 @@
+"""Baseline vs RollPacker tail batching, side by side, on the real stack (CPU here).
+
+    python tools/benchmark.py [--periods 2] [--prompts-per-step 16] [--responses 4] [key=value ...]
+
+Both runs use the same tiny model, task, seeds, engine, reward and training code and the same
+number of prompts: a whole number of tail-batching periods (with eta_P = 1.25, four short rounds
+then one long round = five steps, which consume exactly the prompts of five baseline steps).
+The long tail comes from the model's own response lengths; nothing is slowed down artificially.
+
+Prints per-round-type and overall step time, rollout time, engine occupancy, wasted tokens,
+final validation reward of each, and a last line ``speedup: X.XX`` = baseline training-loop time
+/ RollPacker training-loop time (every step: rollout, reward, logprobs, train, weight sync;
+start-up of Ray/engines/trainer is excluded because it is identical for both). Results go to
+<out>/benchmark.json and, with tools/plot_timeline.py, to <out>/timeline.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_rl.config import RunConfig  # noqa: E402
+from megatron_rl.config_io import apply_override, load_config  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def period_steps(eta_prompts: float, prompts_per_step: int) -> int:
+    """Steps of one tail-batching period: short rounds until the queue holds P0, then a long one."""
+    queued_per_short = math.ceil(eta_prompts * prompts_per_step) - prompts_per_step
+    if queued_per_short <= 0:
+        return 1  # eta_P = 1: no queue, every round is short
+    return math.ceil(prompts_per_step / queued_per_short) + 1
+
+
+def benchmark_config(args, scheduler: str, steps: int, run_dir: Path) -> RunConfig:
+    cfg = load_config(REPO / "examples/qwen2.5/tiny_cpu.yaml")
+    for assignment in [
+        f"model.hf_path={args.model}", f"trainer.run_dir={run_dir}", f"trainer.steps={steps}",
+        f"scheduler.name={scheduler}", f"data.prompts_per_step={args.prompts_per_step}",
+        f"data.responses_per_prompt={args.responses}", f"rollout.max_new_tokens={args.max_new_tokens}",
+        f"data.eval_every={steps}", f"data.eval_num_prompts={args.eval_prompts}",
+        "trainer.save_every=0", "trainer.tensorboard=false", f"trainer.seed={args.seed}",
+        f"rollout.max_num_seqs={args.max_num_seqs}", *args.overrides,
+    ]:
+        apply_override(cfg, assignment)
+    return cfg
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Per-round-type and overall figures of one run's metrics.jsonl rows."""
+    out: dict = {"steps": len(rows), "loop_time": sum(r["time/step"] for r in rows),
+                 "rollout_time": sum(r["time/rollout"] for r in rows)}
+    for rt in sorted({r["round_type"] for r in rows}):
+        sel = [r for r in rows if r["round_type"] == rt]
+        out[rt] = {
+            "steps": len(sel),
+            "step_time_mean": statistics.mean(r["time/step"] for r in sel),
+            "rollout_time_mean": statistics.mean(r["time/rollout"] for r in sel),
+            "occupancy_mean": statistics.mean(r["rollout/engine_occupancy"] for r in sel),
+            "response_length_mean": statistics.mean(r["response_length/mean"] for r in sel),
+            "response_length_max": max(r["response_length/max"] for r in sel),
+        }
+    out["occupancy_mean"] = statistics.mean(r["rollout/engine_occupancy"] for r in rows)
+    out["wasted_tokens"] = sum(r.get("rollout/wasted_tokens", 0.0) for r in rows)
+    out["generated_tokens"] = sum(r["response_length/mean"] * r["batch/samples_trained"] for r in rows)
+    out["train_reward_mean"] = statistics.mean(r["reward/mean"] for r in rows)
+    last = rows[-1]
+    out["final_val_pass@1"] = last.get("val/pass@1")
+    out["initial_val_pass@1"] = rows[0].get("val/pass@1")
+    return out
+
+
+def response_length_tail(run_dir: Path) -> tuple[float, float]:
+    """(median, max) length of every finished response of the baseline run (all run to the end)."""
+    lengths = []
+    for line in (run_dir / "rollout_timeline.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        lengths += [n for n in rec.get("response_lengths", [])]
+    return (statistics.median(lengths), max(lengths)) if lengths else (0.0, 0.0)
+
+
+def print_table(base: dict, tb: dict) -> None:
+    def row(name, a, b, fmt="{:.2f}"):
+        fa = fmt.format(a) if a is not None else "-"
+        fb = fmt.format(b) if b is not None else "-"
+        ratio = f"{a / b:.2f}x" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else ""
+        print(f"| {name:<34} | {fa:>12} | {fb:>12} | {ratio:>7} |")
+
+    print("| metric                             |     baseline |   RollPacker |   ratio |")
+    print("| ---------------------------------- | -----------: | -----------: | ------: |")
+    row("training-loop time (s)", base["loop_time"], tb["loop_time"])
+    row("rollout time (s)", base["rollout_time"], tb["rollout_time"])
+    row("step time, all rounds (s)", base["loop_time"] / base["steps"], tb["loop_time"] / tb["steps"])
+    for rt in ("short", "long"):
+        if rt in tb:
+            row(f"step time, {rt} rounds (s)", None, tb[rt]["step_time_mean"])
+            row(f"rollout time, {rt} rounds (s)", None, tb[rt]["rollout_time_mean"])
+            row(f"occupancy, {rt} rounds", None, tb[rt]["occupancy_mean"])
+    row("engine occupancy (mean)", base["occupancy_mean"], tb["occupancy_mean"])
+    row("wasted tokens (aborted+discarded)", base["wasted_tokens"], tb["wasted_tokens"], "{:.0f}")
+    row("train reward (mean over run)", base["train_reward_mean"], tb["train_reward_mean"], "{:.3f}")
+    row("val pass@1 before training", base["initial_val_pass@1"], tb["initial_val_pass@1"], "{:.3f}")
+    row("val pass@1 after training", base["final_val_pass@1"], tb["final_val_pass@1"], "{:.3f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=str(REPO / "artifacts/tiny-qwen2.5"))
+    parser.add_argument("--out", default=str(REPO / "runs/benchmark"))
+    parser.add_argument("--periods", type=int, default=2, help="tail-batching periods (short rounds + long round)")
+    parser.add_argument("--prompts-per-step", type=int, default=16)
+    parser.add_argument("--responses", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=320)
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--eval-prompts", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("overrides", nargs="*", help="extra dotted config overrides for both runs")
+    args = parser.parse_args(argv)
+    if not (Path(args.model) / "config.json").is_file():
+        print(f"no model at {args.model}: build it with python tools/make_tiny_model.py --out {args.model}",
+              file=sys.stderr)
+        return 2
+
+    from megatron_rl.metrics import read_metrics
+    from megatron_rl.train import build_and_run
+
+    probe = benchmark_config(args, "tail_batching", 1, Path(args.out))
+    steps = args.periods * period_steps(probe.scheduler.eta_prompts, args.prompts_per_step)
+    out = Path(args.out)
+    results = {}
+    for scheduler in ("baseline", "tail_batching"):
+        run_dir = out / scheduler
+        cfg = benchmark_config(args, scheduler, steps, run_dir)
+        print(f"[benchmark] {scheduler}: {steps} steps x {args.prompts_per_step} prompts x "
+              f"{args.responses} responses -> {run_dir}", flush=True)
+        start = time.monotonic()
+        build_and_run(cfg)
+        results[scheduler] = summarize(read_metrics(run_dir))
+        results[scheduler]["wall_time_with_startup"] = time.monotonic() - start
+
+    median, longest = response_length_tail(out / "baseline")
+    base, tb = results["baseline"], results["tail_batching"]
+    print()
+    print(f"model {args.model}; {steps} steps each; P0={args.prompts_per_step}, R0={args.responses}, "
+          f"max_new_tokens={args.max_new_tokens}, eta_P=eta_R={probe.scheduler.eta_prompts}/"
+          f"{probe.scheduler.eta_responses}")
+    print(f"baseline response lengths: median {median:.0f}, max {longest:.0f} tokens "
+          f"(max/median = {longest / max(median, 1):.1f})")
+    print_table(base, tb)
+    speedup = base["loop_time"] / tb["loop_time"]
+    results.update({"steps": steps, "speedup": speedup, "length_median": median, "length_max": longest})
+    (out / "benchmark.json").write_text(json.dumps(results, indent=2))
+    try:
+        from tools.plot_timeline import plot_timeline
+
+        plot_timeline(out / "baseline", out / "tail_batching", out / "timeline.png")
+        print(f"timeline: {out / 'timeline.png'}")
+    except Exception as exc:  # the numbers above stand without the picture
+        print(f"timeline plot failed: {exc}", file=sys.stderr)
+    print(f"speedup: {speedup:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
