@@ -21,6 +21,10 @@ class ModelConfig:
     ``algorithm.kl_coef > 0``."""
     transformer_impl: str = "auto"
     """Layer spec: 'transformer_engine', 'local', or 'auto' (TE when importable on a GPU)."""
+    megatron_checkpoint: str = ""
+    """Optional directory written by ``tools/convert_checkpoint.py hf-to-megatron`` for the
+    trainer's TP/PP: the policy (and reference) weights are loaded from its shards instead of
+    ``hf_path``'s safetensors (``hf_path`` still supplies the architecture and tokenizer)."""
 
 
 @dataclass

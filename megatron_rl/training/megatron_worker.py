@@ -140,13 +140,25 @@ class MegatronWorker:
         shard_args = (self.arch, self.tp_rank, self.layout.tensor_model_parallel_size,
                       self.pp_rank, self.layout.pipeline_model_parallel_size)
         self.model = self._build(trainable=True)
-        load_hf_into_model(self.model, hf_path, *shard_args)
+        self._load_weights(self.model, hf_path, shard_args)
         self.optimizer = self._build_optimizer()
         # The optimizer may keep fp32 master copies: refresh them from the loaded weights.
         self.optimizer.reload_model_params()
         if self.cfg.model.use_reference_model or self.cfg.algorithm.kl_coef > 0:
             self.reference = self._build(trainable=False)
-            load_hf_into_model(self.reference, hf_path, *shard_args)
+            self._load_weights(self.reference, hf_path, shard_args)
+
+    def _load_weights(self, model: torch.nn.Module, hf_path: str, shard_args: tuple) -> None:
+        """This rank's shard from ``model.megatron_checkpoint`` when set, else from ``hf_path``."""
+        directory = self.cfg.model.megatron_checkpoint
+        if not directory:
+            load_hf_into_model(model, hf_path, *shard_args)
+            return
+        from megatron_rl.resharding.checkpoint_format import load_shard_into_model, read_converted_shard
+
+        tp, pp = self.layout.tensor_model_parallel_size, self.layout.pipeline_model_parallel_size
+        shard = read_converted_shard(directory, self.tp_rank, self.pp_rank, tp, pp)
+        load_shard_into_model(model, shard, f"model.megatron_checkpoint {directory} (tp {self.tp_rank}, pp {self.pp_rank})")
 
     # ----------------------------------------------------------------- batching
     def _my_microbatches(self, samples: list[Sample], fields: bool) -> list[Microbatch]:

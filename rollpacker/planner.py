@@ -1,0 +1,185 @@
+"""Elastic rollout parallelism: the vLLM tensor-parallel size of each round.
+
+Short and long rounds want different engine TP sizes: a larger TP gives each engine more KV
+cache per sequence (fewer preemptions when many long responses decode at once) but fewer
+engines and more communication per token. RollPacker picks TP per round type:
+
+* initially from a profile: the measured rollout time of each candidate TP (the fastest wins);
+  without one, the smallest legal TP;
+* then online, after each round of that type (paper, section "Elastic parallelism"):
+  preemptions up more than ``growth`` (1.05x) over the previous round at the same TP -> double
+  TP; ``quiet_rounds`` (4) consecutive rounds without preemption -> halve TP.
+
+Legal sizes: powers of two that vLLM accepts for the model (divide the attention heads; KV
+heads and TP divide one another; divide the padded vocabulary), at most one node's GPUs (a TP
+group never crosses a node) and dividing the rollout GPU count (every GPU serves an engine).
+
+The planner is pure logic. :func:`switch_plan` turns a decision into the resharding plan that
+moves the trainer's weights into engines of the new TP (``megatron_rl.resharding``); whoever owns
+the engines rebuilds them with the new size and executes that plan (or, with file-based weight
+sync, reloads engines built at the new TP from the HF export).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_rl.model.qwen2 import Qwen2Arch
+from megatron_rl.resharding.layouts import MegatronLayout, VLLMLayout
+from megatron_rl.resharding.plan import ReshardPlan, build_plan
+
+
+def legal_tp_sizes(arch: Qwen2Arch, gpus_per_node: int, num_gpus: int, max_tp: int = 0) -> list[int]:
+    """Powers of two usable as rollout TP for ``arch`` on ``num_gpus`` GPUs of ``gpus_per_node``."""
+    if num_gpus < 1 or gpus_per_node < 1:
+        raise ValueError(f"elastic TP: need >= 1 GPU (num_gpus={num_gpus}, gpus_per_node={gpus_per_node})")
+    cap = min(gpus_per_node, num_gpus, max_tp or gpus_per_node)
+    sizes, tp = [], 1
+    while tp <= cap:
+        try:
+            VLLMLayout(arch, tp)
+            if num_gpus % tp == 0:
+                sizes.append(tp)
+        except ValueError:
+            pass
+        tp *= 2
+    if not sizes:
+        raise ValueError(f"elastic TP: no legal tensor-parallel size for {num_gpus} GPUs ({gpus_per_node}/node)")
+    return sizes
+
+
+@dataclass
+class TPDecision:
+    """The outcome of one observed round."""
+
+    round_type: str
+    old_tp: int
+    new_tp: int
+    reason: str
+    """'grow' (preemptions rose), 'shrink' (quiet rounds), or 'keep'."""
+
+    @property
+    def changed(self) -> bool:
+        return self.new_tp != self.old_tp
+
+
+@dataclass
+class _RoundState:
+    tp: int
+    last_preemptions: int | None = None  # previous round's count at the current TP
+    quiet: int = 0  # consecutive rounds without preemption
+
+
+@dataclass
+class ElasticTPPlanner:
+    """Per-round-type rollout TP with the paper's online rule.
+
+    Args:
+        sizes: legal TP sizes, ascending (see :func:`legal_tp_sizes`).
+        initial: round type -> starting TP (types not listed start at ``sizes[0]``).
+        growth: preemption ratio above which TP doubles (1.05 in the paper).
+        quiet_rounds: rounds without preemption after which TP halves (4 in the paper).
+    """
+
+    sizes: list[int]
+    initial: dict[str, int] = field(default_factory=dict)
+    growth: float = 1.05
+    quiet_rounds: int = 4
+    _state: dict[str, _RoundState] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.sizes or sorted(self.sizes) != list(self.sizes):
+            raise ValueError(f"elastic TP: sizes must be a non-empty ascending list, got {self.sizes}")
+        for kind, tp in self.initial.items():
+            if tp not in self.sizes:
+                raise ValueError(f"elastic TP: initial TP {tp} for {kind!r} rounds is not one of {self.sizes}")
+        if self.growth < 1.0 or self.quiet_rounds < 1:
+            raise ValueError(f"elastic TP: growth must be >= 1 and quiet_rounds >= 1 "
+                             f"(got {self.growth}, {self.quiet_rounds})")
+
+    @classmethod
+    def from_profile(cls, sizes: list[int], profile: dict[str, dict[int, float]], **kwargs) -> "ElasticTPPlanner":
+        """Start each round type at the legal TP with the smallest profiled rollout time.
+
+        ``profile``: round type -> {tp: seconds for that round type's rollout at that TP} (from
+        a profiling run or the simulator); TPs outside ``sizes`` are ignored.
+        """
+        initial = {}
+        for kind, times in profile.items():
+            usable = {tp: t for tp, t in times.items() if tp in sizes}
+            if not usable:
+                raise ValueError(f"elastic TP: profile for {kind!r} rounds has no legal TP (legal: {sizes})")
+            initial[kind] = min(usable, key=lambda tp: (usable[tp], tp))
+        return cls(sizes=sizes, initial=initial, **kwargs)
+
+    def _round(self, round_type: str) -> _RoundState:
+        if round_type not in self._state:
+            self._state[round_type] = _RoundState(self.initial.get(round_type, self.sizes[0]))
+        return self._state[round_type]
+
+    def tp_for(self, round_type: str) -> int:
+        """The TP the next round of this type should run with."""
+        return self._round(round_type).tp
+
+    def observe(self, round_type: str, preemptions: int) -> TPDecision:
+        """Record one finished round's preemption count; returns the TP for the next such round."""
+        if preemptions < 0:
+            raise ValueError(f"elastic TP: preemptions must be >= 0, got {preemptions}")
+        st = self._round(round_type)
+        old = st.tp
+        previous, st.last_preemptions = st.last_preemptions, preemptions
+        st.quiet = st.quiet + 1 if preemptions == 0 else 0
+        index = self.sizes.index(old)
+        rose = previous is not None and preemptions > 0 and preemptions > self.growth * previous
+        if rose and index + 1 < len(self.sizes):
+            return self._switch(round_type, st, old, self.sizes[index + 1], "grow")
+        if st.quiet >= self.quiet_rounds and index > 0:
+            return self._switch(round_type, st, old, self.sizes[index - 1], "shrink")
+        return TPDecision(round_type, old, old, "keep")
+
+    def _switch(self, round_type: str, st: _RoundState, old: int, new: int, reason: str) -> TPDecision:
+        # Preemption counts at different TPs are not comparable: the next round sets a new baseline.
+        st.tp, st.last_preemptions, st.quiet = new, None, 0
+        return TPDecision(round_type, old, new, reason)
+
+    def state_dict(self) -> dict:
+        """Per-round-type state, for the trainer checkpoint."""
+        return {k: {"tp": s.tp, "last_preemptions": s.last_preemptions, "quiet": s.quiet}
+                for k, s in self._state.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`; TPs no longer legal (fewer GPUs) fall back to the largest legal one."""
+        self._state = {}
+        for kind, s in state.items():
+            fitting = [t for t in self.sizes if t <= s["tp"]]
+            tp = fitting[-1] if fitting else self.sizes[0]
+            self._state[kind] = _RoundState(tp, s["last_preemptions"] if tp == s["tp"] else None, s["quiet"])
+
+
+@dataclass
+class EngineSwitch:
+    """What a TP change means for the rollout side."""
+
+    tp: int
+    num_engines: int
+    layout: VLLMLayout
+    plan: ReshardPlan
+
+
+def switch_plan(
+    arch: Qwen2Arch,
+    trainer: MegatronLayout,
+    new_tp: int,
+    rollout_procs: list[int],
+    trainer_procs: list[int] | None = None,
+    bucket_bytes: int = 256 << 20,
+    itemsize: int = 4,
+) -> EngineSwitch:
+    """Engines of ``new_tp`` over ``rollout_procs`` (process ranks, consecutive ``new_tp`` ranks
+    per engine, so a TP group stays inside a node when ranks are node-major) and the plan moving
+    the trainer's weights into them. ``trainer_procs`` defaults to ranks 0..N-1."""
+    if len(rollout_procs) % new_tp:
+        raise ValueError(f"elastic TP: {len(rollout_procs)} rollout processes are not a multiple of TP {new_tp}")
+    layout = VLLMLayout(arch, new_tp, replicas=len(rollout_procs) // new_tp)
+    src_procs = list(trainer_procs) if trainer_procs is not None else list(range(trainer.num_shards))
+    plan = build_plan(trainer, layout, src_procs, list(rollout_procs), bucket_bytes, itemsize)
+    return EngineSwitch(new_tp, layout.replicas, layout, plan)

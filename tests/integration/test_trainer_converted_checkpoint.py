@@ -1,0 +1,39 @@
+"""The trainer starts from a converted Megatron checkpoint (``model.megatron_checkpoint``) and
+its own checkpoints export to HF with tools/convert_checkpoint.py."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from _megatron_cases import hf_reference, make_samples, run_spmd
+from _resharding_cases import trainer_from_converted
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import convert_checkpoint as cc  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+
+def test_trainer_loads_converted_and_exports_its_checkpoint(tiny_model_dir, tmp_path):
+    from megatron_rl.model.tiny import build_tiny_qwen2
+
+    other = build_tiny_qwen2(tmp_path / "other", seed=7)  # same shapes as tiny_model_dir, other weights
+    converted = cc.hf_to_megatron(str(other), str(tmp_path / "converted"), tp=2, pp=1)
+    samples = make_samples(4, seed=3)
+    expected_logprobs, _, _ = hf_reference(str(other), samples)
+    ckpt = tmp_path / "ckpt"
+    result = run_spmd(trainer_from_converted, 2, (str(tiny_model_dir), str(converted), samples, str(ckpt)),
+                      tmp_path, timeout_s=400)[0]
+    for got, want in zip(result["logprobs"], expected_logprobs):
+        assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-4)
+    original = load_file(str(Path(other) / "model.safetensors"))
+    for name, tensor in original.items():
+        assert torch.equal(result["weights"][name], tensor), name  # weights came from the converted shards
+    exported = cc.megatron_to_hf(str(ckpt), str(tmp_path / "exported"), hf_config=str(tiny_model_dir))
+    back = load_file(str(exported / "model.safetensors"))
+    assert back.keys() == original.keys()
+    assert all(torch.equal(back[k], v) for k, v in original.items())
