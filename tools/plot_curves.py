@@ -50,6 +50,17 @@ def _plot_lines(ax, records, keys_and_labels, title: str, ylabel: str) -> None:
         ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
 
 
+def _plot_moving_average(ax, records, key: str, window: int) -> None:
+    """Trailing mean over ``window`` steps: per-step train reward swings with the difficulty of
+    the step's prompts, the trend is what RL changes."""
+    steps, values = _series(records, key)
+    if len(values) < window:
+        return
+    means = [sum(values[i - window + 1 : i + 1]) / window for i in range(window - 1, len(values))]
+    ax.plot(steps[window - 1 :], means, "-", linewidth=2.2, label=f"train reward ({window}-step mean)")
+    ax.legend(loc="best", fontsize=8)
+
+
 def _plot_timing(ax, records) -> None:
     phases = sorted({k for r in records for k in r if k.startswith(TIMING_PREFIX) and k != STEP_TIME_KEY})
     steps = [r["step"] for r in records]
@@ -90,7 +101,9 @@ def plot_curves(run_dir: str | Path, out: str | Path | None = None) -> Path:
     out_path = Path(out) if out else base / "curves.png"
 
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
-    _plot_lines(axes[0][0], records, [(REWARD_KEY, "train reward", "-")], "reward", "mean reward")
+    _plot_lines(axes[0][0], records, [(REWARD_KEY, "train reward", "-"), ("val/reward_mean", "val reward", "o--")],
+                "reward", "mean reward")
+    _plot_moving_average(axes[0][0], records, REWARD_KEY, window=5)
     _plot_lines(
         axes[0][1],
         records,
