@@ -106,6 +106,8 @@ class Trainer:
         metrics = self._step_metrics(step, batch, samples, timer, elapsed)
         metrics.update(prep_metrics)
         metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
+        # Reward scheduler: queue wait, busy workers, reward time hidden under rollout, scaling.
+        metrics.update(self.p.rewards.step_metrics(batch.samples))
         self._record_trained_prompts(step, batch, samples)
         return metrics
 
@@ -227,7 +229,8 @@ class Trainer:
         tmp = self.checkpoints.begin(next_step)
         self.p.policy.save_checkpoint(str(tmp))
         state = {"next_step": next_step, "version": self.version, "cursor": self.cursor.state_dict(),
-                 "scheduler": self.p.scheduler.state_dict()}
+                 "scheduler": self.p.scheduler.state_dict(),
+                 "reward_timeouts": self.p.rewards.timeouts.state_dict()}
         self.checkpoints.commit(next_step, tmp, driver_state=state)
 
     def _resume_if_asked(self) -> None:
@@ -242,6 +245,7 @@ class Trainer:
             self.p.policy.load_checkpoint(str(path))
             self.cursor.load_state_dict(state["cursor"])
             self.p.scheduler.load_state_dict(state["scheduler"])
+            self.p.rewards.timeouts.load_state_dict(state.get("reward_timeouts", {}))
             self.start_step = int(state["next_step"])
             self.version = int(state["version"])
             log.info("resumed from %s at step %d", path, self.start_step)

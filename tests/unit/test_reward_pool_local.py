@@ -66,10 +66,41 @@ def test_local_pool_scores_shapes_and_round_robins(tokenizer_dir: Path, tokenize
 def test_pool_rejects_bad_config(tokenizer_dir: Path) -> None:
     with pytest.raises(ValueError, match="reward.num_workers=0"):
         RewardPool(RewardConfig(num_workers=0), str(tokenizer_dir), 16, use_ray=False)
-    with pytest.raises(ValueError, match="reward.kind='code'"):
-        RewardPool(RewardConfig(kind="code"), str(tokenizer_dir), 16, use_ray=False)
+    with pytest.raises(ValueError, match="reward.kind='regex'"):
+        RewardPool(RewardConfig(kind="regex"), str(tokenizer_dir), 16, use_ray=False)
+    with pytest.raises(ValueError, match="needs a judge"):
+        RewardPool(RewardConfig(kind="judge"), str(tokenizer_dir), 16, use_ray=False)
     with pytest.raises(ValueError, match="cannot load the tokenizer"):
         RewardPool(RewardConfig(), "/nonexistent/tokenizer", 16, use_ray=False)
     with pytest.raises(ValueError, match="overlong_buffer_tokens=32"):
         RewardPool(RewardConfig(), str(tokenizer_dir), 16,
                    AlgorithmConfig(overlong_buffer_tokens=32), use_ray=False)
+
+
+def test_mixed_pool_routes_by_format_and_learns_timeouts(tokenizer_dir: Path, tokenizer) -> None:
+    cfg = RewardConfig(kind="mixed", num_workers=1, timeout_s=5.0, code_timeout_min_s=2.0, code_timeout_max_s=20.0)
+    pool = RewardPool(cfg, str(tokenizer_dir), max_new_tokens=512, use_ray=False)
+    try:
+        tests = "from solution import add\n\ndef test_add():\n    assert add(1, 2) == 3\n"
+        code_prompt = Prompt("kod:0", [1], tests, metadata={"format": "kodcode", "tests": tests})
+        math_prompt = Prompt("gsm:0", [1], "3", metadata={"format": "gsm8k"})
+
+        def sample(prompt: Prompt, i: int, text: str) -> Sample:
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            return Sample(prompt=prompt, response_index=i, request_id=f"{prompt.prompt_id}-{i}", response_ids=ids)
+
+        assert pool.timeouts.timeout_s("kod:0") == 20.0   # no anchor yet: T_max
+        good = pool.submit(sample(code_prompt, 0, "```python\ndef add(a, b):\n    return a + b\n```"))
+        bad = pool.submit(sample(code_prompt, 1, "```python\ndef add(a, b):\n    return a - b\n```"))
+        maths = pool.submit(sample(math_prompt, 0, "\\boxed{3}"))
+        assert (good.outcome.source, good.sample.reward) == ("code", 1.0)
+        assert (bad.outcome.source, bad.sample.reward) == ("code", 0.0)
+        assert (maths.outcome.source, maths.sample.reward) == ("math", 1.0)
+        # One correct run (well under a second) anchors the problem: the timeout drops to T_min.
+        assert 0 < good.outcome.run_s < 2.0
+        assert pool.timeouts.timeout_s("kod:0") == 2.0
+        metrics = pool.step_metrics([good.sample, bad.sample, maths.sample])
+        assert metrics["reward/scored"] == 3.0 and metrics["reward/adaptive_anchors"] == 1.0
+        assert metrics["reward/worker_time_s"] > 0
+    finally:
+        pool.shutdown()

@@ -1,0 +1,193 @@
+# shellcheck shell=bash
+# Shared body of launch/qwen2.5_*_h800.sh: start a Ray cluster on the Slurm allocation (head on the
+# first node, one worker per other node, all through srun), wait until every node joined, run the
+# trainer on the head node, and tear down exactly the Ray processes this job started.
+#
+# The calling script sets RECIPE_DEFAULT, NODES_DEFAULT and JOB_NAME, then calls slurm_main "$@".
+# Environment (all optional):
+#   ROLLPACKER_ROOT  repository root (default: the sbatch submit dir, else this script's parent)
+#   RECIPE           YAML recipe (default: the script's recipe)
+#   PYTHON           interpreter with the stack (default: $ROLLPACKER_ROOT/.venv/bin/python)
+#   RAY_BIN          ray CLI (default: next to $PYTHON)
+#   MODEL_DIR        HF checkpoint directory       -> model.hf_path
+#   TRAIN_DATA       training prompts file         -> data.train_path
+#   EVAL_DATA        held-out prompts file         -> data.eval_path
+#   RUN_DIR          metrics/checkpoints directory -> trainer.run_dir
+#   LOG_ROOT         where job logs go (default: $ROLLPACKER_ROOT/logs; sbatch writes %x-%j.out there)
+#   LOG_DIR          this job's Ray and trainer logs (default: $LOG_ROOT/$JOB_NAME-$SLURM_JOB_ID)
+#   PARTITION, ACCOUNT, TIME_LIMIT   used when the script submits itself with sbatch (run outside
+#                    an allocation, it calls sbatch on itself; inside one it launches)
+#   GPUS_PER_NODE (8), RAY_PORT (6379), RAY_JOIN_TIMEOUT_S (600), RAY_POLL_S (5)
+#   WANDB_PROJECT    enables W&B logging (trainer.wandb_project)
+
+_log() { echo "[$JOB_NAME $(date +%H:%M:%S)] $*" >&2; }
+_die() { _log "error: $*"; exit 1; }
+
+_setup_env() {
+  ROOT="${ROLLPACKER_ROOT:-${SLURM_SUBMIT_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}}"
+  [ -f "$ROOT/megatron_rl/train.py" ] || _die "ROLLPACKER_ROOT=$ROOT is not the repository root (no megatron_rl/train.py)"
+  RECIPE="${RECIPE:-$RECIPE_DEFAULT}"
+  case "$RECIPE" in /*) ;; *) RECIPE="$ROOT/$RECIPE" ;; esac
+  [ -f "$RECIPE" ] || _die "recipe $RECIPE not found (set RECIPE)"
+  PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
+  RAY_BIN="${RAY_BIN:-$(dirname "$PYTHON")/ray}"
+  GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
+  RAY_PORT="${RAY_PORT:-6379}"
+  RAY_JOIN_TIMEOUT_S="${RAY_JOIN_TIMEOUT_S:-600}"
+  RAY_POLL_S="${RAY_POLL_S:-5}"
+  NUM_NODES="${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-$NODES_DEFAULT}}"
+  JOB_ID="${SLURM_JOB_ID:-none}"
+  RUN_DIR="${RUN_DIR:-}"
+  LOG_ROOT="${LOG_ROOT:-$ROOT/logs}"
+  LOG_DIR="${LOG_DIR:-$LOG_ROOT/$JOB_NAME-$JOB_ID}"
+  export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+  OVERRIDES=("cluster.num_nodes=$NUM_NODES" "cluster.gpus_per_node=$GPUS_PER_NODE" "cluster.device=cuda")
+  [ -n "${MODEL_DIR:-}" ] && OVERRIDES+=("model.hf_path=$MODEL_DIR")
+  [ -n "${TRAIN_DATA:-}" ] && OVERRIDES+=("data.train_path=$TRAIN_DATA")
+  [ -n "${EVAL_DATA:-}" ] && OVERRIDES+=("data.eval_path=$EVAL_DATA")
+  [ -n "$RUN_DIR" ] && OVERRIDES+=("trainer.run_dir=$RUN_DIR")
+  [ -n "${WANDB_PROJECT:-}" ] && OVERRIDES+=("trainer.wandb_project=$WANDB_PROJECT" "trainer.wandb_mode=online")
+  return 0
+}
+
+_hostnames() {
+  if [ -n "${SLURM_JOB_NODELIST:-}" ]; then
+    scontrol show hostnames "$SLURM_JOB_NODELIST"
+  else
+    local i
+    for ((i = 0; i < NUM_NODES; i++)); do echo "node$i"; done
+  fi
+}
+
+_sbatch_command() {
+  # Fills SBATCH_CMD: how this script submits itself when run outside an allocation.
+  SBATCH_CMD=(sbatch "--job-name=$JOB_NAME" "--nodes=$NODES_DEFAULT" "--gpus-per-node=$GPUS_PER_NODE"
+              "--ntasks-per-node=1" "--exclusive" "--output=$LOG_ROOT/%x-%j.out")
+  [ -n "${PARTITION:-}" ] && SBATCH_CMD+=("--partition=$PARTITION")
+  [ -n "${ACCOUNT:-}" ] && SBATCH_CMD+=("--account=$ACCOUNT")
+  [ -n "${TIME_LIMIT:-}" ] && SBATCH_CMD+=("--time=$TIME_LIMIT")
+  SBATCH_CMD+=("$SCRIPT_PATH" "${EXTRA[@]}")
+}
+
+_dry_run() {
+  local hosts head
+  mapfile -t hosts < <(_hostnames)
+  head="${hosts[0]}"
+  echo "== $JOB_NAME dry run (nothing is launched) =="
+  echo "slurm job: $JOB_ID, nodes: ${hosts[*]}"
+  if [ "$JOB_ID" = none ]; then
+    _sbatch_command
+    echo "submit with: $(printf '%q ' "${SBATCH_CMD[@]}")"
+  fi
+  echo "ray head:    srun --overlap --nodes=1 --ntasks=1 --nodelist=$head $RAY_BIN start --head --port=$RAY_PORT --num-gpus=$GPUS_PER_NODE --block"
+  if [ "${#hosts[@]}" -gt 1 ]; then
+    echo "ray workers: srun --overlap --nodes=$((${#hosts[@]} - 1)) --ntasks=$((${#hosts[@]} - 1)) --exclude=$head $RAY_BIN start --address=<head-ip>:$RAY_PORT --num-gpus=$GPUS_PER_NODE --block"
+  fi
+  echo "wait:        until 'ray status' lists ${#hosts[@]} nodes (timeout ${RAY_JOIN_TIMEOUT_S}s)"
+  echo "train:       $PYTHON -m megatron_rl.train --config $RECIPE cluster.ray_address=auto ${OVERRIDES[*]} ${EXTRA[*]}"
+  echo "logs:        $LOG_DIR"
+  local joined
+  joined="$(IFS=,; echo "${hosts[*]}")"
+  "$PYTHON" "$ROOT/tools/plan_cluster.py" --config "$RECIPE" --hosts "$joined" "${OVERRIDES[@]}" "${EXTRA[@]}"
+}
+
+_head_ip() {
+  srun --overlap --nodes=1 --ntasks=1 "--nodelist=$1" hostname --ip-address | awk '{print $1; exit}'
+}
+
+_alive_nodes() {
+  "$RAY_BIN" status --address "$RAY_ADDRESS" 2>/dev/null | grep -c ' node_' || true
+}
+
+_cleanup() {
+  local rc=$? pid
+  trap - EXIT INT TERM
+  # The trainer first (it holds the Ray driver), then the Ray steps this job started.
+  if [ -n "${TRAIN_PID:-}" ] && kill -0 "$TRAIN_PID" 2>/dev/null; then
+    _log "stopping the trainer ($TRAIN_PID)"
+    kill -TERM "$TRAIN_PID" 2>/dev/null || true
+    wait "$TRAIN_PID" 2>/dev/null || true
+  fi
+  for pid in "${STARTED_PIDS[@]}"; do
+    if kill -0 "$pid" 2>/dev/null; then
+      _log "stopping srun step $pid"
+      kill -TERM "$pid" 2>/dev/null || true
+    fi
+  done
+  for pid in "${STARTED_PIDS[@]}"; do
+    wait "$pid" 2>/dev/null || true
+  done
+  _log "teardown done (exit $rc)"
+  exit "$rc"
+}
+
+_launch() {
+  local hosts head head_ip nworkers waited=0 alive=0
+  mapfile -t hosts < <(_hostnames)
+  [ "${#hosts[@]}" -eq "$NUM_NODES" ] || _die "allocation lists ${#hosts[@]} hosts, expected $NUM_NODES"
+  mkdir -p "$LOG_DIR"
+  STARTED_PIDS=()
+  trap _cleanup EXIT
+  trap 'exit 130' INT
+  trap 'exit 143' TERM
+  head="${hosts[0]}"
+  head_ip="$(_head_ip "$head")"
+  [ -n "$head_ip" ] || _die "could not resolve the IP of head node $head"
+  export RAY_ADDRESS="$head_ip:$RAY_PORT"
+  _log "starting Ray head on $head ($RAY_ADDRESS); logs in $LOG_DIR"
+  srun --overlap --nodes=1 --ntasks=1 "--nodelist=$head" "--output=$LOG_DIR/ray-head.log" \
+    "$RAY_BIN" start --head "--node-ip-address=$head_ip" "--port=$RAY_PORT" "--num-gpus=$GPUS_PER_NODE" \
+    --include-dashboard=false --block &
+  STARTED_PIDS+=("$!")
+  nworkers=$((${#hosts[@]} - 1))
+  if [ "$nworkers" -gt 0 ]; then
+    _log "starting $nworkers Ray workers"
+    srun --overlap "--nodes=$nworkers" "--ntasks=$nworkers" --ntasks-per-node=1 "--exclude=$head" \
+      "--output=$LOG_DIR/ray-worker-%n.log" \
+      "$RAY_BIN" start "--address=$RAY_ADDRESS" "--num-gpus=$GPUS_PER_NODE" --block &
+    STARTED_PIDS+=("$!")
+  fi
+  while [ "$waited" -lt "$RAY_JOIN_TIMEOUT_S" ]; do
+    alive="$(_alive_nodes)"
+    [ "$alive" -ge "$NUM_NODES" ] && break
+    sleep "$RAY_POLL_S"
+    waited=$((waited + RAY_POLL_S))
+  done
+  [ "$alive" -ge "$NUM_NODES" ] || _die "only $alive of $NUM_NODES nodes joined Ray within ${RAY_JOIN_TIMEOUT_S}s (see $LOG_DIR)"
+  _log "all $NUM_NODES nodes joined; starting the trainer"
+  # In the background + wait, so a Slurm SIGTERM (time limit, scancel) reaches the traps at once.
+  "$PYTHON" -m megatron_rl.train --config "$RECIPE" cluster.ray_address=auto "${OVERRIDES[@]}" "${EXTRA[@]}" \
+    > >(tee "$LOG_DIR/trainer.log") 2>&1 &
+  TRAIN_PID=$!
+  local rc=0
+  wait "$TRAIN_PID" || rc=$?
+  TRAIN_PID=""
+  _log "trainer exited with $rc"
+  return "$rc"
+}
+
+slurm_main() {
+  local dry_run=0 arg
+  EXTRA=()
+  for arg in "$@"; do
+    case "$arg" in
+      --dry-run) dry_run=1 ;;
+      -h|--help) sed -n '2,/^set -euo/p' "$SCRIPT_PATH" | grep '^#' | grep -v '^#SBATCH'; return 0 ;;
+      -*) _die "unknown option $arg (use --dry-run, --help, or section.key=value overrides)" ;;
+      *) EXTRA+=("$arg") ;;
+    esac
+  done
+  _setup_env
+  if [ "$dry_run" -eq 1 ]; then
+    _dry_run
+    return
+  fi
+  if [ -z "${SLURM_JOB_ID:-}" ]; then
+    _log "not inside a Slurm allocation: submitting with sbatch"
+    _sbatch_command
+    mkdir -p "$LOG_ROOT"
+    ROLLPACKER_ROOT="$ROOT" RECIPE="$RECIPE" "${SBATCH_CMD[@]}"
+    return
+  fi
+  _launch
+}

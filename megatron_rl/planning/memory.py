@@ -1,0 +1,196 @@
+"""Per-GPU memory estimate of a colocated (hybrid-engine) run: trainer and rollout engine share
+every GPU, so each GPU must hold the trainer's resident state plus, in turn, the engine's memory
+pool (rollout phase) and the training activations (train phase).
+
+What is counted, per GPU (bf16 training, the layout of ``megatron_rl.training.megatron_worker``):
+
+* weights: bf16 parameters of the worst pipeline stage / TP (embedding on the first stage,
+  lm_head on the last; both when PP = 1);
+* gradients: fp32 main grads (the worker sets ``grad_reduce_in_fp32=True``);
+* optimizer: fp32 master copy + Adam m and v (12 B/param), divided by DP x CP when
+  ``parallel.use_distributed_optimizer`` shards it;
+* activations: one microbatch of ``optimizer.micro_batch_tokens`` tokens (split by CP) stored
+  for backward in every layer without recomputation (flash attention, so no s^2 term), times
+  the PP microbatches 1F1B keeps in flight on the first stage, plus the fp32 logits of the
+  vocab-parallel cross entropy on the last stage;
+* KV cache: what is left of vLLM's pool (``rollout.gpu_memory_utilization`` x GPU memory) after
+  the engine's weight shard and its activation reserve.
+
+The assumptions that are not visible in the recipe are explicit in :class:`MemoryAssumptions`
+and printed with the estimate.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_rl.config import RunConfig
+from megatron_rl.config_io import ConfigError
+from megatron_rl.planning.architectures import ModelShape
+
+GIB = 1024 ** 3
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One accelerator model (datasheet numbers; efficiencies live in the simulator)."""
+
+    name: str
+    memory_gib: float
+    hbm_gb_per_s: float
+    bf16_tflops: float
+    nvlink_gb_per_s: float
+
+
+GPUS = {
+    # H800 SXM: H100 compute and HBM3, NVLink cut to 400 GB/s.
+    "h800": GpuSpec("H800-80GB", 80.0, 3350.0, 989.0, 400.0),
+    "h100": GpuSpec("H100-80GB", 80.0, 3350.0, 989.0, 900.0),
+    "a100": GpuSpec("A100-80GB", 80.0, 2039.0, 312.0, 600.0),
+}
+
+
+class PlanError(ConfigError):
+    """The recipe cannot run on the planned cluster (does not fit, bad placement)."""
+
+
+@dataclass(frozen=True)
+class MemoryAssumptions:
+    """Hybrid-engine behaviour and fixed overheads the estimate relies on."""
+
+    engine_sleeps_during_training: bool = True
+    """vLLM sleep mode (level 1) while the trainer trains: engine weights go to host memory and
+    the KV cache is dropped, so training activations can use that memory."""
+    trainer_offload_during_rollout: bool = False
+    """Trainer weights, grads and optimizer state moved to host memory during rollout
+    (veRL-style offload). megatron_rl keeps them on the GPU, hence off by default."""
+    process_overhead_gib: float = 3.0
+    """Per process on a GPU (trainer rank, engine worker): CUDA context, NCCL buffers, allocator
+    fragmentation."""
+    engine_activation_gib: float = 2.0
+    """vLLM's reserve for forward activations and the sampler inside its pool."""
+
+
+@dataclass
+class MemoryEstimate:
+    """Per-GPU figures in GiB for the most loaded GPU, by phase."""
+
+    trainer: dict[str, float]
+    engine: dict[str, float]
+    overhead_gib: float
+    rollout_peak_gib: float
+    train_peak_gib: float
+    kv_tokens_per_engine: int
+    max_model_len: int
+    capacity_gib: float
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    @property
+    def concurrent_full_sequences(self) -> float:
+        """How many max_model_len sequences one engine's KV cache holds at once."""
+        return self.kv_tokens_per_engine / max(1, self.max_model_len)
+
+
+def max_model_len(cfg: RunConfig) -> int:
+    return cfg.rollout.max_model_len or cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+
+
+def trainer_params_per_gpu(cfg: RunConfig, shape: ModelShape) -> int:
+    """Parameters on the most loaded trainer GPU (the pipeline stage holding an embedding)."""
+    tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
+    layers = shape.num_layers // pp * shape.layer_params
+    embeddings = shape.embedding_params * (2 if pp == 1 and not shape.tie_word_embeddings else 1)
+    return (layers + embeddings) // tp
+
+
+def activation_bytes_per_token_layer(cfg: RunConfig, shape: ModelShape) -> float:
+    """bf16 tensors one decoder layer stores for backward, per token, on one TP rank."""
+    tp = cfg.parallel.tensor_model_parallel_size
+    h, ffn, kv = shape.hidden_size, shape.intermediate_size, shape.num_kv_heads * shape.head_dim
+    # Split across TP: q/k/v, attention output, fc1 (gate+up) output, SwiGLU output.
+    tp_sharded = 2 * ((h + 2 * kv) + h + 2 * ffn + ffn)
+    # Full-hidden tensors (norm inputs/outputs, residuals, linear inputs): split only under SP.
+    per_sequence = 2 * 6 * h
+    return tp_sharded / tp + per_sequence / (tp if cfg.parallel.sequence_parallel else 1)
+
+
+def estimate_memory(cfg: RunConfig, shape: ModelShape, gpu: GpuSpec,
+                    assume: MemoryAssumptions = MemoryAssumptions()) -> MemoryEstimate:
+    """Per-GPU memory of the most loaded GPU; ``problems`` lists every way it does not fit."""
+    par = cfg.parallel
+    bf16 = cfg.model.dtype == "bfloat16"
+    params = trainer_params_per_gpu(cfg, shape)
+    shard = par.data_parallel_size * par.context_parallel_size if par.use_distributed_optimizer else 1
+    trainer = {
+        "weights": params * (2 if bf16 else 4) / GIB,
+        "gradients": params * 4 / GIB,
+        "optimizer": params * (12 if bf16 else 8) / shard / GIB,
+    }
+    if cfg.model.use_reference_model or cfg.algorithm.kl_coef > 0:
+        trainer["reference weights"] = params * (2 if bf16 else 4) / GIB
+    tokens = cfg.optimizer.micro_batch_tokens / par.context_parallel_size
+    # 1F1B keeps up to PP microbatches in flight on the first stage: all layers' worth in total.
+    layers_in_flight = shape.num_layers // par.pipeline_model_parallel_size * par.pipeline_model_parallel_size
+    trainer["activations"] = tokens * layers_in_flight * activation_bytes_per_token_layer(cfg, shape) / GIB
+    # bf16 logits + fp32 softmax copy + fp32 gradient of the vocab-parallel cross entropy.
+    trainer["logits"] = tokens * shape.vocab_size / par.tensor_model_parallel_size * 10 / GIB
+    resident = trainer["weights"] + trainer["gradients"] + trainer["optimizer"] + trainer.get("reference weights", 0.0)
+
+    rtp = cfg.rollout.tensor_parallel_size
+    pool = cfg.rollout.gpu_memory_utilization * gpu.memory_gib
+    engine = {"pool": pool, "weights": shape.total_params * 2 / rtp / GIB, "activation reserve": assume.engine_activation_gib}
+    engine["kv cache"] = pool - engine["weights"] - engine["activation reserve"]
+    # K/V heads split across TP ranks; beyond num_kv_heads ranks each holds a replica of one head.
+    kv_per_gpu_token = shape.kv_bytes_per_token / min(rtp, shape.num_kv_heads)
+    kv_tokens = max(0, int(engine["kv cache"] * GIB / kv_per_gpu_token))
+
+    overhead = 2 * assume.process_overhead_gib
+    rollout_peak = overhead + (0.0 if assume.trainer_offload_during_rollout else resident) + pool
+    train_peak = overhead + resident + trainer["activations"] + trainer["logits"] + (
+        0.0 if assume.engine_sleeps_during_training else pool)
+    est = MemoryEstimate(trainer, engine, overhead, rollout_peak, train_peak, kv_tokens, max_model_len(cfg),
+                         gpu.memory_gib)
+    cap = gpu.memory_gib
+    if engine["kv cache"] <= 0 or kv_tokens < est.max_model_len:
+        est.problems.append(
+            f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization:g} gives vLLM {pool:.1f} GiB, which "
+            f"after its weight shard ({engine['weights']:.1f} GiB at rollout.tensor_parallel_size={rtp}) and "
+            f"activation reserve leaves KV for {kv_tokens} tokens, less than one {est.max_model_len}-token sequence")
+    if rollout_peak > cap:
+        room = cap - overhead - (0.0 if assume.trainer_offload_during_rollout else resident)
+        est.problems.append(
+            f"rollout phase needs {rollout_peak:.1f} GiB per GPU > {cap:.0f} GiB {gpu.name}: trainer resident "
+            f"{resident:.1f} GiB (weights {trainer['weights']:.1f}, gradients {trainer['gradients']:.1f}, optimizer "
+            f"{trainer['optimizer']:.1f}) + vLLM pool {pool:.1f} GiB + overhead {overhead:.1f} GiB; at most "
+            f"{max(room, 0.0) / cap:.2f} is left for rollout.gpu_memory_utilization")
+    if train_peak > cap:
+        est.problems.append(
+            f"train phase needs {train_peak:.1f} GiB per GPU > {cap:.0f} GiB {gpu.name}: trainer resident "
+            f"{resident:.1f} GiB + activations {trainer['activations']:.1f} GiB + logits {trainer['logits']:.1f} GiB "
+            f"for optimizer.micro_batch_tokens={cfg.optimizer.micro_batch_tokens}"
+            + ("" if assume.engine_sleeps_during_training else f" + vLLM pool {pool:.1f} GiB (engine not sleeping)"))
+    if est.problems:
+        est.problems.append("raise parallel.tensor_model_parallel_size / pipeline_model_parallel_size / "
+                            "context_parallel_size, set parallel.use_distributed_optimizer=true, enable "
+                            "parallel.sequence_parallel, or lower optimizer.micro_batch_tokens")
+    return est
+
+
+def format_memory(est: MemoryEstimate, assume: MemoryAssumptions) -> list[str]:
+    """Human-readable lines of the estimate (GiB per GPU)."""
+    t, e = est.trainer, est.engine
+    lines = ["per-GPU memory estimate (GiB, most loaded GPU):"]
+    lines.append("  trainer: " + ", ".join(f"{k} {v:.1f}" for k, v in t.items()))
+    lines.append(f"  engine:  pool {e['pool']:.1f} = weights {e['weights']:.1f} + activation reserve "
+                 f"{e['activation reserve']:.1f} + KV cache {e['kv cache']:.1f}")
+    lines.append(f"  KV cache per engine: {est.kv_tokens_per_engine:,} tokens = "
+                 f"{est.concurrent_full_sequences:.1f} full {est.max_model_len}-token sequences")
+    lines.append(f"  overhead (CUDA context, NCCL, fragmentation; 2 processes): {est.overhead_gib:.1f}")
+    lines.append(f"  rollout phase peak: {est.rollout_peak_gib:.1f} / {est.capacity_gib:.0f}")
+    lines.append(f"  train phase peak:   {est.train_peak_gib:.1f} / {est.capacity_gib:.0f}")
+    lines.append(f"  assumes: engine sleeps during training = {assume.engine_sleeps_during_training}, trainer "
+                 f"offloaded during rollout = {assume.trainer_offload_during_rollout}, no activation recomputation")
+    return lines

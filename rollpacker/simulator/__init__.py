@@ -1,0 +1,9 @@
+"""Discrete-event what-if simulator of a synchronous RL cluster: the baseline (veRL-style:
+P0 x R0, wait for all) versus RollPacker (tail batching, rollout TP planner, asynchronous reward,
+stream trainer), from a recipe and a response-length model. See ``tools/simulate.py``.
+
+Modules: ``engine_model`` (decode/prefill cost, KV capacity, TP scaling, calibration from
+measured constants), ``engine_sim`` (continuous batching with preemption, event-driven),
+``lengths`` (parametric long tail or replayed lengths), ``costs`` (training and reward time),
+``policies`` (one training step of each policy) and ``runner`` (many steps, sweeps, reports).
+"""

@@ -1,0 +1,110 @@
+"""Training-time and reward-time models of the simulator.
+
+Training: FLOPs of the step (forward+backward 6*P per token plus causal attention, the
+old-logprob forward, the reference forward when KL is on) over the trainer GPUs at an assumed
+MFU, stretched by the 1F1B pipeline bubble of the recipe's PP and microbatch count; then the
+weight sync to the engines. Measured constants (``s_per_token``) replace the FLOP model, which
+is how the CPU benchmark calibrates it.
+
+Reward: per-response scoring time drawn from a log-normal, with a fraction of responses that
+hang until the timeout (code); the adaptive timeout of the reward scheduler cuts those at
+min(max(T_min, lambda*T_anchor), T_max).
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from dataclasses import dataclass
+
+from megatron_rl.config import RunConfig
+from megatron_rl.planning.architectures import ModelShape
+from megatron_rl.planning.memory import GpuSpec
+
+
+@dataclass(frozen=True)
+class TrainModel:
+    """Time of the train phase of one step."""
+
+    params: int
+    num_layers: int
+    hidden: int
+    gpus: int
+    peak_flops: float
+    mfu: float = 0.4
+    pp: int = 1
+    dp: int = 1
+    micro_batch_tokens: int = 4096
+    reference_forward: bool = False
+    fixed_s: float = 1.0
+    """Optimizer step, logprob pass set-up, metrics: per step."""
+    sync_s: float = 3.0
+    """Weight sync trainer -> engines (also paid again when the rollout TP changes)."""
+    s_per_token: float = 0.0
+    """Measured seconds per trained token; when > 0 it replaces the FLOP model."""
+
+    @classmethod
+    def from_recipe(cls, cfg: RunConfig, shape: ModelShape, gpu: GpuSpec, mfu: float = 0.4,
+                    sync_gb_per_s: float = 10.0) -> "TrainModel":
+        p = cfg.parallel
+        gpus = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size * p.data_parallel_size
+        return cls(shape.total_params, shape.num_layers, shape.hidden_size, gpus, gpu.bf16_tflops * 1e12, mfu,
+                   p.pipeline_model_parallel_size, p.data_parallel_size, cfg.optimizer.micro_batch_tokens,
+                   cfg.model.use_reference_model or cfg.algorithm.kl_coef > 0,
+                   sync_s=shape.total_params * 2 / (sync_gb_per_s * 1e9))
+
+    def time(self, seq_tokens: list[int]) -> float:
+        """Seconds to train on sequences of these total (prompt + response) lengths."""
+        tokens = sum(seq_tokens)
+        if self.s_per_token > 0:
+            return self.fixed_s + self.s_per_token * tokens
+        attn = sum(s * s for s in seq_tokens) * self.num_layers * self.hidden
+        fwd = 2 * self.params * tokens + 2 * attn
+        flops = 3 * fwd + fwd * (2 if self.reference_forward else 1)  # train + old (+ ref) logprobs
+        micro = max(1, math.ceil(tokens / (self.dp * self.micro_batch_tokens)))
+        bubble = (self.pp - 1) / (micro + self.pp - 1)
+        return self.fixed_s + flops / (self.gpus * self.peak_flops * self.mfu) / (1 - bubble)
+
+
+@dataclass(frozen=True)
+class RewardModel:
+    """Per-response reward time on one of ``workers`` CPU workers."""
+
+    workers: int
+    median_s: float = 0.05
+    sigma: float = 0.5
+    hang_fraction: float = 0.0
+    """Responses that run until the timeout (infinite loops in code)."""
+    timeout_s: float = 2.0
+    adaptive_min_s: float = 2.0
+    adaptive_lambda: float = 1.5
+
+    @classmethod
+    def math(cls, workers: int, timeout_s: float = 2.0) -> "RewardModel":
+        return cls(workers, 0.05, 0.5, 0.0, timeout_s)
+
+    @classmethod
+    def code(cls, workers: int, timeout_s: float = 30.0) -> "RewardModel":
+        """Sandbox runs: median 1.5 s, 3 % of responses hang until the timeout."""
+        return cls(workers, 1.5, 0.8, 0.03, timeout_s)
+
+    def durations(self, n: int, rng: random.Random, adaptive: bool) -> list[float]:
+        anchor = self.median_s * math.exp(1.645 * self.sigma)  # slowest correct run ~ P95
+        cap = min(max(self.adaptive_min_s, self.adaptive_lambda * anchor), self.timeout_s) if adaptive else self.timeout_s
+        out = []
+        for _ in range(n):
+            if rng.random() < self.hang_fraction:
+                out.append(cap)
+            else:
+                out.append(min(cap, self.median_s * math.exp(rng.gauss(0.0, self.sigma))))
+        return out
+
+    def completion_time(self, release_times: list[float], durations: list[float]) -> float:
+        """When the last of these jobs finishes on the worker pool (FIFO by release time)."""
+        free = [0.0] * max(1, self.workers)
+        end = 0.0
+        for release, d in sorted(zip(release_times, durations)):
+            start = max(release, heapq.heappop(free))
+            heapq.heappush(free, start + d)
+            end = max(end, start + d)
+        return end

@@ -1,0 +1,132 @@
+"""The reward scheduler on real Ray actors: code rewards in the sandbox, autoscaling, metrics."""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.config import RewardConfig
+from megatron_rl.reward.workers import RewardPool
+from megatron_rl.sample import Prompt, Sample
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TESTS = "from solution import work\n\ndef test_work():\n    assert work() == 7\n"
+# ~0.2-0.5 s of CPU per run: enough for a queue to build up behind one worker.
+SLOW_OK = "```python\ndef work():\n    s = 0\n    for i in range(3_000_000):\n        s += i\n    return 7\n```"
+FAST_WRONG = "```python\ndef work():\n    return 6\n```"
+
+
+@pytest.fixture(scope="module")
+def ray_session(tmp_path_factory):
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             _temp_dir=str(tmp_path_factory.mktemp("ray")),
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}})
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    from megatron_rl.model.tiny import build_tokenizer
+
+    path = tmp_path_factory.mktemp("tok")
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_pool_grows_under_load_scores_code_and_shrinks_when_idle(ray_session, tokenizer_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    cfg = RewardConfig(kind="mixed", num_workers=1, min_workers=1, max_workers=3, worker_num_cpus=0.25,
+                       scale_up_queue_per_worker=2.0, scale_up_wait_s=0.5, scale_down_idle_s=2.0,
+                       code_timeout_max_s=20.0)
+    pool = RewardPool(cfg, str(tokenizer_dir), max_new_tokens=512)
+    prompt = Prompt("kod:0", [1], TESTS, metadata={"format": "kodcode", "tests": TESTS})
+    maths = Prompt("arith:0", [1], "5", metadata={"format": "builtin"})
+
+    def sample(p: Prompt, i: int, text: str) -> Sample:
+        s = Sample(prompt=p, response_index=i, request_id=f"{p.prompt_id}-{i}",
+                   response_ids=tok.encode(text, add_special_tokens=False))
+        s.timings["finished"] = time.monotonic()
+        return s
+
+    try:
+        pool.ready(timeout_s=120)
+        assert pool.num_workers == 1
+
+        async def burst():
+            # Responses finish over time, as in a rollout: later ones can use a grown pool.
+            samples = [sample(prompt, i, SLOW_OK if i % 2 == 0 else FAST_WRONG) for i in range(10)]
+            samples.append(sample(maths, 0, "\\boxed{5}"))
+            tasks = [asyncio.ensure_future(pool.score(s)) for s in samples[:6]]
+            await asyncio.sleep(0.5)
+            assert pool.num_workers == 2 and pool.num_starting == 1   # 6 queued > 2 per worker
+            deadline = time.monotonic() + 120
+            while pool.num_starting and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+                pool.maintain()
+            # The grown worker is ready: later responses go to it (least loaded).
+            tasks += [asyncio.ensure_future(pool.score(s)) for s in samples[6:]]
+            return await asyncio.gather(*tasks)
+
+        scored = asyncio.run(burst())
+        assert [s.correct for s in scored[:10]] == [i % 2 == 0 for i in range(10)]
+        assert scored[10].correct is True and scored[10].reward == 1.0
+        metrics = pool.step_metrics(scored)
+        assert metrics["reward/scale_ups"] >= 1, metrics
+        assert metrics["reward/queue_wait_max"] > 0.0
+        assert metrics["reward/scored"] == 11.0
+        assert 0.0 < metrics["reward/busy_workers_mean"] <= 3.0
+        assert 0.0 <= metrics["reward/hidden_fraction"] <= 1.0
+        # Correct runs anchored the problem: its timeout is now far below T_max.
+        assert pool.timeouts.timeout_s("kod:0") < 20.0
+        downs = metrics["reward/scale_downs"]
+        # Idle for > scale_down_idle_s, then results flow again: idle workers are retired.
+        time.sleep(2.5)
+
+        async def trickle():
+            for i in range(3):
+                await pool.score(sample(prompt, 100 + i, FAST_WRONG))
+
+        asyncio.run(trickle())
+        downs += pool.step_metrics()["reward/scale_downs"]
+        assert downs >= 1
+        assert 1 <= pool.num_workers <= 3
+    finally:
+        pool.shutdown()
+
+
+def test_abort_cancels_pending_code_rewards(ray_session, tokenizer_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    cfg = RewardConfig(kind="code", num_workers=1, worker_num_cpus=0.25)
+    pool = RewardPool(cfg, str(tokenizer_dir), max_new_tokens=512)
+    prompt = Prompt("kod:1", [1], TESTS, metadata={"format": "kodcode", "tests": TESTS})
+    try:
+        pool.ready(timeout_s=120)
+
+        async def main():
+            samples = [Sample(prompt=prompt, response_index=i, request_id=f"r{i}",
+                              response_ids=tok.encode(SLOW_OK, add_special_tokens=False)) for i in range(4)]
+            tasks = [asyncio.ensure_future(pool.score(s)) for s in samples]
+            await asyncio.sleep(0.2)
+            pool.cancel_samples(samples[1:])       # the abort path of a scheduler
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            return samples, results
+
+        samples, results = asyncio.run(main())
+        assert samples[0].correct is True
+        assert all(s.reward is None for s in samples[1:])   # never applied
+        assert all(isinstance(r, (Sample, asyncio.CancelledError)) for r in results)
+    finally:
+        pool.shutdown()

@@ -1,0 +1,107 @@
+"""Recipes validate and fit; the per-GPU memory estimate and placement match hand computations."""
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.config_io import ConfigError, load_config
+from megatron_rl.planning.architectures import BUILTIN_SHAPES, resolve_shape
+from megatron_rl.planning.memory import GIB, GPUS, PlanError, estimate_memory, trainer_params_per_gpu
+from megatron_rl.planning.placement import plan_placement
+from megatron_rl.planning.plan import make_plan
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPES = sorted((REPO / "examples/qwen2.5").glob("qwen2.5_*b_*.yaml"))
+PAPER_SHAPE = {"7b": (2, 1, 1, 1, 2), "14b": (2, 2, 2, 2, 4), "32b": (8, 1, 4, 4, 8)}  # TP PP CP rTP nodes
+
+
+def test_all_sizes_and_tasks_present():
+    names = {p.name.split("_")[1] + "_" + p.name.split("_")[2] for p in RECIPES}
+    assert names == {f"{s}_{t}" for s in ("7b", "14b", "32b") for t in ("math", "code")}
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_recipe_validates_and_fits_an_h800(recipe):
+    cfg = load_config(recipe)
+    plan = make_plan(cfg)
+    size = recipe.name.split("_")[1]
+    tp, pp, cp, rtp, nodes = PAPER_SHAPE[size]
+    p = cfg.parallel
+    assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size) == (tp, pp, cp)
+    assert cfg.rollout.tensor_parallel_size == rtp and cfg.cluster.num_nodes == nodes
+    assert tp * pp * cp * p.data_parallel_size == nodes * 8 == rtp * cfg.rollout.num_engines
+    assert (cfg.data.prompts_per_step, cfg.data.responses_per_prompt) == (128, 8)
+    assert cfg.rollout.max_new_tokens == {"7b": 8192, "14b": 16384, "32b": 32768}[size]
+    assert plan.memory.fits and plan.memory.rollout_peak_gib <= 80 and plan.memory.train_peak_gib <= 80
+    assert plan.memory.concurrent_full_sequences >= 4  # room for several full-length responses per engine
+    assert recipe.read_text().startswith("# Qwen2.5-")  # header says what it expects
+    assert cfg.reward.kind == ("code" if "_code_" in recipe.name else "math")
+    assert cfg.data.format == ("kodcode" if "_code_" in recipe.name else "deepmath")
+
+
+def test_qwen_shapes_match_published_parameter_counts():
+    expected = {"qwen2.5-7b": 7.62e9, "qwen2.5-14b": 14.77e9, "qwen2.5-32b": 32.76e9}
+    for key, count in expected.items():
+        assert BUILTIN_SHAPES[key].total_params == pytest.approx(count, rel=0.002)
+    assert BUILTIN_SHAPES["qwen2.5-7b"].kv_bytes_per_token == 2 * 28 * 4 * 128 * 2
+
+
+def test_memory_hand_computed_7b():
+    cfg = load_config(REPO / "examples/qwen2.5/qwen2.5_7b_math_2x8_tp2_rtp1.yaml")
+    shape = BUILTIN_SHAPES["qwen2.5-7b"]
+    est = estimate_memory(cfg, shape, GPUS["h800"])
+    params = (28 * shape.layer_params + 2 * 152064 * 3584) // 2
+    assert trainer_params_per_gpu(cfg, shape) == params
+    assert est.trainer["weights"] == pytest.approx(params * 2 / GIB)
+    assert est.trainer["gradients"] == pytest.approx(params * 4 / GIB)
+    assert est.trainer["optimizer"] == pytest.approx(params * 12 / 8 / GIB)  # sharded over DP=8
+    assert est.engine["weights"] == pytest.approx(shape.total_params * 2 / GIB)
+    kv = 0.55 * 80 - shape.total_params * 2 / GIB - 2.0
+    assert est.kv_tokens_per_engine == int(kv * GIB / (2 * 28 * 4 * 128 * 2))
+
+
+def test_paper_32b_layout_is_refused_with_the_reason():
+    cfg = load_config(REPO / "examples/qwen2.5/qwen2.5_32b_math_8x8_tp8cp4_rtp4.yaml",
+                      ["parallel.tensor_model_parallel_size=4", "parallel.data_parallel_size=4",
+                       "rollout.tensor_parallel_size=2", "rollout.num_engines=32", "rollout.gpu_memory_utilization=0.5"])
+    with pytest.raises(PlanError, match=r"rollout phase needs 9\d\.\d GiB per GPU > 80 GiB") as info:
+        make_plan(cfg)
+    assert "train phase needs" in str(info.value) and "parallel.tensor_model_parallel_size" in str(info.value)
+
+
+def test_placement_coordinates_and_node_boundaries():
+    cfg = load_config(REPO / "examples/qwen2.5/qwen2.5_14b_math_4x8_tp2pp2cp2_rtp2.yaml")
+    nodes = plan_placement(cfg, ["a", "b", "c", "d"])
+    assert nodes[1].gpus[0].trainer_rank == 8 and nodes[1].gpus[0].coords == "tp0 cp0 dp2 pp0"
+    assert nodes[2].gpus[0].coords == "tp0 cp0 dp0 pp1"
+    assert nodes[0].gpus[3].coords == "tp1 cp1 dp0 pp0"
+    assert [s.engine for s in nodes[3].gpus] == [12, 12, 13, 13, 14, 14, 15, 15]
+    assert sum(len(n.reward_workers) for n in nodes) == cfg.reward.num_workers
+    cfg.rollout.tensor_parallel_size = 3
+    with pytest.raises(PlanError, match="must not cross a node"):
+        plan_placement(cfg)
+    with pytest.raises(PlanError, match="lists 2 hosts"):
+        plan_placement(load_config(REPO / "examples/qwen2.5/qwen2.5_7b_math_2x8_tp2_rtp1.yaml",
+                                   ["cluster.num_nodes=4"]), ["a", "b"])
+
+
+def test_shape_from_config_json_and_unknown_name(tmp_path):
+    d = tmp_path / "my-model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"vocab_size": 320, "hidden_size": 128, "intermediate_size": 256,
+                                               "num_hidden_layers": 2, "num_attention_heads": 4,
+                                               "num_key_value_heads": 2, "max_position_embeddings": 1024}))
+    assert resolve_shape(str(d)).num_layers == 2
+    assert resolve_shape("/nowhere/Qwen2.5-14B-Instruct").name == "Qwen2.5-14B"
+    with pytest.raises(ConfigError, match="model.hf_path"):
+        resolve_shape("/nowhere/llama-7b")
+
+
+def test_plan_cli_exit_codes(capsys):
+    from tools.plan_cluster import main
+
+    recipe = str(REPO / "examples/qwen2.5/qwen2.5_7b_math_2x8_tp2_rtp1.yaml")
+    assert main(["--config", recipe]) == 0
+    assert "plan: OK" in capsys.readouterr().out
+    assert main(["--config", recipe, "rollout.gpu_memory_utilization=0.9"]) == 2
+    assert "does not fit" in capsys.readouterr().err
