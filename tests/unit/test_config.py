@@ -121,3 +121,12 @@ def test_exponent_floats_without_dot(tmp_path):
     assert load_config(None, ["optimizer.lr=3e-4"]).optimizer.lr == 3e-4
     with pytest.raises(ConfigError, match=r"optimizer\.lr"):
         load_config(None, ["optimizer.lr=fast"])
+
+
+def test_readme_config_reference_is_current():
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, str(REPO / "tools/config_reference.py"), "--check", str(REPO / "README.md")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
