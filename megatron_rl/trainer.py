@@ -23,7 +23,7 @@ from megatron_rl.config import RunConfig
 from megatron_rl.data.cursor import PromptCursor
 from megatron_rl.hooks import RolloutBatch, RolloutContext, RolloutScheduler, StepHook
 from megatron_rl.metrics import MetricsLogger, PhaseTimer, length_stats, occupancy
-from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.rollout.engine import GenerationRequest, RolloutEngine
 from megatron_rl.sample import Prompt, Sample
 from megatron_rl.step_log import StepLog
 from megatron_rl.training.policy_group import PolicyGroup
@@ -65,6 +65,7 @@ class Trainer:
                                     total_steps=cfg.trainer.steps)
         history = []
         try:
+            await self._warm_up_engine()
             if self.start_step > 0:
                 await self._sync_weights()  # the engine started from HF weights; bring it to the checkpoint
             # Validation before training goes into the first step's record (val/policy_version = 0).
@@ -158,6 +159,18 @@ class Trainer:
             ref = self.p.policy.compute_logprobs(samples, "reference")
             for s, lp in zip(samples, ref):
                 s.ref_logprobs = lp
+
+    async def _warm_up_engine(self) -> None:
+        """One short sampled request before step 0: vLLM's first seeded, logprob-returning call
+        is slow (tens of seconds on CPU) and would otherwise inflate the first step's time."""
+        start = time.monotonic()
+        prompt = self.p.train_prompts[0]
+        await self.p.engine.submit(GenerationRequest(request_id="warmup", prompt_ids=prompt.token_ids, max_tokens=4,
+                                                     seed=0, temperature=self.cfg.rollout.temperature))
+        stream = self.p.engine.completions()
+        while (await stream.__anext__()).request_id != "warmup":
+            pass
+        log.info("engine warm-up took %.1f s", time.monotonic() - start)
 
     async def _sync_weights(self) -> None:
         """Trainer shards -> HF names -> safetensors -> engine reload, tagged with the version."""

@@ -93,7 +93,7 @@ def print_table(base: dict, tb: dict) -> None:
         ratio = f"{a / b:.2f}x" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else ""
         print(f"| {name:<34} | {fa:>12} | {fb:>12} | {ratio:>7} |")
 
-    print("| metric                             |     baseline |   RollPacker |   ratio |")
+    print("| metric                             |     baseline |   RollPacker | base/RP |")
     print("| ---------------------------------- | -----------: | -----------: | ------: |")
     row("training-loop time (s)", base["loop_time"], tb["loop_time"])
     row("rollout time (s)", base["rollout_time"], tb["rollout_time"])
