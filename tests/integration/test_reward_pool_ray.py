@@ -1,7 +1,6 @@
 """The reward pool on real Ray actors: scoring in workers, dispatch, timeouts, cancel."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -11,29 +10,6 @@ from megatron_rl.reward.workers import RewardPool
 from megatron_rl.sample import Prompt, Sample
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def ray_session(tmp_path_factory):
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             _temp_dir=str(tmp_path_factory.mktemp("ray")),
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}})
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> Path:
-    from megatron_rl.model.tiny import build_tokenizer
-
-    path = tmp_path_factory.mktemp("tok")
-    build_tokenizer().save_pretrained(path)
-    return path
 
 
 def make_sample(tokenizer, prompt_id: str, index: int, text: str, answer: str) -> Sample:

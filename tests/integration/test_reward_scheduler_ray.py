@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from pathlib import Path
 
@@ -14,32 +13,10 @@ from megatron_rl.sample import Prompt, Sample
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 TESTS = "from solution import work\n\ndef test_work():\n    assert work() == 7\n"
 # ~0.2-0.5 s of CPU per run: enough for a queue to build up behind one worker.
 SLOW_OK = "```python\ndef work():\n    s = 0\n    for i in range(3_000_000):\n        s += i\n    return 7\n```"
 FAST_WRONG = "```python\ndef work():\n    return 6\n```"
-
-
-@pytest.fixture(scope="module")
-def ray_session(tmp_path_factory):
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             _temp_dir=str(tmp_path_factory.mktemp("ray")),
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}})
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> Path:
-    from megatron_rl.model.tiny import build_tokenizer
-
-    path = tmp_path_factory.mktemp("tok")
-    build_tokenizer().save_pretrained(path)
-    return path
 
 
 def test_pool_grows_under_load_scores_code_and_shrinks_when_idle(ray_session, tokenizer_dir: Path) -> None:

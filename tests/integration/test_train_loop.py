@@ -60,7 +60,8 @@ def test_loop_runs_on_policy_with_engine_parity(tiny_model_dir, tmp_path):
         for key in ("time/rollout", "time/reward", "time/logprob", "time/train", "time/weight_sync",
                     "reward/mean", "reward/accuracy", "response_length/mean", "response_length/p50",
                     "response_length/p90", "response_length/max", "rollout/tokens_per_s",
-                    "rollout/engine_occupancy", "train/loss"):
+                    "rollout/engine_occupancy", "train/loss", "reward/queue_wait_mean",
+                    "reward/busy_workers_mean", "reward/hidden_fraction"):
             assert key in r, f"{key} missing from metrics row {r}"
         assert 0.0 < r["rollout/engine_occupancy"] <= 1.0
         # Engine sampled with the weights the trainer just synced: logprobs agree (fp32).

@@ -1,0 +1,30 @@
+"""Fixtures shared by integration test modules (each module gets its own instance)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def ray_session(tmp_path_factory):
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             _temp_dir=str(tmp_path_factory.mktemp("ray")),
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}})
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    from megatron_rl.model.tiny import build_tokenizer
+
+    path = tmp_path_factory.mktemp("tok")
+    build_tokenizer().save_pretrained(path)
+    return path
