@@ -253,19 +253,19 @@ def load_file_prompts(
         raise DatasetError(f"{path}: format {fmt!r} is not a file format; expected one of {sorted(MAPPERS) + ['auto']}")
     name = dataset_name(path)
     prompts: list[Prompt] = []
-    mapper = MAPPERS.get(fmt)
     for row, where, record in read_rows(path):
         if limit is not None and row >= limit:
             break
         if not isinstance(record, dict):
             raise DatasetError(f"{where}: expected a JSON object, got {type(record).__name__}")
-        if mapper is None:
-            fmt = guess_format(record, where)
-            mapper = MAPPERS[fmt]
+        # 'auto' decides per row, so one file may mix shapes (e.g. DeepMath and KodCode rows for
+        # a math+code run; reward.kind=mixed routes by the row's format).
+        row_fmt = guess_format(record, where) if fmt == "auto" else fmt
         try:
-            example = mapper(record, cfg)
+            example = MAPPERS[row_fmt](record, cfg)
         except KeyError as e:
-            raise DatasetError(f"{where}: missing field {e.args[0]!r} for format {fmt!r} (row keys: {sorted(record)})") from None
+            raise DatasetError(f"{where}: missing field {e.args[0]!r} for format {row_fmt!r} "
+                               f"(row keys: {sorted(record)})") from None
         except ValueError as e:
             raise DatasetError(f"{where}: {e}") from None
         token_ids = apply_chat_template(tokenizer, example.question, cfg.system_prompt)
@@ -281,7 +281,7 @@ def load_file_prompts(
                 token_ids=token_ids,
                 answer=example.answer,
                 text=text,
-                metadata={"format": fmt, **example.metadata},
+                metadata={"format": row_fmt, **example.metadata},
             )
         )
     if not prompts:

@@ -91,6 +91,19 @@ def test_kodcode_format_keeps_tests(tmp_path, tokenizer):
     assert prompt.answer == row["test"]
 
 
+def test_auto_detects_each_row_so_math_and_code_can_mix(tmp_path, tokenizer):
+    rows = [{"question": "Limit?", "final_answer": "0"},
+            {"question": "Write f().", "test": "from solution import f\n", "test_info": []},
+            {"question": "2+2?", "final_answer": "4"},
+            {"input": "neither shape"}]
+    path = write_jsonl(tmp_path / "mix.jsonl", rows[:3])
+    prompts = load_file_prompts(path, tokenizer, "auto", DataConfig())
+    assert [p.metadata["format"] for p in prompts] == ["deepmath", "kodcode", "deepmath"]
+    bad = write_jsonl(tmp_path / "mixbad.jsonl", rows)
+    with pytest.raises(DatasetError, match=r"mixbad\.jsonl:4: cannot guess"):
+        load_file_prompts(bad, tokenizer, "auto", DataConfig())
+
+
 def test_custom_format_with_dotted_key_and_messages(tmp_path, tokenizer):
     rows = [
         {"q": "Two?", "meta": {"gt": 2}},

@@ -17,7 +17,7 @@ PAPER_SHAPE = {"7b": (2, 1, 1, 1, 2), "14b": (2, 2, 2, 2, 4), "32b": (8, 1, 4, 4
 
 def test_all_sizes_and_tasks_present():
     names = {p.name.split("_")[1] + "_" + p.name.split("_")[2] for p in RECIPES}
-    assert names == {f"{s}_{t}" for s in ("7b", "14b", "32b") for t in ("math", "code")}
+    assert names == {f"{s}_{t}" for s in ("7b", "14b", "32b") for t in ("math", "code", "mixed")}
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
@@ -35,8 +35,10 @@ def test_recipe_validates_and_fits_an_h800(recipe):
     assert plan.memory.fits and plan.memory.rollout_peak_gib <= 80 and plan.memory.train_peak_gib <= 80
     assert plan.memory.concurrent_full_sequences >= 4  # room for several full-length responses per engine
     assert recipe.read_text().startswith("# Qwen2.5-")  # header says what it expects
-    assert cfg.reward.kind == ("code" if "_code_" in recipe.name else "math")
-    assert cfg.data.format == ("kodcode" if "_code_" in recipe.name else "deepmath")
+    task = recipe.name.split("_")[2]
+    assert cfg.reward.kind == {"code": "code", "math": "math", "mixed": "mixed"}[task]
+    assert cfg.data.format == {"code": "kodcode", "math": "deepmath", "mixed": "auto"}[task]
+    assert cfg.scheduler.name == "tail_batching"  # RollPacker recipes; scheduler.name=baseline for veRL-style
 
 
 def test_qwen_shapes_match_published_parameter_counts():
