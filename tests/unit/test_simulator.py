@@ -131,13 +131,15 @@ def test_recipe_cluster_uses_its_layout():
     assert cl.train.pp == 2 and cl.train.gpus == 32
 
 
-def test_cli_with_measured_constants_prints_speedup(tmp_path, capsys):
+def test_cli_with_measured_constants_prints_speedup(tmp_path, capsys, tiny_model_dir):
     from tools.simulate import main
 
     consts = tmp_path / "cpu.json"
     consts.write_text(json.dumps({"step_s": 0.02, "per_seq_s": 0.0005, "per_ctx_token_s": 2e-7,
                                   "prefill_token_s": 1e-4, "kv_capacity_tokens": 60000, "max_num_seqs": 64}))
-    rc = main(["--recipe", str(REPO / "examples/qwen2.5/tiny_cpu.yaml"), "--engine-constants", str(consts),
+    # The tiny model is built by launch/local.sh; a fresh clone has none, so use the fixture's.
+    rc = main(["--recipe", str(REPO / "examples/qwen2.5/tiny_cpu.yaml"), f"model.hf_path={tiny_model_dir}",
+               "--engine-constants", str(consts),
                "--train-s-per-token", "2e-5", "--steps", "10", "--sweep-eta-p", "1.25", "--sweep-eta-r", "1.0,1.25"])
     out = capsys.readouterr().out
     assert rc == 0
