@@ -76,9 +76,11 @@ class Trainer:
                 initial_val = {}
                 if cfg.data.eval_every and ((step + 1) % cfg.data.eval_every == 0 or step + 1 == cfg.trainer.steps):
                     metrics.update(await self._validate())
+                # Log before saving: a kill in between leaves a line the resumed run drops and
+                # redoes, never a checkpointed step without its metrics line.
+                metrics_log.log(step, metrics)
                 if self._should_save(step):
                     self._save(step + 1)
-                metrics_log.log(step, metrics)
                 for hook in self.p.hooks:
                     hook.on_step_end(step, metrics)
                 history.append(metrics)
@@ -128,7 +130,7 @@ class Trainer:
         return [self.p.train_prompts[i] for i in self.cursor.take(n)]
 
     def _prepare(self, batch: RolloutBatch) -> tuple[list[Sample], dict]:
-        """Reward shaping, zero-variance filter, advantages. Returns the samples to train on."""
+        """Zero-variance filter (when configured) and advantages. Returns the samples to train on."""
         # Overlong shaping already happened in the reward workers (reward = shaped, raw_reward = rule).
         alg = self.cfg.algorithm
         groups = batch.groups
