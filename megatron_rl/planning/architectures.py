@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_rl.config_io import ConfigError
+from megatron_rl.model.arch import arch_from_hf_config
 
 
 @dataclass(frozen=True)
@@ -67,18 +68,17 @@ BUILTIN_SHAPES: dict[str, ModelShape] = {
 
 
 def shape_from_hf_config(raw: dict, name: str) -> ModelShape:
-    """ModelShape from a parsed config.json; errors name the missing key."""
+    """ModelShape from a parsed config.json (the trainer's torch-free parser); errors name the key."""
     try:
-        heads = int(raw["num_attention_heads"])
-        return ModelShape(
-            name=name, vocab_size=int(raw["vocab_size"]), hidden_size=int(raw["hidden_size"]),
-            intermediate_size=int(raw["intermediate_size"]), num_layers=int(raw["num_hidden_layers"]),
-            num_heads=heads, num_kv_heads=int(raw.get("num_key_value_heads", heads)),
-            max_position_embeddings=int(raw["max_position_embeddings"]),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        )
-    except KeyError as exc:
-        raise ConfigError(f"model.hf_path: config.json of {name} lacks key {exc}") from None
+        arch = arch_from_hf_config(raw, f"config.json of {name}")
+    except ValueError as exc:
+        raise ConfigError(f"model.hf_path: {exc}") from None
+    return ModelShape(
+        name=name, vocab_size=arch.vocab_size, hidden_size=arch.hidden_size,
+        intermediate_size=arch.intermediate_size, num_layers=arch.num_layers, num_heads=arch.num_heads,
+        num_kv_heads=arch.num_kv_heads, max_position_embeddings=arch.max_position_embeddings,
+        tie_word_embeddings=arch.tie_word_embeddings,
+    )
 
 
 def resolve_shape(hf_path: str) -> ModelShape:

@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from megatron_rl.config import RolloutConfig, RunConfig
-from megatron_rl.rollout.engine import Completion, GenerationRequest
+from megatron_rl.rollout.engine import GenerationRequest
 from megatron_rl.rollout.ray_engine import RayEngineClient, create_engine_client
 from megatron_rl.rollout.weight_sync import write_hf_weights
+from tests.helpers.engine_io import collect, generate
+from tests.helpers.engine_io import run as run_with_timeout
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -55,22 +57,7 @@ def client(tiny_model_dir, loop):
 
 
 def run(loop, coro, timeout: float = 180.0):
-    return loop.run_until_complete(asyncio.wait_for(coro, timeout=timeout))
-
-
-async def collect(engine, ids: set[str]) -> dict[str, Completion]:
-    got: dict[str, Completion] = {}
-    async for completion in engine.completions():
-        assert completion.request_id in ids, f"unexpected completion {completion.request_id}"
-        got[completion.request_id] = completion
-        if len(got) == len(ids):
-            return got
-    raise AssertionError("completions() ended early")
-
-
-async def generate(engine, requests):
-    await asyncio.gather(*(engine.submit(r) for r in requests))
-    return await collect(engine, {r.request_id for r in requests})
+    return run_with_timeout(loop, coro, timeout)
 
 
 def test_generate_through_actor(client, loop):

@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from megatron_rl.config import RolloutConfig
-from megatron_rl.rollout.engine import Completion, GenerationRequest
+from megatron_rl.rollout.engine import GenerationRequest
 from megatron_rl.rollout.vllm_engine import VLLMEngine
 from megatron_rl.rollout.weight_sync import LM_HEAD_KEY, write_hf_weights
+from tests.helpers.engine_io import collect, generate
+from tests.helpers.engine_io import run as run_with_timeout
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -52,23 +54,7 @@ def engine(tiny_model_dir, loop, tmp_path_factory):
 
 
 def run(loop, coro, timeout: float = 120.0):
-    return loop.run_until_complete(asyncio.wait_for(coro, timeout=timeout))
-
-
-async def collect(engine: VLLMEngine, ids: set[str]) -> dict[str, Completion]:
-    """Read completions until every id in ``ids`` arrived (others are an error)."""
-    got: dict[str, Completion] = {}
-    async for completion in engine.completions():
-        assert completion.request_id in ids, f"unexpected completion {completion.request_id}"
-        got[completion.request_id] = completion
-        if len(got) == len(ids):
-            return got
-    raise AssertionError("completions() ended early")
-
-
-async def generate(engine: VLLMEngine, requests: list[GenerationRequest]) -> dict[str, Completion]:
-    await asyncio.gather(*(engine.submit(r) for r in requests))
-    return await collect(engine, {r.request_id for r in requests})
+    return run_with_timeout(loop, coro, timeout)
 
 
 def hf_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
