@@ -209,7 +209,8 @@ class Trainer:
             "rollout/truncated_fraction": sum(s.finish_reason == "length" for s in samples) / max(1, len(samples)),
             "batch/samples_trained": float(len(trained)),
         }
-        m.update({f"response_length/{k}": v for k, v in length_stats(lengths).items()})
+        stats = length_stats(lengths)
+        m.update({f"response_length/{k}": v for k, v in stats.items()})
         # Trainer vs engine logprobs of the same tokens: catches stale or mis-mapped weight syncs.
         diffs = [abs(a - b) for s in trained if s.engine_logprobs for a, b in zip(s.old_logprobs, s.engine_logprobs)]
         if diffs:
@@ -219,15 +220,16 @@ class Trainer:
         rt = batch.round_type
         m[f"round/{rt}/time_step"] = elapsed
         m[f"round/{rt}/time_rollout"] = phases["rollout"]
-        m.update({f"round/{rt}/response_length_{k}": v for k, v in length_stats(lengths).items()})
+        m.update({f"round/{rt}/response_length_{k}": v for k, v in stats.items()})
         m.update(batch.metrics)
         return m
 
     def _record_trained_prompts(self, step: int, batch: RolloutBatch, samples: list[Sample]) -> None:
         trained = list(dict.fromkeys(s.prompt.prompt_id for s in samples))
+        trained_set = set(trained)
         # Filtered by the scheduler (DAPO refill) or by the loop's zero-variance filter.
         filtered = list(batch.filtered_prompt_ids) + [g[0].prompt.prompt_id for g in batch.groups
-                                                      if g[0].prompt.prompt_id not in set(trained)]
+                                                      if g[0].prompt.prompt_id not in trained_set]
         self.trained_log.append(step, prompt_ids=trained, filtered_ids=filtered)
         # Times relative to the trainer's start so steps line up on one axis in the plot.
         self.timeline_log.append(step, round_type=batch.round_type,

@@ -128,7 +128,6 @@ def megatron_stage_to_hf(
     Replicated tensors (norms) are taken from TP rank 0. The tied last-stage copy of the
     embedding is not emitted (the first stage's embedding is the source of truth).
     """
-    tp_size = len(tp_shards)
     out: StateDict = {}
     first, last = pp_rank == 0, pp_rank == pp_size - 1
 

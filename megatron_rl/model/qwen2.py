@@ -11,8 +11,7 @@ from typing import Any
 import torch
 
 # The shape parser is torch-free (arch.py); re-exported here for the Megatron-side callers.
-from megatron_rl.model.arch import (VOCAB_DIVISIBLE_BY, Qwen2Arch, arch_from_hf_config,  # noqa: F401
-                                    padded_vocab_size, read_qwen2_arch)
+from megatron_rl.model.arch import Qwen2Arch, padded_vocab_size, read_qwen2_arch  # noqa: F401
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def check_parallel_fits(arch: Qwen2Arch, tp_size: int, pp_size: int) -> None:
