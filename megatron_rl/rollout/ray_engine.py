@@ -153,7 +153,8 @@ class RayEngineClient(RolloutEngine):
         return self._read()
 
     async def _read(self) -> AsyncIterator[Completion]:
-        if self._pump_task is None or self._pump_task.done() and self._local.empty():
+        # (Re)start the pump when none runs; a pump that died left its exception in the queue.
+        if self._pump_task is None or (self._pump_task.done() and self._local.empty()):
             self._pump_task = asyncio.ensure_future(self._pump())
         while True:
             item = await self._local.get()
