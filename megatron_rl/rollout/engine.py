@@ -86,6 +86,19 @@ class RolloutEngine(abc.ABC):
         """Load HF-named safetensors from ``weights_dir`` in place and tag later completions
         with ``version``. Must not be called with requests in flight."""
 
+    async def sleep(self) -> None:
+        """Release the engine's device memory so another job (the trainer) can use it.
+
+        Must only be called with no requests in flight (finish or abort them first). While
+        asleep the engine accepts no requests and no weight reload; :meth:`wake_up` undoes it.
+        Frees what the backend can (weights and KV cache); the default frees nothing, so an
+        engine without a sleep mode still works, it just holds its memory. Idempotent.
+        """
+
+    async def wake_up(self) -> None:
+        """Reacquire what :meth:`sleep` released; the engine then serves requests again with the
+        weights it had (reload afterwards to move to newer ones). No-op when awake."""
+
     @abc.abstractmethod
     async def stats(self) -> EngineStats:
         """Current load: running, waiting, preemptions, KV usage."""

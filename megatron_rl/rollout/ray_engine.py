@@ -1,5 +1,5 @@
 """Rollout engines behind Ray: an async actor hosting a VLLMEngine, its driver-side client, and
-a small pool that routes requests across several engines.
+the pool that routes requests across several engines (``engine_pool.EnginePool``, re-exported here).
 
 The driver talks only to :class:`RolloutEngine` objects, so a scheduler cannot tell a local
 engine from a remote one or from a pool. Completions cross the actor boundary in batches: the
@@ -10,10 +10,11 @@ amortises the round trip over many completions.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator
 
 from megatron_rl.config import RolloutConfig, RunConfig
 from megatron_rl.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine
+from megatron_rl.rollout.engine_pool import EnginePool  # lives there; re-exported for existing imports
 
 
 class EngineActor:
@@ -81,6 +82,14 @@ class EngineActor:
     async def reload_weights(self, weights_dir: str, version: int) -> None:
         """Forward to VLLMEngine.reload_weights (the directory must be on this actor's node)."""
         await self._engine.reload_weights(weights_dir, version)
+
+    async def sleep(self) -> None:
+        """Forward to VLLMEngine.sleep (release device memory; nothing may be in flight)."""
+        await self._engine.sleep()
+
+    async def wake_up(self) -> None:
+        """Forward to VLLMEngine.wake_up."""
+        await self._engine.wake_up()
 
     async def shutdown(self) -> None:
         """Stop the engine's processes."""
@@ -178,6 +187,14 @@ class RayEngineClient(RolloutEngine):
         """Reload weights on the actor's engine from a directory on its node."""
         await self._call("reload_weights", weights_dir, version)
 
+    async def sleep(self) -> None:
+        """Put the actor's engine to sleep (frees its device memory where the backend can)."""
+        await self._call("sleep")
+
+    async def wake_up(self) -> None:
+        """Wake the actor's engine."""
+        await self._call("wake_up")
+
     async def stats(self) -> EngineStats:
         """The actor engine's current load."""
         return await self._call("stats")
@@ -198,89 +215,6 @@ class RayEngineClient(RolloutEngine):
             await asyncio.wait_for(self.actor.shutdown.remote(), timeout=60.0)
         finally:
             ray.kill(self.actor)
-
-
-class EnginePool(RolloutEngine):
-    """Several engines behind one :class:`RolloutEngine`: least-loaded routing by request count.
-
-    Each request goes to the engine with the fewest of this pool's requests in flight (ties to
-    the lowest index); aborts go to the owning engine; weights reload on all engines at once.
-    """
-
-    def __init__(self, engines: Sequence[RolloutEngine]) -> None:
-        if not engines:
-            raise ValueError("EnginePool needs at least one engine")
-        self.engines = list(engines)
-        self._owner: dict[str, int] = {}
-        self._load = [0] * len(self.engines)
-        self._merged: asyncio.Queue = asyncio.Queue()
-        self._pumps: list[asyncio.Task] = []
-
-    async def submit(self, request: GenerationRequest) -> None:
-        """Route to the least-loaded engine."""
-        if request.request_id in self._owner:
-            raise ValueError(f"request_id {request.request_id!r} is already in flight")
-        index = min(range(len(self.engines)), key=lambda i: (self._load[i], i))
-        self._owner[request.request_id] = index
-        self._load[index] += 1
-        try:
-            await self.engines[index].submit(request)
-        except BaseException:
-            self._forget(request.request_id)
-            raise
-
-    def _forget(self, request_id: str) -> None:
-        index = self._owner.pop(request_id, None)
-        if index is not None:
-            self._load[index] -= 1
-
-    async def _pump(self, engine: RolloutEngine) -> None:
-        try:
-            async for completion in engine.completions():
-                self._merged.put_nowait(completion)
-        except Exception as exc:
-            self._merged.put_nowait(exc)
-
-    async def completions(self) -> AsyncIterator[Completion]:
-        """Completions of all engines, merged in arrival order."""
-        if not self._pumps:
-            self._pumps = [asyncio.create_task(self._pump(e)) for e in self.engines]
-        while True:
-            item = await self._merged.get()
-            if isinstance(item, Exception):
-                raise item
-            self._forget(item.request_id)
-            yield item
-
-    async def abort(self, request_ids: list[str]) -> None:
-        """Abort each id on the engine that owns it; unknown ids are ignored."""
-        by_engine: dict[int, list[str]] = {}
-        for rid in request_ids:
-            if rid in self._owner:
-                by_engine.setdefault(self._owner[rid], []).append(rid)
-        await asyncio.gather(*(self.engines[i].abort(ids) for i, ids in by_engine.items()))
-
-    async def reload_weights(self, weights_dir: str, version: int) -> None:
-        """Reload every engine (concurrently)."""
-        await asyncio.gather(*(e.reload_weights(weights_dir, version) for e in self.engines))
-
-    async def stats(self) -> EngineStats:
-        """Sums over engines; KV usage is the mean; per-engine stats are in ``extra``."""
-        parts = await asyncio.gather(*(e.stats() for e in self.engines))
-        return EngineStats(
-            running=sum(p.running for p in parts),
-            waiting=sum(p.waiting for p in parts),
-            preemptions=sum(p.preemptions for p in parts),
-            kv_cache_usage=sum(p.kv_cache_usage for p in parts) / len(parts),
-            capacity=sum(p.capacity for p in parts),
-            extra={"per_engine": parts, "routed_in_flight": list(self._load)},
-        )
-
-    async def shutdown(self) -> None:
-        """Shut every engine down, then stop merging."""
-        await asyncio.gather(*(e.shutdown() for e in self.engines), return_exceptions=True)
-        for task in self._pumps:
-            task.cancel()
 
 
 def create_ray_engines(

