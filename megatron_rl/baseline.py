@@ -22,6 +22,7 @@ class BaselineScheduler(RolloutScheduler):
         r0 = ctx.cfg.data.responses_per_prompt
         start = time.monotonic()
         prompts = ctx.next_prompts(p0)
+        ctx.on_round_start(self.name, len(prompts))
         flight = InFlight()
         groups: dict[str, list[Sample]] = {p.prompt_id: [] for p in prompts}
         for prompt in prompts:

@@ -42,6 +42,14 @@ class ParallelConfig:
     """Megatron sequence parallelism (GPU only; torch LayerNorm on CPU rejects it)."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state across DP ranks (Megatron distributed optimizer)."""
+    recompute_granularity: str = "none"
+    """Activation recomputation in training: 'none' stores every layer's activations for the
+    backward; 'selective' recomputes the core attention (Megatron's recompute_modules
+    ['core_attn']: saves the s^2 attention scores of the local, non-flash attention, next to
+    nothing under Transformer Engine's flash attention); 'full' stores only each decoder layer's
+    input and recomputes the layer in the backward (recompute_method 'uniform',
+    recompute_num_layers 1: ~1/3 more compute for most of the activation memory). Exact either
+    way: gradients equal the stored-activation ones."""
 
 
 @dataclass
@@ -87,6 +95,10 @@ class RolloutConfig:
     weight_sync_dir: str = ""
     """Where the trainer writes HF-named safetensors for the engine to reload; empty uses
     /dev/shm (or the run dir when /dev/shm is missing)."""
+    sleep_during_train: bool = False
+    """Colocated GPUs: put the engines to sleep (vLLM sleep mode level 1: weights to host memory,
+    KV cache freed) once a step's rollout is done, so training can use that memory; they wake
+    before the weight sync. On CPU it runs but vLLM frees nothing."""
 
 
 @dataclass
@@ -136,6 +148,52 @@ class SchedulerConfig:
     max_refills: int = 4
     """DAPO mode (algorithm.filter_zero_variance): most extra launches per step to replace filtered
     groups before the step fails with a clear error."""
+
+
+@dataclass
+class StreamConfig:
+    enabled: bool = False
+    """Stream trainer (RollPacker): in the rounds named by ``rounds``, compute gradients on
+    completed groups while the rest still generate, and take the single optimizer step after the
+    last group. The update equals the ordinary one. Needs algorithm.ppo_mini_batches = 1."""
+    rounds: str = "long"
+    """Comma-separated round types that stream: 'long' (tail batching's long rounds), 'short',
+    'baseline' (every baseline step), or any mix."""
+    start_fraction_min: float = 0.2
+    """Earliest start: the fraction of the round's prompts complete at the first check."""
+    start_fraction_max: float = 0.5
+    """Latest start: streaming starts at this completed fraction whatever the engine load."""
+    check_interval: float = 0.05
+    """Start checks happen each time another this-much of the prompts has completed (5 % steps)."""
+    min_new_groups: int = 2
+    """After the start, a chunk goes to the trainer only once this many more groups completed
+    (small chunks cost a pipeline fill and a Ray round trip each)."""
+    release_engines: int = 0
+    """Engines to release when streaming starts: their running requests migrate (recompute:
+    prompt + generated tokens, budget reduced) to the other engines and they sleep until the
+    round ends. Streaming starts early only once the running requests fit on the engines left.
+    0 keeps every engine generating. Needs rollout.num_engines > release_engines."""
+    train_threads: int = 0
+    """CPU only: torch threads per trainer rank while engines are released (the freed cores go to
+    training); 0 leaves the thread count alone."""
+
+
+@dataclass
+class PlannerConfig:
+    enabled: bool = False
+    """Elastic rollout parallelism (RollPacker): each round type runs at its own rollout TP and the
+    engines are rebuilt between rounds when it changes, on the same devices
+    (rollout.tensor_parallel_size x rollout.num_engines of them)."""
+    initial_tp: str = ""
+    """Starting TP per round type, e.g. 'short:1,long:2' (from a profile or tools/simulate.py);
+    unlisted round types start at rollout.tensor_parallel_size."""
+    growth: float = 1.05
+    """Online rule: preemptions of a round above this multiple of the previous round's (same type,
+    same TP) double that round type's TP."""
+    quiet_rounds: int = 4
+    """Online rule: this many consecutive rounds of a type without preemption halve its TP."""
+    max_tp: int = 0
+    """Largest rollout TP to consider; 0 means one node's GPUs (on CPU: the rollout devices)."""
 
 
 @dataclass
@@ -256,6 +314,11 @@ class TrainerConfig:
     """W&B mode: 'offline' (no network) or 'online'."""
     progress_bar: bool = True
     """Show a console progress bar over steps."""
+    offload_during_rollout: bool = False
+    """Free the trainer's GPU memory while the engines generate: the DDP gradient buffers are
+    released, the optimizer state (and, on GPUs, the weights) move to host memory, all coming
+    back before the next logprob or training call (MegatronWorker.offload_for_rollout /
+    reload_for_training). Costs a host round trip of the trainer state per step."""
 
 
 @dataclass
@@ -270,6 +333,10 @@ class RunConfig:
     """Generation engines."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     """Which rollout scheduler fills each step's batch (baseline or RollPacker tail batching)."""
+    stream: StreamConfig = field(default_factory=StreamConfig)
+    """Stream trainer: gradients on completed groups while a round still generates."""
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    """Elastic rollout TP per round type, switched between rounds."""
     data: DataConfig = field(default_factory=DataConfig)
     """Prompts for training and validation."""
     reward: RewardConfig = field(default_factory=RewardConfig)

@@ -163,6 +163,8 @@ def validate(cfg: RunConfig, arch: dict | None = None, device: str | None = None
             raise ConfigError(f"scheduler.{key}: must be >= 1.0 (over-provisioning factor), "
                               f"got {getattr(cfg.scheduler, key)}")
     _positive(cfg.scheduler.max_refills, "scheduler.max_refills", allow_zero=True)
+    _validate_stream(cfg)
+    _validate_planner(cfg)
     _choice(cfg.algorithm.advantage, ("grpo", "drgrpo"), "algorithm.advantage")
     _choice(cfg.algorithm.loss_agg, ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"), "algorithm.loss_agg")
     _choice(cfg.algorithm.kl_type, ("k1", "k3"), "algorithm.kl_type")
@@ -174,6 +176,7 @@ def validate(cfg: RunConfig, arch: dict | None = None, device: str | None = None
         raise ConfigError("data.prompt_key and data.answer_key are required when data.format is 'custom'")
     for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "data_parallel_size"):
         _positive(getattr(cfg.parallel, key), f"parallel.{key}")
+    _choice(cfg.parallel.recompute_granularity, RECOMPUTE_GRANULARITIES, "parallel.recompute_granularity")
     for key in ("tensor_parallel_size", "num_engines", "max_new_tokens", "max_num_seqs"):
         _positive(getattr(cfg.rollout, key), f"rollout.{key}")
     _positive(cfg.rollout.temperature, "rollout.temperature", allow_zero=True)
@@ -251,6 +254,52 @@ def _validate_reward_scaling(cfg: RunConfig) -> None:
         _positive(getattr(r, key), f"reward.{key}")
     if r.code_timeout_max_s < r.code_timeout_min_s:
         raise ConfigError("reward.code_timeout_max_s must be >= reward.code_timeout_min_s")
+
+
+ROUND_TYPES = ("long", "short", "baseline")
+# parallel.recompute_granularity values; megatron_rl.model.qwen2 maps them to TransformerConfig.
+RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
+
+
+def _validate_stream(cfg: RunConfig) -> None:
+    st = cfg.stream
+    rounds = [r.strip() for r in st.rounds.split(",") if r.strip()]
+    if not rounds or any(r not in ROUND_TYPES for r in rounds):
+        raise ConfigError(f"stream.rounds: expected a comma-separated subset of {ROUND_TYPES}, got {st.rounds!r}")
+    if not 0 < st.start_fraction_min <= st.start_fraction_max <= 1:
+        raise ConfigError("stream.start_fraction_min and stream.start_fraction_max must satisfy "
+                          f"0 < min <= max <= 1, got {st.start_fraction_min} and {st.start_fraction_max}")
+    if not 0 < st.check_interval <= 1:
+        raise ConfigError(f"stream.check_interval: must be in (0, 1], got {st.check_interval}")
+    _positive(st.min_new_groups, "stream.min_new_groups")
+    _positive(st.release_engines, "stream.release_engines", allow_zero=True)
+    _positive(st.train_threads, "stream.train_threads", allow_zero=True)
+    if not st.enabled:
+        return
+    if cfg.algorithm.ppo_mini_batches != 1:
+        raise ConfigError("stream.enabled needs algorithm.ppo_mini_batches = 1: streamed gradients add up to "
+                          f"one optimizer step (got {cfg.algorithm.ppo_mini_batches})")
+    if st.release_engines >= cfg.rollout.num_engines:
+        raise ConfigError(f"stream.release_engines={st.release_engines} must leave an engine generating "
+                          f"(rollout.num_engines={cfg.rollout.num_engines})")
+
+
+def _validate_planner(cfg: RunConfig) -> None:
+    pl = cfg.planner
+    if pl.growth < 1.0:
+        raise ConfigError(f"planner.growth: must be >= 1.0, got {pl.growth}")
+    _positive(pl.quiet_rounds, "planner.quiet_rounds")
+    _positive(pl.max_tp, "planner.max_tp", allow_zero=True)
+    devices = cfg.rollout.tensor_parallel_size * cfg.rollout.num_engines
+    for part in filter(None, (p.strip() for p in pl.initial_tp.split(","))):
+        kind, sep, value = part.partition(":")
+        if not sep or not value.strip().isdigit() or int(value) < 1:
+            raise ConfigError(f"planner.initial_tp: expected 'round:tp' pairs like 'short:1,long:2', got {part!r}")
+        if kind.strip() not in ROUND_TYPES:
+            raise ConfigError(f"planner.initial_tp: unknown round type {kind.strip()!r} (one of {ROUND_TYPES})")
+        if devices % int(value):
+            raise ConfigError(f"planner.initial_tp: TP {value} does not divide the {devices} rollout devices "
+                              "(rollout.tensor_parallel_size x rollout.num_engines)")
 
 
 def _world_size(cfg: RunConfig) -> int:

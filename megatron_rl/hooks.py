@@ -40,6 +40,9 @@ class RolloutContext:
     """Version of the weights now loaded in the engine; every trained sample must carry it."""
     step: int
     """Training step being assembled."""
+    on_round_start: Callable[[str, int], None] = lambda round_type, num_groups: None
+    """Call once per step before the first request, with the round type and the number of groups
+    the batch will hold (forwarded to StepHooks; the stream trainer decides here whether to stream)."""
     on_group_complete: Callable[[list[Sample]], None] = lambda group: None
     """Call with each group the moment it is complete and scored (forwarded to StepHooks)."""
 
@@ -76,6 +79,11 @@ class RolloutScheduler(abc.ABC):
     async def next_batch(self, ctx: RolloutContext) -> RolloutBatch:
         """Generate, score and return the step's groups. Must leave no request running."""
 
+    def next_round_type(self, cfg: RunConfig) -> str:
+        """The round type the next :meth:`next_batch` will run (the elastic planner picks the
+        engines' TP for it before the round starts). Default: the scheduler's name."""
+        return self.name
+
     def state_dict(self) -> dict:
         """Scheduler state to checkpoint (queues, counters). Default: stateless."""
         return {}
@@ -86,6 +94,9 @@ class RolloutScheduler(abc.ABC):
 
 class StepHook:
     """Observer of the loop. Override what you need; every method is optional."""
+
+    def on_round_start(self, step: int, round_type: str, num_groups: int) -> None:
+        """The step's rollout is about to start: its round type and how many groups it will yield."""
 
     def on_group_complete(self, step: int, group: list[Sample]) -> None:
         """A group finished generation and scoring during rollout (stream-trainer entry point)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -37,6 +38,24 @@ def make_scheduler(cfg: RunConfig):
     from megatron_rl.baseline import BaselineScheduler
 
     return BaselineScheduler()
+
+
+def _elastic_rollout(cfg: RunConfig, engine, device: str):
+    """Wrap the engines for the elastic-TP planner: ``tp`` -> ``devices / tp`` engines of TP ``tp``."""
+    from megatron_rl.distributed.cluster import engine_actor_options
+    from megatron_rl.rollout.ray_engine import create_engine_client
+    from rollpacker.elastic_tp import build_elastic_tp
+
+    devices = cfg.rollout.tensor_parallel_size * cfg.rollout.num_engines
+
+    async def factory(tp: int):
+        at_tp = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, tensor_parallel_size=tp,
+                                                                     num_engines=devices // tp))
+        # Engine start-up blocks on ray.get: keep the event loop (reward tasks) running meanwhile.
+        return await asyncio.to_thread(create_engine_client, at_tp, cfg.model.hf_path,
+                                       engine_actor_options(at_tp, device))
+
+    return build_elastic_tp(cfg, engine, factory, on_gpu=device == "cuda")
 
 
 def build_and_run(cfg: RunConfig) -> list[dict]:
@@ -74,13 +93,22 @@ def build_and_run(cfg: RunConfig) -> list[dict]:
     try:
         port = cfg.cluster.master_port or free_port()
         policy = PolicyGroup(cfg, device, trainer_actor_options(cfg, device), port)
+        if cfg.trainer.offload_during_rollout:
+            # Load the trainer before vLLM claims its share of the GPU, then move it out of the way.
+            policy.load_hf(cfg.model.hf_path)
+            policy.offload_for_rollout()
         engine = create_engine_client(cfg, cfg.model.hf_path, engine_actor_options(cfg, device))
+        elastic = None
+        if cfg.planner.enabled:
+            elastic = _elastic_rollout(cfg, engine, device)
+            engine = elastic.rollout
         rewards = RewardPool.from_run_config(cfg)
-        policy.load_hf(cfg.model.hf_path)
+        if not cfg.trainer.offload_during_rollout:
+            policy.load_hf(cfg.model.hf_path)
         sync_dir = cfg.rollout.weight_sync_dir or default_sync_dir(run_dir)
         parts = TrainerParts(cfg=cfg, policy=policy, engine=engine, rewards=rewards, train_prompts=train_prompts,
                              eval_prompts=eval_prompts, scheduler=make_scheduler(cfg),
-                             weight_sync_dir=str(sync_dir))
+                             weight_sync_dir=str(sync_dir), elastic=elastic)
         return run_trainer(parts)
     finally:
         for part in (rewards, engine, policy):

@@ -44,6 +44,8 @@ class TrainerParts:
     scheduler: RolloutScheduler
     hooks: list[StepHook] = field(default_factory=list)
     weight_sync_dir: str = ""
+    elastic: "object | None" = None
+    """rollpacker.elastic_tp.ElasticTP when planner.enabled (engine is then its ElasticRollout)."""
 
 
 class Trainer:
@@ -56,6 +58,20 @@ class Trainer:
         self.version = 0  # policy version == number of optimizer steps taken == step index
         self.t0 = time.monotonic()
         self.start_step = 0
+        self.stream = self._make_stream_trainer() if self.cfg.stream.enabled else None
+        # The stream trainer is a hook like any other, called first so it sees groups at once.
+        self.hooks: list[StepHook] = ([self.stream] if self.stream else []) + list(parts.hooks)
+
+    def _make_stream_trainer(self):
+        from megatron_rl.config_io import resolve_device
+        from rollpacker.stream_trainer import StreamTrainer
+
+        async def set_threads(n: int) -> None:
+            await asyncio.to_thread(self.p.policy.set_num_threads, n)
+
+        on_cpu = resolve_device(self.cfg) == "cpu"
+        return StreamTrainer(self.cfg, self.p.engine, self._train_chunk, self._apply_accumulated,
+                             set_train_threads=set_threads if on_cpu else None)
 
     # ---------------------------------------------------------------- the loop
     async def run(self) -> list[dict]:
@@ -80,8 +96,8 @@ class Trainer:
                 # redoes, never a checkpointed step without its metrics line.
                 metrics_log.log(step, metrics)
                 if self._should_save(step):
-                    self._save(step + 1)
-                for hook in self.p.hooks:
+                    await self._save(step + 1)
+                for hook in self.hooks:
                     hook.on_step_end(step, metrics)
                 history.append(metrics)
         finally:
@@ -91,23 +107,45 @@ class Trainer:
     async def _step(self, step: int) -> dict:
         timer = PhaseTimer()
         step_start = time.monotonic()
+        if self.p.elastic is not None:
+            with timer("engine_switch"):
+                await self.p.elastic.before_round(self.p.scheduler.next_round_type(self.cfg),
+                                                  self.p.weight_sync_dir, self.version)
         with timer("rollout"):
             batch = await self.p.scheduler.next_batch(self._context(step))
-        for hook in self.p.hooks:
+        planner_metrics = await self.p.elastic.after_round(batch.round_type) if self.p.elastic is not None else {}
+        if self.cfg.rollout.sleep_during_train:
+            with timer("engine_sleep"):
+                await self.p.engine.sleep()
+        if self.cfg.trainer.offload_during_rollout:
+            # After the engine sleeps: on a colocated GPU both would not fit at once.
+            with timer("trainer_reload"):
+                await self._trainer_resident(True)
+        for hook in self.hooks:
             hook.on_batch_ready(step, batch)
         samples, prep_metrics = self._prepare(batch)
         self._check_on_policy(samples)
-        with timer("logprob"):
-            if samples:
-                self._set_logprobs(samples)
-        with timer("train"):
-            train_metrics = self.p.policy.train_step(samples) if samples else {}
+        stream_metrics: dict[str, float] = {}
+        if self.stream is not None and self.stream.streaming(step):
+            # Most of the batch already went through forward/backward during the rollout.
+            with timer("train"):
+                result = await self.stream.finish(step, batch.groups)
+            self._check_stream_covered(samples, result.trained)
+            train_metrics, stream_metrics = result.train_metrics, result.metrics
+        else:
+            with timer("logprob"):
+                if samples:
+                    await self._set_logprobs(samples)
+            with timer("train"):
+                train_metrics = self.p.policy.train_step(samples) if samples else {}
         self.version += 1
         with timer("weight_sync"):
             await self._sync_weights()
         elapsed = time.monotonic() - step_start
         metrics = self._step_metrics(step, batch, samples, timer, elapsed)
         metrics.update(prep_metrics)
+        metrics.update(stream_metrics)
+        metrics.update(planner_metrics)
         metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
         # Reward scheduler: queue wait, busy workers, reward time hidden under rollout, scaling.
         metrics.update(self.p.rewards.step_metrics(batch.samples))
@@ -117,13 +155,17 @@ class Trainer:
     # ---------------------------------------------------------------- pieces
     def _context(self, step: int) -> RolloutContext:
         def on_group_complete(group: list[Sample]) -> None:
-            for hook in self.p.hooks:
+            for hook in self.hooks:
                 hook.on_group_complete(step, group)
+
+        def on_round_start(round_type: str, num_groups: int) -> None:
+            for hook in self.hooks:
+                hook.on_round_start(step, round_type, num_groups)
 
         return RolloutContext(
             cfg=self.cfg, engine=self.p.engine, score=self.p.rewards.score, cancel_scores=self.p.rewards.cancel_samples,
             next_prompts=self._next_prompts, policy_version=self.version, step=step,
-            on_group_complete=on_group_complete,
+            on_group_complete=on_group_complete, on_round_start=on_round_start,
         )
 
     def _next_prompts(self, n: int) -> list[Prompt]:
@@ -132,17 +174,53 @@ class Trainer:
     def _prepare(self, batch: RolloutBatch) -> tuple[list[Sample], dict]:
         """Zero-variance filter (when configured) and advantages. Returns the samples to train on."""
         # Overlong shaping already happened in the reward workers (reward = shaped, raw_reward = rule).
-        alg = self.cfg.algorithm
-        groups = batch.groups
+        groups, num_filtered = self._kept_groups(batch.groups)
         metrics: dict[str, float] = {}
-        if alg.filter_zero_variance:
-            result = filter_zero_variance(groups)
-            groups = result.kept
-            metrics["batch/groups_filtered"] = float(result.num_filtered)
+        if self.cfg.algorithm.filter_zero_variance:
+            metrics["batch/groups_filtered"] = float(num_filtered)
         samples = [s for g in groups for s in g]
-        compute_advantages(samples, kind=alg.advantage)
+        compute_advantages(samples, kind=self.cfg.algorithm.advantage)
         metrics["batch/groups_trained"] = float(len(groups))
         return samples, metrics
+
+    def _kept_groups(self, groups: list[list[Sample]]) -> tuple[list[list[Sample]], int]:
+        """Groups to train on (zero-variance ones dropped when configured), and how many were dropped."""
+        if not self.cfg.algorithm.filter_zero_variance:
+            return groups, 0
+        result = filter_zero_variance(groups)
+        return result.kept, result.num_filtered
+
+    # ---------------------------------------------------------------- stream trainer callbacks
+    async def _train_chunk(self, groups: list[list[Sample]]) -> list[Sample]:
+        """Streamed chunk: the same per-group preparation as :meth:`_prepare` (advantages are
+        group-local, so a chunk gets exactly the values the whole batch would), old logprobs
+        under the current weights, then forward/backward with gradients accumulated."""
+        kept, _ = self._kept_groups(groups)
+        samples = [s for g in kept for s in g]
+        if not samples:
+            return []
+        if self.cfg.trainer.offload_during_rollout:
+            await self._trainer_resident(True)  # streaming trains during the rollout (no-op once loaded)
+        compute_advantages(samples, kind=self.cfg.algorithm.advantage)
+        self._check_on_policy(samples)
+        await self._set_logprobs(samples)
+        await self.p.policy.accumulate_gradients_async(samples)
+        return samples
+
+    async def _apply_accumulated(self, samples: list[Sample]) -> dict:
+        """The step's single optimizer step, normalised by the whole batch's counts."""
+        return await self.p.policy.apply_accumulated_gradients_async(
+            num_tokens_total=sum(len(s.response_ids) for s in samples), num_seqs_total=len(samples))
+
+    @staticmethod
+    def _check_stream_covered(samples: list[Sample], trained: list[Sample]) -> None:
+        """The streamed update must cover exactly the samples the ordinary path would train."""
+        expected, got = {s.request_id for s in samples}, [s.request_id for s in trained]
+        if len(got) != len(set(got)) or set(got) != expected:
+            missing, extra = expected - set(got), set(got) - expected
+            raise RuntimeError(f"stream trainer trained {len(got)} samples, expected {len(expected)} "
+                               f"(missing {sorted(missing)[:3]}, unexpected {sorted(extra)[:3]}, "
+                               f"duplicates {len(got) - len(set(got))})")
 
     def _check_on_policy(self, samples: list[Sample]) -> None:
         stale = [s.request_id for s in samples if s.policy_version != self.version]
@@ -150,15 +228,15 @@ class Trainer:
             raise RuntimeError(f"{len(stale)} samples were not generated by the current policy version "
                                f"{self.version} (e.g. {stale[:3]}): training would be off-policy")
 
-    def _set_logprobs(self, samples: list[Sample]) -> None:
-        old = self.p.policy.compute_logprobs(samples, "policy")
+    async def _set_logprobs(self, samples: list[Sample]) -> None:
+        old = await self.p.policy.compute_logprobs_async(samples, "policy")
         for s, lp in zip(samples, old):
             if len(lp) != len(s.response_ids):
                 raise RuntimeError(f"trainer returned {len(lp)} logprobs for {len(s.response_ids)} tokens "
                                    f"of {s.request_id}")
             s.old_logprobs = lp
         if self.cfg.algorithm.kl_coef > 0:
-            ref = self.p.policy.compute_logprobs(samples, "reference")
+            ref = await self.p.policy.compute_logprobs_async(samples, "reference")
             for s, lp in zip(samples, ref):
                 s.ref_logprobs = lp
 
@@ -177,7 +255,17 @@ class Trainer:
     async def _sync_weights(self) -> None:
         """Trainer shards -> HF names -> safetensors -> engine reload, tagged with the version."""
         self.p.policy.write_hf_weights(self.p.weight_sync_dir)
+        if self.cfg.trainer.offload_during_rollout:
+            await self._trainer_resident(False)  # before the engine wakes (see _step)
+        if self.cfg.rollout.sleep_during_train:
+            await self.p.engine.wake_up()
         await self.p.engine.reload_weights(self.p.weight_sync_dir, self.version)
+
+    async def _trainer_resident(self, resident: bool) -> None:
+        """trainer.offload_during_rollout: bring the trainer's grads/optimizer/weights back, or
+        move them out for the rollout (MegatronWorker.reload_for_training / offload_for_rollout)."""
+        call = self.p.policy.reload_for_training if resident else self.p.policy.offload_for_rollout
+        await asyncio.to_thread(call)
 
     async def _validate(self) -> dict:
         return await evaluation.validate(self.cfg, self.p.engine, self.p.rewards, self.p.eval_prompts,
@@ -242,12 +330,23 @@ class Trainer:
         every = self.cfg.trainer.save_every
         return step + 1 == self.cfg.trainer.steps or (every > 0 and (step + 1) % every == 0)
 
-    def _save(self, next_step: int) -> None:
+    async def _save(self, next_step: int) -> None:
         tmp = self.checkpoints.begin(next_step)
+        offloaded = self.cfg.trainer.offload_during_rollout
+        if offloaded:
+            # The checkpoint needs the trainer state back; the engine makes room meanwhile.
+            if self.cfg.rollout.sleep_during_train:
+                await self.p.engine.sleep()
+            await self._trainer_resident(True)
         self.p.policy.save_checkpoint(str(tmp))
+        if offloaded:
+            await self._trainer_resident(False)
+            if self.cfg.rollout.sleep_during_train:
+                await self.p.engine.wake_up()
         state = {"next_step": next_step, "version": self.version, "cursor": self.cursor.state_dict(),
                  "scheduler": self.p.scheduler.state_dict(),
-                 "reward_timeouts": self.p.rewards.timeouts.state_dict()}
+                 "reward_timeouts": self.p.rewards.timeouts.state_dict(),
+                 "planner": self.p.elastic.state_dict() if self.p.elastic is not None else {}}
         self.checkpoints.commit(next_step, tmp, driver_state=state)
 
     def _resume_if_asked(self) -> None:
@@ -263,6 +362,8 @@ class Trainer:
             self.cursor.load_state_dict(state["cursor"])
             self.p.scheduler.load_state_dict(state["scheduler"])
             self.p.rewards.timeouts.load_state_dict(state.get("reward_timeouts", {}))
+            if self.p.elastic is not None:
+                self.p.elastic.load_state_dict(state.get("planner", {}))
             self.start_step = int(state["next_step"])
             self.version = int(state["version"])
             log.info("resumed from %s at step %d", path, self.start_step)

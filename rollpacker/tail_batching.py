@@ -25,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from megatron_rl.algorithms.filters import is_zero_variance
+from megatron_rl.config import RunConfig
 from megatron_rl.hooks import RolloutBatch, RolloutContext, RolloutScheduler
 from megatron_rl.rollout.generate import InFlight, abort_all, accept_completion, cancel_scoring, submit_prompt
 from megatron_rl.sample import Prompt, Sample
@@ -74,16 +75,21 @@ class TailBatchingScheduler(RolloutScheduler):
     def load_state_dict(self, state: dict) -> None:
         self.queue = deque(state.get("queue", []))
 
+    def next_round_type(self, cfg: RunConfig) -> str:
+        return "long" if len(self.queue) >= cfg.data.prompts_per_step else "short"
+
     # ------------------------------------------------------------------ one step
     async def next_batch(self, ctx: RolloutContext) -> RolloutBatch:
         p0 = ctx.cfg.data.prompts_per_step
         start = time.monotonic()
-        if len(self.queue) >= p0:
-            round_type = "long"
+        if self.next_round_type(ctx.cfg) == "long":
+            ctx.on_round_start("long", p0)
             batch_groups, log, flight = await self._long_round(ctx)
+            round_type = "long"
         else:
-            round_type = "short"
+            ctx.on_round_start("short", p0)
             batch_groups, log, flight = await self._short_round(ctx)
+            round_type = "short"
         end = time.monotonic()
         for group in batch_groups:
             for sample in group:

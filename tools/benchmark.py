@@ -1,6 +1,7 @@
 """Baseline vs RollPacker tail batching, side by side, on the real stack (CPU here).
 
     python tools/benchmark.py [--periods 2] [--prompts-per-step 16] [--responses 4] [key=value ...]
+    python tools/benchmark.py --compare stream ...   # tail batching without vs with the stream trainer
 
 Both runs use the same tiny model, task, seeds, engine, reward and training code and the same
 number of prompts: a whole number of tail-batching periods (with eta_P = 1.25, four short rounds
@@ -12,6 +13,10 @@ final validation reward of each, and a last line ``speedup: X.XX`` = baseline tr
 / RollPacker training-loop time (every step: rollout, reward, logprobs, train, weight sync;
 start-up of Ray/engines/trainer is excluded because it is identical for both). Results go to
 <out>/benchmark.json and, with tools/plot_timeline.py, to <out>/timeline.png.
+
+``--compare stream`` runs tail batching twice, stream trainer off and on (``stream.enabled``),
+and adds the long-round step time of each, their ratio (``long-round speedup:``) and the stream
+metrics (start point, fraction trained before the rollout ended, training hidden under rollout).
 """
 from __future__ import annotations
 
@@ -39,7 +44,15 @@ def period_steps(eta_prompts: float, prompts_per_step: int) -> int:
     return math.ceil(prompts_per_step / queued_per_short) + 1
 
 
-def benchmark_config(args, scheduler: str, steps: int, run_dir: Path) -> RunConfig:
+# (run name, scheduler, extra overrides, column label) of each comparison's two runs.
+COMPARISONS = {
+    "schedulers": [("baseline", "baseline", [], "baseline"), ("tail_batching", "tail_batching", [], "RollPacker")],
+    "stream": [("tail_batching", "tail_batching", ["stream.enabled=false"], "no stream"),
+               ("stream", "tail_batching", ["stream.enabled=true"], "stream")],
+}
+
+
+def benchmark_config(args, scheduler: str, steps: int, run_dir: Path, extra: list[str] = ()) -> RunConfig:
     cfg = load_config(REPO / "examples/qwen2.5/tiny_cpu.yaml")
     for assignment in [
         f"model.hf_path={args.model}", f"trainer.run_dir={run_dir}", f"trainer.steps={steps}",
@@ -47,7 +60,7 @@ def benchmark_config(args, scheduler: str, steps: int, run_dir: Path) -> RunConf
         f"data.responses_per_prompt={args.responses}", f"rollout.max_new_tokens={args.max_new_tokens}",
         f"data.eval_every={steps}", f"data.eval_num_prompts={args.eval_prompts}",
         "trainer.save_every=0", "trainer.tensorboard=false", f"trainer.seed={args.seed}",
-        f"rollout.max_num_seqs={args.max_num_seqs}", *args.overrides,
+        f"rollout.max_num_seqs={args.max_num_seqs}", *extra, *args.overrides,
     ]:
         apply_override(cfg, assignment)
     return cfg
@@ -73,6 +86,12 @@ def summarize(rows: list[dict]) -> dict:
     out["train_reward_mean"] = statistics.mean(r["reward/mean"] for r in rows)
     last = rows[-1]
     out["final_val_pass@1"] = last.get("val/pass@1")
+    streamed = [r for r in rows if r.get("stream/started")]
+    if streamed:
+        out["stream"] = {key: statistics.mean(r[f"stream/{key}"] for r in streamed)
+                         for key in ("start_fraction", "trained_fraction_before_rollout_end", "hidden_train_s",
+                                     "exposed_train_s")}
+        out["stream"]["rounds"] = len(streamed)
     out["initial_val_pass@1"] = rows[0].get("val/pass@1")
     return out
 
@@ -86,23 +105,30 @@ def response_length_tail(run_dir: Path) -> tuple[float, float]:
     return (statistics.median(lengths), max(lengths)) if lengths else (0.0, 0.0)
 
 
-def print_table(base: dict, tb: dict) -> None:
+def print_table(base: dict, tb: dict, labels: tuple[str, str] = ("baseline", "RollPacker")) -> None:
     def row(name, a, b, fmt="{:.2f}"):
         fa = fmt.format(a) if a is not None else "-"
         fb = fmt.format(b) if b is not None else "-"
         ratio = f"{a / b:.2f}x" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else ""
         print(f"| {name:<34} | {fa:>12} | {fb:>12} | {ratio:>7} |")
 
-    print("| metric                             |     baseline |   RollPacker | base/RP |")
+    print(f"| {'metric':<34} | {labels[0]:>12} | {labels[1]:>12} |   ratio |")
     print("| ---------------------------------- | -----------: | -----------: | ------: |")
     row("training-loop time (s)", base["loop_time"], tb["loop_time"])
     row("rollout time (s)", base["rollout_time"], tb["rollout_time"])
     row("step time, all rounds (s)", base["loop_time"] / base["steps"], tb["loop_time"] / tb["steps"])
     for rt in ("short", "long"):
         if rt in tb:
-            row(f"step time, {rt} rounds (s)", None, tb[rt]["step_time_mean"])
-            row(f"rollout time, {rt} rounds (s)", None, tb[rt]["rollout_time_mean"])
-            row(f"occupancy, {rt} rounds", None, tb[rt]["occupancy_mean"])
+            a = base.get(rt, {})
+            row(f"step time, {rt} rounds (s)", a.get("step_time_mean"), tb[rt]["step_time_mean"])
+            row(f"rollout time, {rt} rounds (s)", a.get("rollout_time_mean"), tb[rt]["rollout_time_mean"])
+            row(f"occupancy, {rt} rounds", a.get("occupancy_mean"), tb[rt]["occupancy_mean"])
+    if "stream" in tb:
+        st = tb["stream"]
+        row("stream: start (fraction complete)", None, st["start_fraction"])
+        row("stream: trained before rollout end", None, st["trained_fraction_before_rollout_end"])
+        row("stream: train time hidden (s/round)", None, st["hidden_train_s"])
+        row("stream: train time exposed (s/round)", None, st["exposed_train_s"])
     row("engine occupancy (mean)", base["occupancy_mean"], tb["occupancy_mean"])
     row("wasted tokens (aborted+discarded)", base["wasted_tokens"], tb["wasted_tokens"], "{:.0f}")
     row("train reward (mean over run)", base["train_reward_mean"], tb["train_reward_mean"], "{:.3f}")
@@ -121,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--eval-prompts", type=int, default=128)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--compare", choices=sorted(COMPARISONS), default="schedulers",
+                        help="baseline vs tail batching, or tail batching without vs with the stream trainer")
     parser.add_argument("overrides", nargs="*", help="extra dotted config overrides for both runs")
     args = parser.parse_args(argv)
     if not (Path(args.model) / "config.json").is_file():
@@ -135,32 +163,40 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.periods * period_steps(probe.scheduler.eta_prompts, args.prompts_per_step)
     out = Path(args.out)
     results = {}
-    for scheduler in ("baseline", "tail_batching"):
-        run_dir = out / scheduler
-        cfg = benchmark_config(args, scheduler, steps, run_dir)
-        print(f"[benchmark] {scheduler}: {steps} steps x {args.prompts_per_step} prompts x "
+    runs = COMPARISONS[args.compare]
+    for name, scheduler, extra, _ in runs:
+        run_dir = out / name
+        cfg = benchmark_config(args, scheduler, steps, run_dir, extra)
+        print(f"[benchmark] {name}: {steps} steps x {args.prompts_per_step} prompts x "
               f"{args.responses} responses -> {run_dir}", flush=True)
         start = time.monotonic()
         build_and_run(cfg)
-        results[scheduler] = summarize(read_metrics(run_dir))
-        results[scheduler]["wall_time_with_startup"] = time.monotonic() - start
+        results[name] = summarize(read_metrics(run_dir))
+        results[name]["wall_time_with_startup"] = time.monotonic() - start
 
-    median, longest = response_length_tail(out / "baseline")
-    base, tb = results["baseline"], results["tail_batching"]
+    (first, *_), (second, *_) = runs
+    median, longest = response_length_tail(out / first)
+    base, tb = results[first], results[second]
     print()
     print(f"model {args.model}; {steps} steps each; P0={args.prompts_per_step}, R0={args.responses}, "
           f"max_new_tokens={args.max_new_tokens}, eta_P=eta_R={probe.scheduler.eta_prompts}/"
           f"{probe.scheduler.eta_responses}")
-    print(f"baseline response lengths: median {median:.0f}, max {longest:.0f} tokens "
+    print(f"{first} response lengths: median {median:.0f}, max {longest:.0f} tokens "
           f"(max/median = {longest / max(median, 1):.1f})")
-    print_table(base, tb)
+    print_table(base, tb, (runs[0][3], runs[1][3]))
     speedup = base["loop_time"] / tb["loop_time"]
+    if args.compare == "stream" and "long" in base and "long" in tb:
+        long_speedup = base["long"]["step_time_mean"] / tb["long"]["step_time_mean"]
+        results["long_round_speedup"] = long_speedup
+        print(f"long-round speedup: {long_speedup:.2f}")
     results.update({"steps": steps, "speedup": speedup, "length_median": median, "length_max": longest})
     (out / "benchmark.json").write_text(json.dumps(results, indent=2))
     try:
         from tools.plot_timeline import plot_timeline
 
-        plot_timeline(out / "baseline", out / "tail_batching", out / "timeline.png")
+        plot_timeline(out / first, out / second, out / "timeline.png",
+                      titles=None if args.compare == "schedulers" else (f"tail batching, {runs[0][3]}",
+                                                                        f"tail batching, {runs[1][3]}"))
         print(f"timeline: {out / 'timeline.png'}")
     except Exception as exc:  # the numbers above stand without the picture
         print(f"timeline plot failed: {exc}", file=sys.stderr)

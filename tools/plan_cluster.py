@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-engine-sleep", action="store_true",
                         help="what-if: engines keep their memory pool while the trainer trains")
     parser.add_argument("--assume-trainer-offload", action="store_true",
-                        help="what-if: trainer state moved to host memory during rollout (not done by megatron_rl)")
+                        help="what-if: estimate as if trainer.offload_during_rollout were true (trainer state "
+                             "in host memory during rollout); the recipe's field drives it otherwise")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. cluster.num_nodes=4")
     args = parser.parse_args(argv)
     assume = MemoryAssumptions(engine_sleeps_during_training=not args.no_engine_sleep,

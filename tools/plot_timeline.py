@@ -47,7 +47,8 @@ def _draw(ax, rows: list[dict], title: str) -> float:
     return end
 
 
-def plot_timeline(baseline_dir: Path, rollpacker_dir: Path, out: Path, max_steps: int | None = None) -> Path:
+def plot_timeline(baseline_dir: Path, rollpacker_dir: Path, out: Path, max_steps: int | None = None,
+                  titles: tuple[str, str] | None = None) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -56,9 +57,10 @@ def plot_timeline(baseline_dir: Path, rollpacker_dir: Path, out: Path, max_steps
 
     base, tb = read_timeline(baseline_dir, max_steps), read_timeline(rollpacker_dir, max_steps)
     fig, axes = plt.subplots(2, 1, figsize=(13, 8), sharex=True)
-    end_b = _draw(axes[0], base, f"baseline ({len(base)} steps): every response runs to the end")
-    end_t = _draw(axes[1], tb, f"RollPacker tail batching ({len(tb)} steps): short rounds abort the tail, "
-                               "long rounds batch it")
+    top, bottom = titles or ("baseline: every response runs to the end",
+                             "RollPacker tail batching: short rounds abort the tail, long rounds batch it")
+    end_b = _draw(axes[0], base, f"{top} ({len(base)} steps)")
+    end_t = _draw(axes[1], tb, f"{bottom} ({len(tb)} steps)")
     for ax in axes:
         ax.set_xlim(0, max(end_b, end_t) * 1.02)
         ax.grid(axis="x", alpha=0.3)

@@ -10,9 +10,10 @@ optimizer, vocab-parallel cross entropy) run over gloo.
 Two parts:
 
 * :func:`apply_cpu_shim` patches process-wide functions (``torch.cuda.current_device``, RNG
-  state, synchronize/streams/events, Megatron's grad clipping). Idempotent, and a no-op when a
-  GPU is present. Never call it in a process that hosts vLLM: vLLM's CPU backend probes
-  ``torch.cuda`` itself.
+  state, synchronize/streams/events, Megatron's grad clipping, and the backward of Megatron's
+  activation-recompute checkpoint, see :func:`_backward_in_device_mode`). Idempotent, and a
+  no-op when a GPU is present. Never call it in a process that hosts vLLM: vLLM's CPU backend
+  probes ``torch.cuda`` itself.
 * :func:`cpu_device_mode` is a context manager (also usable as a decorator) that rewrites
   ``device="cuda"`` / ``.cuda()`` in factory calls to the CPU. torch function modes are
   thread-local, so enter it in every thread that runs Megatron code.
@@ -170,12 +171,36 @@ def _patch_torch_cuda() -> None:
     cuda.memory_reserved = lambda *a, **k: 0
 
 
+def _backward_in_device_mode(function_cls: type) -> None:
+    """Run ``function_cls.backward`` (a torch.autograd.Function) inside :class:`cpu_device_mode`.
+
+    torch function modes are not active inside autograd's backward (the engine does not carry
+    the Python mode stack), yet Megatron's activation recomputation (``CheckpointFunction``)
+    reruns layer forward code there, which builds e.g. the causal mask with a literal
+    ``device="cuda"``. Autograd looks the backward up on the class at call time, so replacing it
+    reaches every checkpoint.
+    """
+    original = function_cls.backward
+    if getattr(original, "_cpu_shim", False):
+        return
+
+    def backward(ctx: Any, *grads: Any) -> Any:
+        with cpu_device_mode():
+            return original(ctx, *grads)
+
+    backward._cpu_shim = True  # type: ignore[attr-defined]
+    function_cls.backward = staticmethod(backward)
+
+
 def _patch_megatron() -> None:
     from megatron.core.optimizer import clip_grads
     from megatron.core.tensor_parallel import random as mcore_random
 
     mcore_random._get_cuda_rng_state = _cpu_get_rng_state
     mcore_random._set_cuda_rng_state = _cpu_set_rng_state
+    # parallel.recompute_granularity 'full' and 'selective' (core_attn) both checkpoint through
+    # CheckpointFunction; the output-discarding variant serves only MoE / layernorm recompute.
+    _backward_in_device_mode(mcore_random.CheckpointFunction)
     clip_grads.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
     # optimizer.py binds the function at import time, so patch its reference too.
     from megatron.core.optimizer import optimizer as mcore_optimizer

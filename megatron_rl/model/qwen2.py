@@ -14,6 +14,18 @@ import torch
 from megatron_rl.model.arch import Qwen2Arch, padded_vocab_size, read_qwen2_arch  # noqa: F401
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# parallel.recompute_granularity -> TransformerConfig fields. Both recomputations only run in
+# training mode (model.train()); logprob passes are forward-only and store nothing anyway.
+_RECOMPUTE: dict[str, dict[str, Any]] = {
+    "none": {},
+    # Checkpoint the core attention (softmax(QK^T)V) only; its inputs q/k/v are kept.
+    "selective": {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]},
+    # Checkpoint every decoder layer on its own: only the layer inputs stay stored, and the
+    # backward recomputes one layer at a time (the least memory for one extra forward).
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+}
+
+
 def check_parallel_fits(arch: Qwen2Arch, tp_size: int, pp_size: int) -> None:
     """Raise a clear error when TP/PP do not divide the heads, KV groups or layers."""
     if arch.num_heads % tp_size or arch.num_kv_heads % tp_size:
@@ -51,12 +63,14 @@ def build_transformer_config(
     tp_size: int,
     pp_size: int,
     sequence_parallel: bool = False,
+    recompute_granularity: str = "none",
 ) -> Any:
     """Megatron TransformerConfig equivalent to the HF Qwen2 architecture.
 
     Dropout is off (RL needs identical logprobs across recomputations). ``calculate_per_token_loss``
     is on: the trainer's loss is already normalised by the full batch, so Megatron must neither
     divide by the number of microbatches nor average over DP (see megatron_worker.train_step).
+    ``recompute_granularity`` is ``parallel.recompute_granularity`` (see :data:`_RECOMPUTE`).
     """
     from megatron.core.transformer import TransformerConfig
 
@@ -65,6 +79,9 @@ def build_transformer_config(
     on_cpu = not torch.cuda.is_available()
     if on_cpu and sequence_parallel:
         raise ValueError("parallel.sequence_parallel needs GPUs (torch norms reject it on CPU)")
+    if recompute_granularity not in _RECOMPUTE:
+        raise ValueError(f"parallel.recompute_granularity must be one of {sorted(_RECOMPUTE)}, "
+                         f"got {recompute_granularity!r}")
     torch_dtype = _DTYPES[dtype]
     return TransformerConfig(
         num_layers=arch.num_layers,
@@ -100,6 +117,7 @@ def build_transformer_config(
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
+        **_RECOMPUTE[recompute_granularity],
     )
 
 

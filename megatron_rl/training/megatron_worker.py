@@ -9,11 +9,19 @@ all microbatches and DP ranks is the mini-batch loss. Megatron is configured not
 anything: ``calculate_per_token_loss=True`` (no division by the number of microbatches, DDP
 sums rather than averages over DP) and a finalize hook that skips the per-token division. The
 gradient is therefore that of the full mini-batch loss whatever the microbatching, PP or DP.
+
+Streamed accumulation (:meth:`accumulate_gradients` per chunk, then one
+:meth:`apply_accumulated_gradients`) computes the same gradient when the batch arrives in pieces
+whose totals are unknown until the end: each chunk's losses are raw sums (normalisers 1), the
+grad finalisation (DP all-reduce, tied-embedding sync) runs once at the end, and the summed
+buffers are scaled by 1/N then. Both finalisation and the loss are linear, so the result equals
+the ordinary step up to fp rounding.
 """
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,6 +38,7 @@ from megatron_rl.distributed.process_groups import (
 from megatron_rl.model.qwen2 import build_gpt_model, build_transformer_config, read_qwen2_arch
 from megatron_rl.sample import Sample
 from megatron_rl.training.logprobs import run_microbatches
+from megatron_rl.training.memory_offload import TrainerOffload, with_training_state
 from megatron_rl.training.packing import Microbatch, balance_across_ranks, build_microbatch, pack_microbatches, response_values
 from megatron_rl.training.weights_io import gather_hf_state_dict, load_hf_into_model, local_tensors
 
@@ -45,6 +54,36 @@ def _finalize_grads_without_token_scaling(model: list, num_tokens: Any, *args: A
     from megatron.core.distributed import finalize_model_grads
 
     finalize_model_grads(model, None, *args, **kwargs)
+
+
+# How apply_accumulated_gradients turns raw (normaliser 1) metric sums into train_step's values;
+# names from megatron_rl.algorithms.losses. Any other key (num_tokens, num_seqs, a custom loss's
+# counts) stays a sum, as train_step reports it too.
+_LOSS_METRICS = frozenset({"loss", "pg_loss", "kl_loss"})  # / the loss normaliser N
+_TOKEN_METRICS = frozenset({"clip_frac_low", "clip_frac_high", "approx_kl_old", "ratio_mean", "entropy_proxy",
+                            "kl_ref", "tis_weight_mean", "tis_clip_frac"})  # / num_tokens_total
+
+
+@dataclass
+class _Accumulation:
+    """Gradients accumulated since the last optimizer step (see accumulate_gradients)."""
+
+    metrics: dict[str, float] = field(default_factory=dict)
+    samples: int = 0
+    tokens: int = 0
+    time_s: float = 0.0
+    failed: str = ""  # a chunk died mid-schedule: the buffers hold part of it
+
+
+def _sum_over_ranks(local: dict[str, float]) -> dict[str, float]:
+    """Key-wise sum of every rank's dict. Collective: every rank calls it, even with {}."""
+    gathered: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, local)
+    summed: dict[str, float] = {}
+    for part in gathered:
+        for key, value in part.items():
+            summed[key] = summed.get(key, 0.0) + value
+    return summed
 
 
 def _optional_field(samples: list[Sample], name: str) -> list[list[float]] | None:
@@ -80,6 +119,8 @@ class MegatronWorker:
         self.optimizer: Any = None
         self.arch = None
         self.steps_done = 0
+        self._accumulated: _Accumulation | None = None  # None: nothing since the last step
+        self._offload = TrainerOffload()  # what offload_for_rollout moved away
 
     # ----------------------------------------------------------------- set-up
     def _build(self, trainable: bool) -> torch.nn.Module:
@@ -88,6 +129,7 @@ class MegatronWorker:
         tcfg = build_transformer_config(
             self.arch, self.cfg.model.dtype, self.layout.tensor_model_parallel_size,
             self.layout.pipeline_model_parallel_size, self.cfg.parallel.sequence_parallel,
+            self.cfg.parallel.recompute_granularity,
         )
         model = build_gpt_model(
             self.arch, tcfg, self.layout.tensor_model_parallel_size,
@@ -144,6 +186,8 @@ class MegatronWorker:
         self.optimizer = self._build_optimizer()
         # The optimizer may keep fp32 master copies: refresh them from the loaded weights.
         self.optimizer.reload_model_params()
+        self._accumulated = None  # fresh grad buffers: nothing of an earlier model is pending
+        self._offload = TrainerOffload()  # a new model: nothing of it is offloaded
         if self.cfg.model.use_reference_model or self.cfg.algorithm.kl_coef > 0:
             self.reference = self._build(trainable=False)
             self._load_weights(self.reference, hf_path, shard_args)
@@ -164,7 +208,10 @@ class MegatronWorker:
     def _my_microbatches(self, samples: list[Sample], fields: bool) -> list[Microbatch]:
         """This DP rank's share of ``samples`` as padded microbatches (indices refer to ``samples``)."""
         lengths = [s.num_tokens for s in samples]
-        mine = balance_across_ranks(lengths, self.dp_size)[self.dp_rank]
+        if len(lengths) >= self.dp_size:
+            mine = balance_across_ranks(lengths, self.dp_size)[self.dp_rank]
+        else:  # a small stream chunk (or logprob call): some DP ranks get nothing and skip compute
+            mine = [self.dp_rank] if self.dp_rank < len(lengths) else []
         groups = pack_microbatches([lengths[i] for i in mine], self.cfg.optimizer.micro_batch_tokens)
         token_fields: dict[str, list[list[float]] | None] = {}
         seq_fields: dict[str, list[float]] = {}
@@ -196,7 +243,7 @@ class MegatronWorker:
         return ps.is_pipeline_last_stage() and self.tp_rank == 0
 
     # ----------------------------------------------------------------- logprobs
-    @with_cpu_device_mode
+    @with_training_state
     def compute_logprobs(self, samples: list[Sample], which: str = "policy") -> list[list[float]]:
         """Per-token logprobs of each sample's response under the policy or the reference model.
 
@@ -221,7 +268,7 @@ class MegatronWorker:
         return [merged[i] for i in range(len(samples))]
 
     # ----------------------------------------------------------------- training
-    @with_cpu_device_mode
+    @with_training_state
     def train_step(self, samples: list[Sample], loss_fn: LossFn) -> dict[str, float]:
         """``algorithm.ppo_mini_batches`` optimizer steps over ``samples`` (split in order).
 
@@ -230,6 +277,9 @@ class MegatronWorker:
         mini-batches (each summed over microbatches and DP ranks), grad norm, lr, tokens, time.
         """
         start = time.perf_counter()
+        if self._accumulated is not None:
+            raise RuntimeError("train_step: gradients from accumulate_gradients are pending; call "
+                               "apply_accumulated_gradients or discard_accumulated_gradients first")
         n_mini = self.cfg.algorithm.ppo_mini_batches
         if len(samples) < n_mini * self.dp_size:
             raise ValueError(f"{len(samples)} samples cannot fill algorithm.ppo_mini_batches={n_mini} "
@@ -239,8 +289,13 @@ class MegatronWorker:
         grad_norms = []
         self.model.train()
         for lo, hi in zip(bounds[:-1], bounds[1:]):
-            metrics, grad_norm = self._mini_batch_step(samples[lo:hi], loss_fn)
-            grad_norms.append(grad_norm)
+            mini = samples[lo:hi]
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            # The schedule ends with the finalize hook (DP all-reduce, tied-embedding sync).
+            metrics = self._forward_backward(self._my_microbatches(mini, fields=True), loss_fn,
+                                             sum(len(s.response_ids) for s in mini), len(mini))
+            grad_norms.append(self._optimizer_step())
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value / n_mini
         self.steps_done += 1
@@ -253,47 +308,144 @@ class MegatronWorker:
         })
         return totals
 
-    def _mini_batch_step(self, samples: list[Sample], loss_fn: LossFn) -> tuple[dict[str, float], float]:
-        num_tokens_total = sum(len(s.response_ids) for s in samples)
-        mbs = self._my_microbatches(samples, fields=True)
+    @with_training_state
+    def accumulate_gradients(self, samples: list[Sample], loss_fn: LossFn) -> dict[str, float]:
+        """Forward+backward over this DP rank's share of ``samples``, adding to the gradient of
+        the step :meth:`apply_accumulated_gradients` will take; no optimizer step.
+
+        The first call after an optimizer step zeroes the gradients. ``loss_fn`` gets
+        ``num_tokens_total=num_seqs_total=1`` (the batch totals are not known yet), so every
+        loss and metric is a raw sum; the apply call normalises. Megatron's grad finalisation
+        is skipped here: it must run once over the complete sums (re-reducing already reduced
+        buffers per chunk would multiply them). A DP rank without samples skips the compute.
+        Needs ``algorithm.ppo_mini_batches == 1``. Returns this chunk's raw metrics, summed
+        over microbatches and ranks. Collective: every rank calls it with the same samples.
+        """
+        from megatron.core.utils import get_model_config
+
+        if self.cfg.algorithm.ppo_mini_batches != 1:
+            raise ValueError(f"accumulate_gradients needs algorithm.ppo_mini_batches == 1 (one optimizer step "
+                             f"per batch), got {self.cfg.algorithm.ppo_mini_batches}")
+        if self._accumulated is not None and self._accumulated.failed:
+            raise RuntimeError(f"accumulate_gradients: an earlier chunk failed ({self._accumulated.failed}); "
+                               "call discard_accumulated_gradients")
+        start = time.perf_counter()
+        mbs = self._my_microbatches(samples, fields=True)  # bad samples raise here, before any compute
+        if self._accumulated is None:
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            self._accumulated = _Accumulation()
+        acc = self._accumulated
+        self.model.train()
+        config = get_model_config(self.model)
+        finalize, config.finalize_model_grads_func = config.finalize_model_grads_func, None
+        try:
+            raw = self._forward_backward(mbs, loss_fn, 1, 1)
+        except BaseException as exc:  # part of the chunk may be in the buffers: poison the step
+            acc.failed = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            config.finalize_model_grads_func = finalize
+        for key, value in raw.items():
+            acc.metrics[key] = acc.metrics.get(key, 0.0) + value
+        acc.samples += len(samples)
+        acc.tokens += sum(len(s.response_ids) for s in samples)
+        acc.time_s += time.perf_counter() - start
+        return raw
+
+    @with_training_state
+    def apply_accumulated_gradients(self, num_tokens_total: int, num_seqs_total: int) -> dict[str, float]:
+        """One optimizer step on everything :meth:`accumulate_gradients` added since the last.
+
+        Runs the grad finalisation once, scales the gradient by 1/N (N = ``num_tokens_total``
+        for ``algorithm.loss_agg`` token_mean, else ``num_seqs_total``: the full batch's
+        response tokens and sequences) and steps (with clipping). The raw metrics are kept in
+        the worker; returns them normalised as :meth:`train_step` reports them (loss, pg_loss,
+        kl_loss / N; token metrics / num_tokens_total; counts unchanged) plus grad_norm, lr,
+        tokens, optimizer_steps=1 and time_s (all accumulate calls plus this one). Collective.
+        """
+        from megatron.core.distributed import finalize_model_grads
+
+        acc = self._accumulated
+        if acc is None or acc.samples == 0:
+            raise RuntimeError("apply_accumulated_gradients: nothing accumulated since the last optimizer step")
+        if acc.failed:
+            raise RuntimeError(f"apply_accumulated_gradients: a chunk failed ({acc.failed}); "
+                               "call discard_accumulated_gradients")
+        if num_tokens_total <= 0 or num_seqs_total <= 0:
+            raise ValueError(f"num_tokens_total={num_tokens_total} and num_seqs_total={num_seqs_total} must be > 0")
+        start = time.perf_counter()
+        norm = num_tokens_total if self.cfg.algorithm.loss_agg == "token_mean" else num_seqs_total
+        finalize_model_grads([self.model], None)
+        self.model.scale_gradients(1.0 / norm)
+        grad_norm = self._optimizer_step()
+        self._accumulated = None
+        self.steps_done += 1
+        out = {key: value / norm if key in _LOSS_METRICS else value / num_tokens_total if key in _TOKEN_METRICS
+               else value for key, value in acc.metrics.items()}
+        out.update({"grad_norm": grad_norm, "lr": self.cfg.optimizer.lr, "tokens": float(acc.tokens),
+                    "optimizer_steps": 1.0, "time_s": acc.time_s + time.perf_counter() - start})
+        return out
+
+    def discard_accumulated_gradients(self) -> None:
+        """Forget what :meth:`accumulate_gradients` added (the next call starts from zero)."""
+        self._accumulated = None
+
+    @with_cpu_device_mode
+    def offload_for_rollout(self) -> dict[str, int]:
+        """``trainer.offload_during_rollout``, after the weight sync: free the grad buffers (the last
+        step's gradients are dropped) and, on GPUs, move optimizer state and weights to the host
+        (``memory_offload``). Returns this rank's bytes per kind. Training-state calls reload
+        themselves (with a warning) if :meth:`reload_for_training` was skipped. Not collective."""
+        if self._accumulated is not None:
+            raise RuntimeError("offload_for_rollout: gradients from accumulate_gradients are pending; "
+                               "apply or discard them first")
+        return self._offload.offload(self.model, self.optimizer, self.reference)
+
+    @with_cpu_device_mode
+    def reload_for_training(self) -> dict[str, int]:
+        """Undo :meth:`offload_for_rollout` (no-op when not offloaded); call before logprobs."""
+        return self._offload.reload()
+
+    def _forward_backward(self, mbs: list[Microbatch], loss_fn: LossFn, num_tokens_total: int,
+                          num_seqs_total: int) -> dict[str, float]:
+        """Run this DP rank's microbatches forward and backward into the grad buffers with the
+        given loss normalisers; return the loss metrics summed over microbatches and ranks.
+        Collective."""
 
         def loss_callback(batch: Microbatch, logprobs: torch.Tensor) -> tuple[torch.Tensor, Any]:
             loss, metrics = loss_fn(
                 logprobs, batch.fields["old_logprobs"], batch.fields["advantages"], batch.loss_mask,
                 ref_logprobs=batch.fields.get("ref_logprobs"), engine_logprobs=batch.fields.get("engine_logprobs"),
-                seq_ids=batch.segment_ids, num_tokens_total=num_tokens_total, num_seqs_total=len(samples),
+                seq_ids=batch.segment_ids, num_tokens_total=num_tokens_total, num_seqs_total=num_seqs_total,
             )
             values = {k: float(v.detach()) if torch.is_tensor(v) else float(v) for k, v in metrics.items()}
             values.setdefault("loss", float(loss.detach()))
             return loss, values
 
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
         payloads = run_microbatches(self.model, mbs, loss_callback, self.arch.vocab_size, forward_only=False)
-        _, grad_norm, _ = self.optimizer.step()
-        if grad_norm is None:  # clipping disabled: Megatron skips the norm, report it anyway
-            grad_norm = self.optimizer.get_grad_norm()
         local: dict[str, float] = {}
         if self._is_loss_rank():
             for payload in payloads:
                 for key, value in payload.items():
                     local[key] = local.get(key, 0.0) + value
-        gathered: list = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(gathered, local)
-        summed: dict[str, float] = {}
-        for part in gathered:
-            for key, value in part.items():
-                summed[key] = summed.get(key, 0.0) + value
-        return summed, float(grad_norm)
+        return _sum_over_ranks(local)
+
+    def _optimizer_step(self) -> float:
+        """Step on the finalised grads (clipping included); returns the gradient norm."""
+        _, grad_norm, _ = self.optimizer.step()
+        if grad_norm is None:  # clipping disabled: Megatron skips the norm, report it anyway
+            grad_norm = self.optimizer.get_grad_norm()
+        return float(grad_norm)
 
     # ----------------------------------------------------------------- weights out
-    @with_cpu_device_mode
+    @with_training_state
     def export_hf_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Full HF-named fp32 state dict of the policy on global rank 0 (None elsewhere);
         includes ``lm_head.weight`` even when tied (vLLM's CPU reload needs it). Collective."""
         return gather_hf_state_dict(local_tensors(self.model), self.arch, include_tied_lm_head=True)
 
-    @with_cpu_device_mode
+    @with_training_state
     def export_hf_grads(self) -> dict[str, torch.Tensor] | None:
         """The last mini-batch's gradient (DP-summed, tied embeddings synced), HF-named on rank 0
         (None elsewhere). Raw only when ``optimizer.grad_clip`` is 0: clipping scales it in place.
@@ -305,7 +457,7 @@ class MegatronWorker:
     def _rank_file(self, directory: str | Path) -> Path:
         return Path(directory) / f"megatron_rank{torch.distributed.get_rank():05d}.pt"
 
-    @with_cpu_device_mode
+    @with_training_state
     def save_checkpoint(self, directory: str) -> None:
         """Write this rank's model, optimizer and RNG state into ``directory`` (which must exist;
         the caller makes the directory swap atomic). Collective with the distributed optimizer."""
@@ -323,7 +475,7 @@ class MegatronWorker:
         if self.cfg.parallel.use_distributed_optimizer:
             self.optimizer.save_parameter_state(str(Path(directory) / f"optim_tp{self.tp_rank}_pp{self.pp_rank}.pt"))
 
-    @with_cpu_device_mode
+    @with_training_state
     def load_checkpoint(self, directory: str) -> None:
         """Restore what :meth:`save_checkpoint` wrote (same world size and layout; call after
         :meth:`load_hf`, which builds the model and optimizer)."""
@@ -345,8 +497,10 @@ class MegatronWorker:
         if state["rng"]["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["rng"]["cuda"])
         self.steps_done = state["steps_done"]
+        self._accumulated = None  # gradients of the abandoned step mean nothing for the restored one
 
     def shutdown(self, destroy_world: bool = True) -> None:
         """Free the models and tear down Megatron's parallel state (and the world, by default)."""
         self.model = self.reference = self.optimizer = None
+        self._accumulated, self._offload = None, TrainerOffload()  # drop host copies too
         destroy_process_groups(destroy_world=destroy_world)

@@ -1,10 +1,13 @@
 """Driver-side handle on the trainer ranks (Megatron workers hosted in Ray actors).
 
 Every call goes to all ranks (SPMD: a collective called on only some ranks of a gloo group hangs)
-and every ray.get has a timeout, so a dead rank is an error rather than a silent hang.
+and every ray.get has a timeout, so a dead rank is an error rather than a silent hang. The
+``*_async`` variants await the ranks' ObjectRefs instead, so a driver running the rollout in an
+asyncio loop keeps generating while the trainer works (RollPacker's stream trainer).
 """
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 from typing import Any
@@ -49,11 +52,34 @@ class TrainerRank:
     def compute_logprobs(self, samples: list[Sample], which: str) -> list[list[float]] | None:
         return self._call("compute_logprobs", samples, which)
 
-    def train_step(self, samples: list[Sample]) -> dict:
+    def _loss_fn(self):
         from megatron_rl.algorithms.losses import compute_policy_loss
 
-        loss_fn = functools.partial(compute_policy_loss, cfg=self.cfg.algorithm)
-        return self._call("train_step", samples, loss_fn)
+        return functools.partial(compute_policy_loss, cfg=self.cfg.algorithm)
+
+    def train_step(self, samples: list[Sample]) -> dict:
+        return self._call("train_step", samples, self._loss_fn())
+
+    def accumulate_gradients(self, samples: list[Sample]) -> dict:
+        return self._call("accumulate_gradients", samples, self._loss_fn())
+
+    def apply_accumulated_gradients(self, num_tokens_total: int, num_seqs_total: int) -> dict:
+        return self._call("apply_accumulated_gradients", num_tokens_total, num_seqs_total)
+
+    def discard_accumulated_gradients(self) -> None:
+        return self._call("discard_accumulated_gradients")
+
+    def offload_for_rollout(self) -> dict:
+        return self._call("offload_for_rollout")
+
+    def reload_for_training(self) -> dict:
+        return self._call("reload_for_training")
+
+    def set_num_threads(self, n: int) -> None:
+        import torch
+
+        # A sync actor runs every call on the same thread, so this reaches the compute thread.
+        torch.set_num_threads(n)
 
     def write_hf_weights(self, directory: str) -> bool:
         """Gather the HF-named weights; rank 0 writes them as safetensors for the engine."""
@@ -94,14 +120,63 @@ class PolicyGroup:
         refs = [getattr(a, method).remote(*args) for a in self.actors]
         return ray.get(refs, timeout=CALL_TIMEOUT_S)
 
+    async def _all_async(self, method: str, *args) -> list[Any]:
+        refs = [getattr(a, method).remote(*args) for a in self.actors]
+        try:
+            return await asyncio.wait_for(asyncio.gather(*refs), timeout=CALL_TIMEOUT_S)
+        except asyncio.TimeoutError as exc:  # same failure as ray.get's timeout in _all
+            raise TimeoutError(f"trainer ranks did not finish {method} within {CALL_TIMEOUT_S:.0f}s") from exc
+
     def load_hf(self, hf_path: str) -> None:
         self._all("load_hf", hf_path)
 
     def compute_logprobs(self, samples: list[Sample], which: str = "policy") -> list[list[float]]:
         return self._all("compute_logprobs", samples, which)[0]
 
+    async def compute_logprobs_async(self, samples: list[Sample], which: str = "policy") -> list[list[float]]:
+        """:meth:`compute_logprobs` without blocking the caller's event loop."""
+        return (await self._all_async("compute_logprobs", samples, which))[0]
+
     def train_step(self, samples: list[Sample]) -> dict:
         return self._all("train_step", samples)[0]
+
+    def accumulate_gradients(self, samples: list[Sample]) -> dict:
+        """Forward+backward of ``samples`` added to the pending step's gradient, no optimizer
+        step (MegatronWorker.accumulate_gradients); returns the chunk's raw summed metrics."""
+        return self._all("accumulate_gradients", samples)[0]
+
+    async def accumulate_gradients_async(self, samples: list[Sample]) -> dict:
+        """:meth:`accumulate_gradients` without blocking the caller's event loop."""
+        return (await self._all_async("accumulate_gradients", samples))[0]
+
+    def apply_accumulated_gradients(self, num_tokens_total: int, num_seqs_total: int) -> dict:
+        """The one optimizer step over everything accumulated, normalised by the full batch's
+        response tokens and sequences; metrics as :meth:`train_step` returns them."""
+        return self._all("apply_accumulated_gradients", num_tokens_total, num_seqs_total)[0]
+
+    async def apply_accumulated_gradients_async(self, num_tokens_total: int, num_seqs_total: int) -> dict:
+        """:meth:`apply_accumulated_gradients` without blocking the caller's event loop."""
+        return (await self._all_async("apply_accumulated_gradients", num_tokens_total, num_seqs_total))[0]
+
+    def discard_accumulated_gradients(self) -> None:
+        """Drop pending accumulated gradients (e.g. after a failed chunk) without a step."""
+        self._all("discard_accumulated_gradients")
+
+    def offload_for_rollout(self) -> dict:
+        """``trainer.offload_during_rollout``: every rank frees its grad buffers and (GPU) moves
+        optimizer state and weights to host memory (MegatronWorker.offload_for_rollout). Call
+        after the weight sync; returns rank 0's bytes freed/moved per kind."""
+        return self._all("offload_for_rollout")[0]
+
+    def reload_for_training(self) -> dict:
+        """Bring back what :meth:`offload_for_rollout` moved; call before the logprob pass."""
+        return self._all("reload_for_training")[0]
+
+    def set_num_threads(self, n: int) -> None:
+        """torch intra-op threads on every rank (hand cores freed by the rollout to training)."""
+        if n < 1:
+            raise ValueError(f"set_num_threads: n must be >= 1, got {n}")
+        self._all("set_num_threads", n)
 
     def write_hf_weights(self, directory: str) -> None:
         if not any(self._all("write_hf_weights", directory)):

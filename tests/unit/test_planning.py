@@ -6,13 +6,15 @@ import pytest
 
 from megatron_rl.config_io import ConfigError, load_config
 from megatron_rl.planning.architectures import BUILTIN_SHAPES, resolve_shape
-from megatron_rl.planning.memory import GIB, GPUS, PlanError, estimate_memory, trainer_params_per_gpu
+from megatron_rl.planning.memory import (GIB, GPUS, MemoryAssumptions, PlanError, estimate_memory, format_memory,
+                                         trainer_params_per_gpu)
 from megatron_rl.planning.placement import plan_placement
 from megatron_rl.planning.plan import make_plan
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted((REPO / "examples/qwen2.5").glob("qwen2.5_*b_*.yaml"))
-PAPER_SHAPE = {"7b": (2, 1, 1, 1, 2), "14b": (2, 2, 2, 2, 4), "32b": (8, 1, 4, 4, 8)}  # TP PP CP rTP nodes
+PAPER_SHAPE = {"7b": (2, 1, 1, 1, 2), "14b": (2, 2, 2, 2, 4), "32b": (4, 1, 4, 2, 8)}  # TP PP CP rTP nodes
+RECIPE_32B = REPO / "examples/qwen2.5/qwen2.5_32b_math_8x8_tp4cp4_rtp2.yaml"
 
 
 def test_all_sizes_and_tasks_present():
@@ -39,6 +41,9 @@ def test_recipe_validates_and_fits_an_h800(recipe):
     assert cfg.reward.kind == {"code": "code", "math": "math", "mixed": "mixed"}[task]
     assert cfg.data.format == {"code": "kodcode", "math": "deepmath", "mixed": "auto"}[task]
     assert cfg.scheduler.name == "tail_batching"  # RollPacker recipes; scheduler.name=baseline for veRL-style
+    if size == "32b":  # the paper's layout fits only with both memory features
+        assert cfg.parallel.recompute_granularity == "full" and cfg.trainer.offload_during_rollout
+        assert plan.memory.trainer_offload == "trainer.offload_during_rollout"
 
 
 def test_qwen_shapes_match_published_parameter_counts():
@@ -62,13 +67,65 @@ def test_memory_hand_computed_7b():
     assert est.kv_tokens_per_engine == int(kv * GIB / (2 * 28 * 4 * 128 * 2))
 
 
-def test_paper_32b_layout_is_refused_with_the_reason():
-    cfg = load_config(REPO / "examples/qwen2.5/qwen2.5_32b_math_8x8_tp8cp4_rtp4.yaml",
-                      ["parallel.tensor_model_parallel_size=4", "parallel.data_parallel_size=4",
-                       "rollout.tensor_parallel_size=2", "rollout.num_engines=32", "rollout.gpu_memory_utilization=0.5"])
+def test_paper_32b_layout_without_recompute_and_offload_is_refused_with_the_reason():
+    cfg = load_config(RECIPE_32B, ["parallel.recompute_granularity=none", "trainer.offload_during_rollout=false",
+                                   "rollout.gpu_memory_utilization=0.5"])
     with pytest.raises(PlanError, match=r"rollout phase needs 9\d\.\d GiB per GPU > 80 GiB") as info:
         make_plan(cfg)
-    assert "train phase needs" in str(info.value) and "parallel.tensor_model_parallel_size" in str(info.value)
+    message = str(info.value)
+    assert "train phase needs" in message and "parallel.tensor_model_parallel_size" in message
+    assert "parallel.recompute_granularity=full" in message and "trainer.offload_during_rollout=true" in message
+    assert "parallel.use_distributed_optimizer=true" not in message  # already set: not advised
+
+
+def test_recompute_lowers_activations_as_computed_by_hand():
+    shape = BUILTIN_SHAPES["qwen2.5-32b"]
+    h, ffn, kv, heads, layers = 5120, 27648, 8 * 128, 40, 64
+    tp, tokens = 4, 33792 / 4  # TP4, CP4 splits the microbatch, sequence parallel on
+    # bf16 q/k/v, attention out, fc1 (gate+up), SwiGLU out split by TP; fp32 log-sum-exp per head
+    # (flash attention's only internal state); six hidden-size tensors split by SP.
+    per_layer = 2 * ((h + 2 * kv) + h + 2 * ffn + ffn) / tp + 4 * heads / tp + 2 * 6 * h / tp
+    expected = {
+        "none": tokens * layers * per_layer,
+        "selective": tokens * layers * (per_layer - 4 * heads / tp),
+        # every layer's bf16 input (split by SP) + one layer recomputed in the backward
+        "full": tokens * (layers * 2 * h / tp + per_layer),
+    }
+    for granularity, value in expected.items():
+        cfg = load_config(RECIPE_32B, [f"parallel.recompute_granularity={granularity}"])
+        est = estimate_memory(cfg, shape, GPUS["h800"])
+        assert est.trainer["activations"] == pytest.approx(value / GIB, rel=1e-12), granularity
+        assert est.recompute == granularity
+    assert expected["full"] / GIB == pytest.approx(1.79, abs=0.01)
+    assert expected["none"] / GIB == pytest.approx(31.7, abs=0.05)
+    assert expected["none"] - expected["selective"] == tokens * layers * 40  # 40 B/token/layer: ~0.06 %
+    # Without sequence parallelism the stored layer inputs are full-size on every TP rank.
+    no_sp = tokens * (layers * 2 * h + per_layer + 2 * 6 * h * (1 - 1 / tp))
+    cfg = load_config(RECIPE_32B, ["parallel.sequence_parallel=false"])
+    assert estimate_memory(cfg, shape, GPUS["h800"]).trainer["activations"] == pytest.approx(no_sp / GIB, rel=1e-12)
+
+
+def test_offload_lowers_the_rollout_peak_by_the_trainer_state():
+    shape = BUILTIN_SHAPES["qwen2.5-32b"]
+    kept = estimate_memory(load_config(RECIPE_32B, ["trainer.offload_during_rollout=false"]), shape, GPUS["h800"])
+    off = estimate_memory(load_config(RECIPE_32B), shape, GPUS["h800"])
+    t = kept.trainer
+    assert kept.rollout_peak_gib - off.rollout_peak_gib == pytest.approx(t["weights"] + t["gradients"] + t["optimizer"])
+    assert off.rollout_trainer_gib == 0.0 and kept.rollout_trainer_gib == pytest.approx(51.5, abs=0.05)
+    assert off.train_peak_gib == kept.train_peak_gib  # everything is back for training
+    # A reference model's weights leave the GPU too.
+    ref_kept, ref_off = (estimate_memory(load_config(RECIPE_32B, [f"trainer.offload_during_rollout={flag}",
+                                                                  "model.use_reference_model=true"]),
+                                         shape, GPUS["h800"]) for flag in ("false", "true"))
+    gone = sum(ref_kept.trainer[k] for k in ("weights", "gradients", "optimizer", "reference weights"))
+    assert ref_kept.rollout_peak_gib - ref_off.rollout_peak_gib == pytest.approx(gone)
+    # The what-if flag forces it on for a recipe without it, and says so.
+    forced = estimate_memory(load_config(RECIPE_32B, ["trainer.offload_during_rollout=false"]), shape, GPUS["h800"],
+                             MemoryAssumptions(trainer_offload_during_rollout=True))
+    assert forced.rollout_peak_gib == off.rollout_peak_gib and forced.trainer_offload == "assumed"
+    assumes = format_memory(off, MemoryAssumptions())[-1]
+    assert "trainer offloaded during rollout = True (trainer.offload_during_rollout)" in assumes
+    assert "activation recomputation = full" in assumes
 
 
 def test_placement_coordinates_and_node_boundaries():
@@ -107,3 +164,5 @@ def test_plan_cli_exit_codes(capsys):
     assert "plan: OK" in capsys.readouterr().out
     assert main(["--config", recipe, "rollout.gpu_memory_utilization=0.9"]) == 2
     assert "does not fit" in capsys.readouterr().err
+    assert main(["--config", recipe, "--assume-trainer-offload", "rollout.gpu_memory_utilization=0.9"]) == 0
+    assert "trainer offloaded during rollout = True (assumed)" in capsys.readouterr().out

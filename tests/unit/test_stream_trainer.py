@@ -1,0 +1,270 @@
+"""Stream trainer policy: when streaming starts, chunking, exactly-once coverage, engine release.
+
+The trainer side is replaced by recording callables here; the real Megatron accumulation is
+checked in tests/integration/test_stream_accumulation.py and the whole loop in
+tests/integration/test_train_loop.py.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from megatron_rl.config import RunConfig
+from megatron_rl.rollout.engine import EngineStats
+from megatron_rl.sample import Prompt, Sample
+from rollpacker.stream_trainer import StartRule, StreamTrainer
+
+
+def make_group(i: int, r0: int = 2) -> list[Sample]:
+    prompt = Prompt(prompt_id=f"p{i}", token_ids=[1, 2], answer="0")
+    return [Sample(prompt=prompt, response_index=k, request_id=f"p{i}-{k}", response_ids=[3] * (i + 1))
+            for k in range(r0)]
+
+
+def stream_cfg(**stream) -> RunConfig:
+    cfg = RunConfig()
+    cfg.stream.enabled = True
+    for key, value in stream.items():
+        setattr(cfg.stream, key, value)
+    return cfg
+
+
+class Recorder:
+    """Stands in for the Trainer: records chunks and the final update."""
+
+    def __init__(self) -> None:
+        self.chunks: list[list[str]] = []
+        self.applied: list[list[str]] = []
+        self.threads: list[int] = []
+
+    async def train_chunk(self, groups):
+        await asyncio.sleep(0)
+        self.chunks.append([g[0].prompt.prompt_id for g in groups])
+        return [s for g in groups for s in g]
+
+    async def apply(self, samples):
+        self.applied.append([s.request_id for s in samples])
+        return {"loss": 1.0}
+
+    async def set_threads(self, n: int) -> None:
+        self.threads.append(n)
+
+
+class PoolStub:
+    """Engine-pool stand-in: reports a running count and records release/restore."""
+
+    def __init__(self, running: int) -> None:
+        self.running = running
+        self.active_engines = 2
+        self.calls: list[str] = []
+
+    async def stats(self) -> EngineStats:
+        return EngineStats(running=self.running)
+
+    async def release_engines(self, count: int) -> dict:
+        self.calls.append(f"release {count}")
+        return {"released_engines": count, "migrated_requests": 3, "migrated_tokens": 40, "release_s": 0.01}
+
+    async def restore_engines(self) -> None:
+        self.calls.append("restore")
+
+
+async def feed(stream: StreamTrainer, step: int, groups: list[list[Sample]], before_each=None) -> None:
+    for i, group in enumerate(groups):
+        if before_each:
+            before_each(i)
+        stream.on_group_complete(step, group)
+        for _ in range(5):  # let the driver task run (it awaits the recorder)
+            await asyncio.sleep(0)
+
+
+def test_start_rule_checks_in_steps_and_forces_the_last_mark():
+    cfg = stream_cfg()
+    rule = StartRule(20, cfg.stream)
+    assert rule.marks == pytest.approx([0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5])
+    assert rule.crossed(3) is None            # 15 %: no check yet
+    assert rule.crossed(4) == pytest.approx(0.2)
+    assert rule.crossed(4) is None            # no new prompts since the last check
+    assert rule.crossed(7) == pytest.approx(0.35)  # 0.25, 0.3 and 0.35 crossed at once: one check
+    assert not rule.should_start(0.35, requests_fit=False)
+    assert rule.should_start(0.35, requests_fit=True)
+    assert rule.should_start(0.5, requests_fit=False)
+
+
+def test_long_round_streams_chunks_after_the_start_and_trains_every_group_once():
+    cfg = stream_cfg(min_new_groups=2)
+    rec = Recorder()
+    groups = [make_group(i) for i in range(10)]
+
+    async def main():
+        stream = StreamTrainer(cfg, PoolStub(0), rec.train_chunk, rec.apply)
+        stream.on_round_start(0, "long", 10)
+        assert stream.streaming(0)
+        await feed(stream, 0, groups)
+        return await stream.finish(0, groups)
+
+    result = asyncio.run(main())
+    # 2 of 10 groups = the 20 % mark: the first chunk holds exactly those.
+    assert rec.chunks[0] == ["p0", "p1"]
+    assert all(len(c) >= 2 for c in rec.chunks[:-1])
+    flat = [pid for chunk in rec.chunks for pid in chunk]
+    assert sorted(flat) == sorted(f"p{i}" for i in range(10)) and len(flat) == 10
+    assert len(rec.applied) == 1 and len(rec.applied[0]) == 20
+    assert [s.request_id for s in result.trained] == rec.applied[0]
+    assert result.metrics["stream/started"] == 1.0
+    assert result.metrics["stream/start_fraction"] == pytest.approx(0.2)
+    assert result.train_metrics == {"loss": 1.0}
+
+
+def test_other_round_types_do_not_stream():
+    cfg = stream_cfg(rounds="long")
+    rec = Recorder()
+
+    async def main():
+        stream = StreamTrainer(cfg, PoolStub(0), rec.train_chunk, rec.apply)
+        stream.on_round_start(3, "short", 4)
+        await feed(stream, 3, [make_group(i) for i in range(4)])
+        return stream.streaming(3)
+
+    assert asyncio.run(main()) is False
+    assert rec.chunks == []
+
+
+def test_groups_finishing_after_rollout_are_trained_in_finish_and_fraction_is_reported():
+    cfg = stream_cfg(min_new_groups=1)
+    rec = Recorder()
+    groups = [make_group(i) for i in range(10)]
+
+    async def main():
+        stream = StreamTrainer(cfg, PoolStub(0), rec.train_chunk, rec.apply)
+        stream.on_round_start(1, "long", 10)
+        await feed(stream, 1, groups[:5])
+        # The scheduler's batch holds all 10; 5 arrive with the batch (e.g. in one burst).
+        return await stream.finish(1, groups)
+
+    result = asyncio.run(main())
+    assert rec.chunks[-1] == [f"p{i}" for i in range(5, 10)]
+    assert result.metrics["stream/trained_fraction_before_rollout_end"] == pytest.approx(0.5)
+    assert len(result.trained) == 20
+
+
+def test_a_streamed_group_missing_from_the_batch_is_an_error():
+    cfg = stream_cfg(min_new_groups=1)
+    rec = Recorder()
+    groups = [make_group(i) for i in range(4)]
+
+    async def main():
+        stream = StreamTrainer(cfg, PoolStub(0), rec.train_chunk, rec.apply)
+        stream.on_round_start(0, "long", 4)
+        await feed(stream, 0, groups)
+        await stream.finish(0, groups[1:])
+
+    with pytest.raises(RuntimeError, match="not in the step's batch"):
+        asyncio.run(main())
+    assert rec.applied == []
+
+
+def test_release_waits_until_running_requests_fit_then_gives_everything_back():
+    cfg = stream_cfg(release_engines=1, train_threads=2, min_new_groups=1)
+    cfg.rollout.num_engines, cfg.rollout.max_num_seqs = 2, 8
+    rec = Recorder()
+    pool = PoolStub(running=20)  # does not fit on one engine of 8
+    groups = [make_group(i) for i in range(20)]
+
+    def shrink(i: int) -> None:
+        # At 30 % complete (6 groups) the running requests drop to what one engine holds.
+        if i == 5:
+            pool.running = 8
+
+    async def main():
+        stream = StreamTrainer(cfg, pool, rec.train_chunk, rec.apply, set_train_threads=rec.set_threads)
+        stream.on_round_start(0, "long", 20)
+        await feed(stream, 0, groups, before_each=shrink)
+        return await stream.finish(0, groups)
+
+    result = asyncio.run(main())
+    assert result.metrics["stream/start_fraction"] == pytest.approx(0.3)
+    assert rec.chunks[0] == [f"p{i}" for i in range(6)]
+    assert pool.calls == ["release 1", "restore"]
+    assert rec.threads == [2, 1]
+    assert result.metrics["stream/migrated_requests"] == 3.0
+
+
+def test_release_starts_at_the_last_mark_even_when_requests_never_fit():
+    cfg = stream_cfg(release_engines=1, min_new_groups=1)
+    cfg.rollout.num_engines, cfg.rollout.max_num_seqs = 2, 8
+    rec = Recorder()
+    pool = PoolStub(running=100)
+    groups = [make_group(i) for i in range(20)]
+
+    async def main():
+        stream = StreamTrainer(cfg, pool, rec.train_chunk, rec.apply)
+        stream.on_round_start(0, "long", 20)
+        await feed(stream, 0, groups)
+        return await stream.finish(0, groups)
+
+    result = asyncio.run(main())
+    assert result.metrics["stream/start_fraction"] == pytest.approx(0.5)
+    assert result.metrics["stream/start_mark"] == pytest.approx(0.5)
+    assert pool.calls == ["release 1", "restore"]
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["stream.enabled=true", "algorithm.ppo_mini_batches=2"], "algorithm.ppo_mini_batches"),
+    (["stream.enabled=true", "stream.release_engines=1"], "stream.release_engines"),
+    (["stream.rounds=long,medium"], "stream.rounds"),
+    (["stream.start_fraction_min=0.6"], "stream.start_fraction_min"),
+    (["stream.check_interval=0"], "stream.check_interval"),
+    (["stream.min_new_groups=0"], "stream.min_new_groups"),
+])
+def test_bad_stream_config_names_the_key(overrides, key):
+    from megatron_rl.config_io import ConfigError, load_config, validate
+
+    cfg = load_config(None, overrides)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        validate(cfg, device="cpu")
+
+
+def test_good_stream_config_validates():
+    from megatron_rl.config_io import load_config, validate
+
+    cfg = load_config(None, ["stream.enabled=true", "stream.release_engines=1", "rollout.num_engines=2",
+                             "stream.rounds=long,baseline"])
+    validate(cfg, device="cpu")
+
+
+def test_no_release_when_only_one_engine_is_active():
+    cfg = stream_cfg(release_engines=1, train_threads=2, min_new_groups=1)
+    cfg.rollout.num_engines = 2
+    rec = Recorder()
+    pool = PoolStub(running=0)
+    pool.active_engines = 1  # e.g. the elastic planner runs this round as one TP-2 engine
+    groups = [make_group(i) for i in range(4)]
+
+    async def main():
+        stream = StreamTrainer(cfg, pool, rec.train_chunk, rec.apply, set_train_threads=rec.set_threads)
+        stream.on_round_start(0, "long", 4)
+        await feed(stream, 0, groups)
+        return await stream.finish(0, groups)
+
+    result = asyncio.run(main())
+    assert pool.calls == [] and rec.threads == []
+    assert result.metrics["stream/released_engines"] == 0.0 and len(result.trained) == 8
+
+
+def test_released_engines_stay_asleep_when_every_engine_sleeps_through_training():
+    cfg = stream_cfg(release_engines=1, min_new_groups=1)
+    cfg.rollout.num_engines, cfg.rollout.sleep_during_train = 2, True
+    rec = Recorder()
+    pool = PoolStub(running=0)
+    groups = [make_group(i) for i in range(4)]
+
+    async def main():
+        stream = StreamTrainer(cfg, pool, rec.train_chunk, rec.apply)
+        stream.on_round_start(0, "long", 4)
+        await feed(stream, 0, groups)
+        return await stream.finish(0, groups)
+
+    asyncio.run(main())
+    assert pool.calls == ["release 1"]  # the weight sync wakes and restores them
