@@ -169,8 +169,10 @@ class StreamTrainer(StepHook):
         """Do the running requests fit on the engines left after the release?"""
         if self.scfg.release_engines == 0:
             return True
+        staying = getattr(self.engine, "active_engines", self.cfg.rollout.num_engines) - self.scfg.release_engines
+        if staying < 1:
+            return True  # nothing will be released (see _start): no reason to wait
         stats = await self.engine.stats()
-        staying = self.cfg.rollout.num_engines - self.scfg.release_engines
         return stats.running + stats.waiting <= staying * self.cfg.rollout.max_num_seqs
 
     async def _start(self, r: _Round, mark: float) -> None:

@@ -42,16 +42,29 @@ class TrainModel:
     """Weight sync trainer -> engines (also paid again when the rollout TP changes)."""
     s_per_token: float = 0.0
     """Measured seconds per trained token; when > 0 it replaces the FLOP model."""
+    recompute: str = "none"
+    """parallel.recompute_granularity: 'full' adds one forward per training pass (~4/3 of the
+    train FLOPs); 'selective' adds the core-attention forward."""
+    offload_s: float = 0.0
+    """trainer.offload_during_rollout: optimizer state and weights to host and back, per step."""
 
     @classmethod
     def from_recipe(cls, cfg: RunConfig, shape: ModelShape, gpu: GpuSpec, mfu: float = 0.4,
-                    sync_gb_per_s: float = 10.0) -> "TrainModel":
+                    sync_gb_per_s: float = 10.0, host_gb_per_s: float = 25.0) -> "TrainModel":
         p = cfg.parallel
         gpus = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size * p.data_parallel_size
+        offload_s = 0.0
+        if cfg.trainer.offload_during_rollout:
+            # Per GPU: bf16 weights of its TP/PP shard + fp32 master and Adam m, v (12 B/param,
+            # sharded over DP x CP by the distributed optimizer), out and back over PCIe.
+            shard_params = shape.total_params / (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+            optim_shard = p.data_parallel_size * p.context_parallel_size if p.use_distributed_optimizer else 1
+            offload_s = 2 * shard_params * (2 + 12 / optim_shard) / (host_gb_per_s * 1e9)
         return cls(shape.total_params, shape.num_layers, shape.hidden_size, gpus, gpu.bf16_tflops * 1e12, mfu,
                    p.pipeline_model_parallel_size, p.data_parallel_size, cfg.optimizer.micro_batch_tokens,
                    cfg.model.use_reference_model or cfg.algorithm.kl_coef > 0,
-                   sync_s=shape.total_params * 2 / (sync_gb_per_s * 1e9))
+                   sync_s=shape.total_params * 2 / (sync_gb_per_s * 1e9),
+                   recompute=p.recompute_granularity, offload_s=offload_s)
 
     def time(self, seq_tokens: list[int]) -> float:
         """Seconds to train on sequences of these total (prompt + response) lengths."""
@@ -60,10 +73,11 @@ class TrainModel:
             return self.fixed_s + self.s_per_token * tokens
         attn = sum(s * s for s in seq_tokens) * self.num_layers * self.hidden
         fwd = 2 * self.params * tokens + 2 * attn
-        flops = 3 * fwd + fwd * (2 if self.reference_forward else 1)  # train + old (+ ref) logprobs
+        train = 3 * fwd + {"full": fwd, "selective": 2 * attn}.get(self.recompute, 0)
+        flops = train + fwd * (2 if self.reference_forward else 1)  # train + old (+ ref) logprobs
         micro = max(1, math.ceil(tokens / (self.dp * self.micro_batch_tokens)))
         bubble = (self.pp - 1) / (micro + self.pp - 1)
-        return self.fixed_s + flops / (self.gpus * self.peak_flops * self.mfu) / (1 - bubble)
+        return self.fixed_s + self.offload_s + flops / (self.gpus * self.peak_flops * self.mfu) / (1 - bubble)
 
 
 @dataclass(frozen=True)

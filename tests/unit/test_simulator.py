@@ -146,3 +146,26 @@ def test_cli_with_measured_constants_prints_speedup(tmp_path, capsys, tiny_model
     assert "measured constants" in out and "eta_P=1.25 eta_R=1" in out
     last = out.strip().splitlines()[-1]
     assert last.startswith("speedup: ") and float(last.split()[1]) > 1.0
+
+
+def test_train_model_charges_recompute_and_offload():
+    base = TrainModel(10**9, 8, 1024, 4, 1e15, mfu=0.5, fixed_s=0.0)
+    full = TrainModel(10**9, 8, 1024, 4, 1e15, mfu=0.5, fixed_s=0.0, recompute="full")
+    # No reference model: none = 3 fwd (train) + 1 fwd (old logprobs); full adds one forward.
+    assert full.time([1000] * 8) / base.time([1000] * 8) == pytest.approx(5 / 4)
+    offload = TrainModel(10**9, 8, 1024, 4, 1e15, mfu=0.5, fixed_s=0.0, offload_s=2.5)
+    assert offload.time([1000]) - base.time([1000]) == pytest.approx(2.5)
+
+
+def test_recipe_with_offload_gets_a_host_round_trip():
+    from megatron_rl.config_io import load_config
+    from megatron_rl.planning.architectures import BUILTIN_SHAPES
+    from megatron_rl.planning.memory import GPUS
+
+    cfg = load_config(REPO / "examples/qwen2.5/qwen2.5_32b_math_8x8_tp4cp4_rtp2.yaml")
+    shape = BUILTIN_SHAPES["qwen2.5-32b"]
+    train = TrainModel.from_recipe(cfg, shape, GPUS["h800"])
+    assert train.recompute == "full"
+    # 32B / TP4 bf16 weights + 12 B/param Adam state over DP4 x CP4, out and back at 25 GB/s.
+    expected = 2 * shape.total_params / 4 * (2 + 12 / 16) / 25e9
+    assert train.offload_s == pytest.approx(expected)

@@ -79,6 +79,18 @@ async def feed(stream: StreamTrainer, step: int, groups: list[list[Sample]], bef
             await asyncio.sleep(0)
 
 
+def run_long_round(cfg: RunConfig, pool: PoolStub, rec: Recorder, groups: list[list[Sample]], before_each=None):
+    """One long round of ``groups`` through a StreamTrainer; returns its StreamResult."""
+
+    async def main():
+        stream = StreamTrainer(cfg, pool, rec.train_chunk, rec.apply, set_train_threads=rec.set_threads)
+        stream.on_round_start(0, "long", len(groups))
+        await feed(stream, 0, groups, before_each=before_each)
+        return await stream.finish(0, groups)
+
+    return asyncio.run(main())
+
+
 def test_start_rule_checks_in_steps_and_forces_the_last_mark():
     cfg = stream_cfg()
     rule = StartRule(20, cfg.stream)
@@ -177,13 +189,7 @@ def test_release_waits_until_running_requests_fit_then_gives_everything_back():
         if i == 5:
             pool.running = 8
 
-    async def main():
-        stream = StreamTrainer(cfg, pool, rec.train_chunk, rec.apply, set_train_threads=rec.set_threads)
-        stream.on_round_start(0, "long", 20)
-        await feed(stream, 0, groups, before_each=shrink)
-        return await stream.finish(0, groups)
-
-    result = asyncio.run(main())
+    result = run_long_round(cfg, pool, rec, groups, before_each=shrink)
     assert result.metrics["stream/start_fraction"] == pytest.approx(0.3)
     assert rec.chunks[0] == [f"p{i}" for i in range(6)]
     assert pool.calls == ["release 1", "restore"]
@@ -198,13 +204,7 @@ def test_release_starts_at_the_last_mark_even_when_requests_never_fit():
     pool = PoolStub(running=100)
     groups = [make_group(i) for i in range(20)]
 
-    async def main():
-        stream = StreamTrainer(cfg, pool, rec.train_chunk, rec.apply)
-        stream.on_round_start(0, "long", 20)
-        await feed(stream, 0, groups)
-        return await stream.finish(0, groups)
-
-    result = asyncio.run(main())
+    result = run_long_round(cfg, pool, rec, groups)
     assert result.metrics["stream/start_fraction"] == pytest.approx(0.5)
     assert result.metrics["stream/start_mark"] == pytest.approx(0.5)
     assert pool.calls == ["release 1", "restore"]
@@ -242,13 +242,7 @@ def test_no_release_when_only_one_engine_is_active():
     pool.active_engines = 1  # e.g. the elastic planner runs this round as one TP-2 engine
     groups = [make_group(i) for i in range(4)]
 
-    async def main():
-        stream = StreamTrainer(cfg, pool, rec.train_chunk, rec.apply, set_train_threads=rec.set_threads)
-        stream.on_round_start(0, "long", 4)
-        await feed(stream, 0, groups)
-        return await stream.finish(0, groups)
-
-    result = asyncio.run(main())
+    result = run_long_round(cfg, pool, rec, groups)
     assert pool.calls == [] and rec.threads == []
     assert result.metrics["stream/released_engines"] == 0.0 and len(result.trained) == 8
 
@@ -260,11 +254,5 @@ def test_released_engines_stay_asleep_when_every_engine_sleeps_through_training(
     pool = PoolStub(running=0)
     groups = [make_group(i) for i in range(4)]
 
-    async def main():
-        stream = StreamTrainer(cfg, pool, rec.train_chunk, rec.apply)
-        stream.on_round_start(0, "long", 4)
-        await feed(stream, 0, groups)
-        return await stream.finish(0, groups)
-
-    asyncio.run(main())
+    run_long_round(cfg, pool, rec, groups)
     assert pool.calls == ["release 1"]  # the weight sync wakes and restores them
