@@ -80,6 +80,12 @@ class RewardStats:
     _last: float = field(default_factory=time.monotonic)
     scale_ups: int = 0
     scale_downs: int = 0
+    retries: int = 0
+    """Reward tasks resubmitted because their worker lost them (actor died or dropped its queue)."""
+    cancelled: int = 0
+    """Responses whose reward work was cancelled (results dropped; not scored, not errors)."""
+    _timeouts: int = 0
+    _errors: int = 0
 
     def set_busy(self, busy_workers: int, now: float | None = None) -> None:
         """Record that ``busy_workers`` workers have work from now on (time-weighted mean)."""
@@ -87,16 +93,21 @@ class RewardStats:
         self._busy_area += self._busy_now * max(0.0, now - self._last)
         self._busy_now, self._last = busy_workers, now
 
-    def record(self, queue_wait_s: float, work_s: float) -> None:
-        """One collected result: how long it queued and how long the worker spent on it."""
+    def record(self, queue_wait_s: float, work_s: float, status: str = "ok") -> None:
+        """One collected result: how long it queued, how long the worker spent on it, and its
+        status ('timeout' and 'error' are counted: they score ``timeout_reward``, not the answer)."""
         wait = max(0.0, queue_wait_s)
         self._waits.append(wait)
         self._work_s += max(0.0, work_s)
+        self._timeouts += status == "timeout"
+        self._errors += status == "error"
         self.wait_ema = wait if len(self._waits) == 1 and not self.wait_ema else (
             _WAIT_EMA_ALPHA * wait + (1 - _WAIT_EMA_ALPHA) * self.wait_ema)
 
     def drain(self, num_workers: int, now: float | None = None) -> dict[str, float]:
-        """Metrics since the last drain: queue wait, busy workers, worker seconds, scaling events."""
+        """Metrics since the last drain: queue wait, busy workers, worker seconds, scaling events,
+        and how many results were timeouts or errors (scored ``timeout_reward``), were retried or
+        were cancelled."""
         now = time.monotonic() if now is None else now
         self.set_busy(self._busy_now, now)
         window = max(1e-9, now - self._since)
@@ -110,10 +121,14 @@ class RewardStats:
             "reward/worker_time_s": self._work_s,
             "reward/scale_ups": float(self.scale_ups),
             "reward/scale_downs": float(self.scale_downs),
+            "reward/timeouts": float(self._timeouts),
+            "reward/errors": float(self._errors),
+            "reward/retries": float(self.retries),
+            "reward/cancelled": float(self.cancelled),
         }
         self._waits, self._work_s, self._busy_area = [], 0.0, 0.0
         self._since = now
-        self.scale_ups = self.scale_downs = 0
+        self.scale_ups = self.scale_downs = self.retries = self.cancelled = self._timeouts = self._errors = 0
         return out
 
 

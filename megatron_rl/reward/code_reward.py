@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -157,8 +158,9 @@ class CodeReward:
         return self._sandbox.layers
 
     def __call__(self, response: str, ground_truth: str, metadata: dict | None = None,
-                 timeout_s: float | None = None) -> RewardResult:
-        """Score one response; never raises."""
+                 timeout_s: float | None = None, cancel: threading.Event | None = None) -> RewardResult:
+        """Score one response; never raises. Setting ``cancel`` (from another thread) kills the
+        sandbox run early: the result then has status 'cancelled' and must not be used."""
         start = time.monotonic()
         code = extract_code(response)
         if code is None:
@@ -170,7 +172,7 @@ class CodeReward:
                                 time.monotonic() - start)
         limit = timeout_s or self.timeout_s
         run = self._sandbox.run(build_job(code, tests),
-                                SandboxLimits(wall_s=limit, cpu_s=limit, memory_mb=self.memory_mb))
+                                SandboxLimits(wall_s=limit, cpu_s=limit, memory_mb=self.memory_mb), cancel)
         return self._result(run, code)
 
     def _result(self, run: SandboxResult, code: str) -> RewardResult:
@@ -179,5 +181,7 @@ class CodeReward:
             return RewardResult(self.timeout_reward, False, code, "timeout", detail, run.elapsed_s)
         if run.status == "error":
             return RewardResult(self.timeout_reward, False, code, "error", detail, run.elapsed_s)
+        if run.status == "cancelled":
+            return RewardResult(0.0, False, code, "cancelled", detail, run.elapsed_s)
         # 'passed', 'failed', 'output_limit': a graded answer (the output limit is the program's fault).
         return RewardResult(1.0 if run.passed else 0.0, run.passed, code, "ok", detail, run.elapsed_s)

@@ -250,7 +250,13 @@ class IsolatedCall:
             if self._proc.poll() is None:
                 self._proc.kill()
                 self.restarts += 1
-            self._proc.wait(10)
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                # SIGKILL sent but the child is not gone yet (e.g. stuck in the kernel): abandon
+                # it rather than raise out of every later call that would keep reusing it.
+                logger.warning("reward child process %d did not exit 10 s after SIGKILL; abandoning it",
+                               self._proc.pid)
         self._close_pipes()
         self._proc = None
 

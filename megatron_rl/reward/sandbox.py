@@ -24,7 +24,9 @@ The layers, outermost first:
   use the namespaces (root or unprivileged user namespaces) on shared machines.
 * **Supervisor** (this module): wall-clock limit, stdout/stderr capped at ``output_bytes`` (a
   program that prints forever is killed at the cap), and the whole process group killed with
-  SIGKILL on timeout and after every run (stragglers included).
+  SIGKILL on timeout and after every run (stragglers included). A caller may also pass a
+  ``threading.Event`` to :meth:`Sandbox.run` and set it from another thread to stop the run
+  early (status 'cancelled'; the reward pool does this when a scheduler drops the response).
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +52,8 @@ ISOLATION_MODES = ("auto", "namespaces", "audit")
 _CHILD_SCRIPT = Path(__file__).with_name("sandbox_child.py")
 _NOBODY = 65534
 _PROBE_TIMEOUT_S = 20.0
+_CANCEL_POLL_S = 0.1
+"""How often a run that can be cancelled checks its cancel event (otherwise every 0.5 s)."""
 _probe_cache: dict[str, object] = {}
 
 
@@ -77,7 +82,8 @@ class SandboxResult:
     """Outcome of one sandbox run."""
 
     status: str
-    """'passed', 'failed', 'timeout', 'output_limit' or 'error' (the sandbox itself failed)."""
+    """'passed', 'failed', 'timeout', 'output_limit', 'error' (the sandbox itself failed) or
+    'cancelled' (the caller's cancel event was set; the program was killed or never started)."""
     cases_passed: int = 0
     """Test cases (asserts program = 1 case, test functions, stdio cases) that passed."""
     cases_total: int = 0
@@ -170,15 +176,22 @@ class Sandbox:
         extra = ["uid_drop"] if self._ids else []
         return self._layers + extra + ["rlimits", "audit_hook"]
 
-    def run(self, job: dict, limits: SandboxLimits) -> SandboxResult:
-        """Run one job (see ``sandbox_child``: kind 'asserts' | 'pytest' | 'stdio') and judge it."""
+    def run(self, job: dict, limits: SandboxLimits, cancel: threading.Event | None = None) -> SandboxResult:
+        """Run one job (see ``sandbox_child``: kind 'asserts' | 'pytest' | 'stdio') and judge it.
+
+        ``cancel``: when another thread sets it, the run's process group is killed within
+        ``_CANCEL_POLL_S`` and the result has status 'cancelled'.
+        """
+        if cancel is not None and cancel.is_set():
+            return SandboxResult("cancelled", detail="cancelled before it started", isolation=self.layers)
         workdir = tempfile.mkdtemp(prefix="rl-sandbox-", dir=self._base_dir)
         try:
-            return self._run_in(workdir, job, limits)
+            return self._run_in(workdir, job, limits, cancel)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
 
-    def _run_in(self, workdir: str, job: dict, limits: SandboxLimits) -> SandboxResult:
+    def _run_in(self, workdir: str, job: dict, limits: SandboxLimits,
+                cancel: threading.Event | None = None) -> SandboxResult:
         os.chmod(workdir, 0o700)
         if self._ids:
             os.chown(workdir, *self._ids)
@@ -203,7 +216,7 @@ class Sandbox:
             proc.stdin.close()
         except BrokenPipeError:
             pass
-        out, err, reason, cpu_s = _supervise(proc, start + limits.wall_s, limits.output_bytes)
+        out, err, reason, cpu_s = _supervise(proc, start + limits.wall_s, limits.output_bytes, cancel)
         _kill_group(proc)
         elapsed = time.monotonic() - start
         if not reason and cpu_s >= max(1, int(limits.cpu_s + 0.999)) - 0.05:
@@ -213,22 +226,28 @@ class Sandbox:
         return result
 
 
-def _supervise(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, bytes, str, float]:
-    """Read stdout/stderr until EOF; kill at the deadline or when output passes ``cap`` bytes.
+def _supervise(proc: subprocess.Popen, deadline: float, cap: int,
+               cancel: threading.Event | None = None) -> tuple[bytes, bytes, str, float]:
+    """Read stdout/stderr until EOF; kill at the deadline, when output passes ``cap`` bytes or
+    when ``cancel`` is set.
 
-    Returns (stdout, stderr, reason, cpu_s): reason '' (ended by itself), 'timeout' or
-    'output_limit'; cpu_s the CPU seconds of the run's processes.
+    Returns (stdout, stderr, reason, cpu_s): reason '' (ended by itself), 'timeout',
+    'output_limit' or 'cancelled'; cpu_s the CPU seconds of the run's processes.
     """
     out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
     streams = {out_fd: bytearray(), err_fd: bytearray()}
     open_fds = set(streams)
     reason = ""
+    poll_s = 0.5 if cancel is None else _CANCEL_POLL_S
     while open_fds:
+        if cancel is not None and cancel.is_set():
+            reason = "cancelled"
+            break
         left = deadline - time.monotonic()
         if left <= 0:
             reason = "timeout"
             break
-        ready, _, _ = select.select(list(open_fds), [], [], min(left, 0.5))
+        ready, _, _ = select.select(list(open_fds), [], [], min(left, poll_s))
         for fd in ready:
             chunk = os.read(fd, 65536)
             if not chunk:
@@ -299,6 +318,8 @@ def _judge(out: bytes, err: bytes, reason: str, returncode: int | None, nonce: s
         return SandboxResult("timeout", detail=f"CPU limit {limits.cpu_s:g} s", **base)
     if reason == "output_limit":
         return SandboxResult("output_limit", detail=f"output over {limits.output_bytes} bytes", **base)
+    if reason == "cancelled":
+        return SandboxResult("cancelled", detail="cancelled by the caller; the program was killed", **base)
     if verdict is not None:
         status = "passed" if verdict.get("passed") else "failed"
         return SandboxResult(status, int(verdict.get("cases_passed", 0)), int(verdict.get("cases_total", 0)),

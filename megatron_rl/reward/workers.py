@@ -15,7 +15,14 @@ Beyond dispatch the pool owns what must be shared by all workers:
   ``reward.min_workers`` the pool adds a Ray worker when responses queue up and removes one that
   stays idle while results flow;
 * **metrics** (:meth:`RewardPool.step_metrics`): queue wait, busy workers, reward time hidden
-  under rollout;
+  under rollout, and per step how many responses timed out, failed or were retried;
+* **retries**: a task its actor lost (the actor died, or dropped its queued tasks; scoring is
+  pure, so running it twice is harmless) is resubmitted up to ``MAX_RETRIES`` times before it
+  scores ``reward.timeout_reward``; an exception raised by the scoring itself is not retried;
+* **cancellation** (:meth:`RewardPool.cancel`, e.g. after a scheduler aborts requests): the
+  owning worker is told to skip the tasks (a control call in the actor's second concurrency
+  group), so queued ones return at once and a running code-sandbox run is killed; the results
+  are dropped and counted as ``reward/cancelled``, never as errors or timeouts;
 * the optional **LLM judge** (``reward.kind='judge'``), awaited on the driver.
 """
 from __future__ import annotations
@@ -29,30 +36,42 @@ from typing import Any
 from megatron_rl.config import AlgorithmConfig, RewardConfig, RunConfig
 from megatron_rl.reward.adaptive_timeout import AdaptiveTimeouts, TimeoutPolicy
 from megatron_rl.reward.autoscale import RewardStats, ScalePolicy, reward_overlap
-from megatron_rl.reward.scorer import REWARD_KINDS, RewardOutcome, RewardWorker, make_outcome, route_for
+from megatron_rl.reward.scorer import (CONTROL_GROUP, REWARD_KINDS, RewardOutcome, RewardWorker, make_outcome,
+                                       route_for)
 from megatron_rl.sample import Sample
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["RewardPool", "RewardHandle", "RewardOutcome", "RewardWorker", "apply_outcome", "REWARD_KINDS"]
 DISPATCH_POLICIES = ("least_loaded", "round_robin")
+MAX_RETRIES = 2
+"""Resubmissions of one response whose task was lost with its actor (RayActorError)."""
+
+
+def _label(sample: Sample) -> str:
+    """How warnings name a response: 'prompt_id#index'."""
+    return f"{sample.prompt.prompt_id}#{sample.response_index}"
 
 
 class RewardHandle:
     """One submitted response: the sample, where it went, and its outcome once known."""
 
     def __init__(self, sample: Sample, worker: int, ref: Any = None,
-                 outcome: RewardOutcome | None = None) -> None:
+                 outcome: RewardOutcome | None = None, task_id: int | None = None) -> None:
         self.sample = sample
         """The sample being scored; filled in place when the outcome is collected."""
         self.worker = worker
         """Index of the worker it was dispatched to."""
         self.ref = ref
         """Ray ObjectRef of the pending result (None in-process)."""
+        self.task_id = task_id
+        """The pool's number for the current task (what :meth:`RewardWorker.skip` takes)."""
         self.outcome = outcome
         """The worker's outcome, once collected."""
         self.cancelled = False
         """Set by :meth:`RewardPool.cancel`; a cancelled handle never gets an outcome."""
+        self.attempts = 1
+        """Tasks submitted for this response (more than one after a lost task was retried)."""
 
     @property
     def done(self) -> bool:
@@ -100,6 +119,7 @@ class RewardPool:
         self._algo = algorithm_cfg or AlgorithmConfig()
         self._cursor = itertools.count()
         self._worker_ids = itertools.count()
+        self._task_ids = itertools.count()  # increasing: a worker runs its tasks in this order
         self._workers: dict[int, Any] = {}
         self._in_flight: dict[int, set] = {}
         self._starting: dict[int, Any] = {}  # autoscaled workers not ready yet -> their ping ref
@@ -121,8 +141,10 @@ class RewardPool:
         if use_ray:
             import ray
 
-            self._actor_cls = ray.remote(num_cpus=reward_cfg.worker_num_cpus, num_gpus=0,
-                                         max_restarts=1)(RewardWorker)
+            # Default group: ``score`` calls, one at a time in submission order. CONTROL_GROUP: a
+            # second thread for ``skip`` (and ``cancel_stats``), so cancelling needs no ray.cancel.
+            self._actor_cls = ray.remote(num_cpus=reward_cfg.worker_num_cpus, num_gpus=0, max_restarts=1,
+                                         concurrency_groups={CONTROL_GROUP: 1})(RewardWorker)
         for _ in range(reward_cfg.num_workers):
             self._add_worker(starting=False)
 
@@ -246,23 +268,68 @@ class RewardPool:
             return self._cfg.code_timeout_max_s
         return self.timeouts.timeout_s(sample.prompt.prompt_id, sample.prompt.metadata)
 
-    def submit(self, sample: Sample) -> RewardHandle:
-        """Send one finished response to a worker now; returns its handle."""
+    def _score_args(self, sample: Sample) -> tuple:
         route = route_for(self._cfg.kind, sample.prompt.metadata)
         if route == "judge":
             raise ValueError(f"{sample.request_id}: judge rewards are scored on the driver; await score()")
+        return (sample.response_ids, sample.prompt.answer, _label(sample), sample.prompt.metadata,
+                self._timeout_for(sample, route))
+
+    def _send(self, sample: Sample, args: tuple) -> tuple[int, Any, int]:
+        """Send a scoring task to a Ray worker: (worker index, ObjectRef, task id)."""
         index = self._pick_worker()
+        task_id = next(self._task_ids)
+        ref = self._workers[index].score.remote(*args, task_id=task_id)
+        self._in_flight[index].add(ref)
+        self._rescale(allow_shrink=False)
+        return index, ref, task_id
+
+    def submit(self, sample: Sample) -> RewardHandle:
+        """Send one finished response to a worker now; returns its handle."""
+        args = self._score_args(sample)
         sample.timings["reward_submitted"] = time.monotonic()
-        args = (sample.response_ids, sample.prompt.answer, f"{sample.prompt.prompt_id}#{sample.response_index}",
-                sample.prompt.metadata, self._timeout_for(sample, route))
         if not self._use_ray:
+            index = self._pick_worker()
             handle = RewardHandle(sample, index)
             self._collect(handle, self._workers[index].score(*args))
             return handle
-        ref = self._workers[index].score.remote(*args)
-        self._in_flight[index].add(ref)
-        self._rescale(allow_shrink=False)
-        return RewardHandle(sample, index, ref=ref)
+        index, ref, task_id = self._send(sample, args)
+        return RewardHandle(sample, index, ref=ref, task_id=task_id)
+
+    def _retry(self, handle: RewardHandle, exc: Exception) -> bool:
+        """Resubmit a task its actor lost; False once ``MAX_RETRIES`` resubmissions are spent."""
+        if handle.cancelled or handle.attempts > MAX_RETRIES:
+            return False
+        lost_on = handle.worker
+        if lost_on in self._in_flight:
+            self._in_flight[lost_on].discard(handle.ref)
+        handle.worker, handle.ref, handle.task_id = self._send(handle.sample, self._score_args(handle.sample))
+        handle.attempts += 1
+        self.stats.retries += 1
+        logger.warning("reward of %s (request %s) lost on worker #%d after %.1f s, resubmitted to worker #%d "
+                       "(attempt %d of %d): %s", _label(handle.sample), handle.sample.request_id, lost_on,
+                       self._since_submit(handle), handle.worker, handle.attempts, MAX_RETRIES + 1, exc)
+        return True
+
+    @staticmethod
+    def _since_submit(handle: RewardHandle) -> float:
+        submitted = handle.sample.timings.get("reward_submitted")
+        return 0.0 if submitted is None else time.monotonic() - submitted
+
+    async def _await_outcome(self, handle: RewardHandle) -> RewardOutcome:
+        """The outcome of a Ray task, retrying tasks lost with their actor."""
+        import ray
+
+        while True:
+            try:
+                return await handle.ref
+            except ray.exceptions.TaskCancelledError:
+                raise asyncio.CancelledError(f"reward of {handle.sample.request_id} cancelled") from None
+            except ray.exceptions.RayActorError as exc:
+                if not self._retry(handle, exc):
+                    return self._failure(exc, handle)
+            except ray.exceptions.RayError as exc:
+                return self._failure(exc, handle)
 
     async def score(self, sample: Sample) -> Sample:
         """Score one finished response without blocking the event loop (the rollout path).
@@ -276,14 +343,7 @@ class RewardPool:
         self._by_request[sample.request_id] = handle
         try:
             if handle.ref is not None and not handle.done:
-                import ray
-
-                try:
-                    outcome = await handle.ref
-                except ray.exceptions.TaskCancelledError:
-                    raise asyncio.CancelledError(f"reward of {sample.request_id} cancelled") from None
-                except ray.exceptions.RayError as exc:
-                    outcome = self._failure(exc)
+                outcome = await self._await_outcome(handle)
                 if not handle.cancelled:
                     self._collect(handle, outcome)
         finally:
@@ -321,16 +381,21 @@ class RewardPool:
         if "reward_submitted" in timings and outcome.source != "judge":
             # Round trip minus the worker's own time: queueing (plus transfer) before it ran.
             self.stats.record(timings["reward_done"] - timings["reward_submitted"] - outcome.elapsed_s,
-                              outcome.elapsed_s)
+                              outcome.elapsed_s, outcome.status)
         if outcome.source == "code" and outcome.status == "ok":
             self.timeouts.observe(handle.sample.prompt.prompt_id, outcome.run_s, outcome.correct)
         if handle.ref is not None and handle.worker in self._in_flight:
             self._in_flight[handle.worker].discard(handle.ref)
             self._rescale(allow_shrink=True)
 
-    def _failure(self, exc: Exception) -> RewardOutcome:
-        """Outcome for a task whose worker crashed: the configured failure reward."""
-        logger.warning("reward worker task failed: %s", exc)
+    def _failure(self, exc: Exception, handle: RewardHandle) -> RewardOutcome:
+        """Outcome for a task whose worker failed (and retries, if any, are spent): the
+        configured failure reward."""
+        if not handle.cancelled:
+            logger.warning("reward of %s (request %s) failed on worker #%d after %.1f s and %d attempt(s); "
+                           "scored timeout_reward=%s: %s", _label(handle.sample), handle.sample.request_id,
+                           handle.worker, self._since_submit(handle), handle.attempts, self._cfg.timeout_reward,
+                           exc)
         reward = self._cfg.timeout_reward
         return RewardOutcome(reward, reward, False, "", "error", f"worker failed: {exc}", 0.0)
 
@@ -348,11 +413,16 @@ class RewardPool:
             by_ref = {h.ref: h for h in pending}
             ready, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=timeout_s)
             for ref in ready:
+                handle = by_ref[ref]
                 try:
                     outcome = ray.get(ref, timeout=timeout_s + 60.0)
+                except ray.exceptions.RayActorError as exc:
+                    if self._retry(handle, exc):
+                        continue  # pending again, on its new task
+                    outcome = self._failure(exc, handle)
                 except (ray.exceptions.RayError, TimeoutError) as exc:
-                    outcome = self._failure(exc)
-                self._collect(by_ref[ref], outcome)
+                    outcome = self._failure(exc, handle)
+                self._collect(handle, outcome)
         return [h for h in live if h.done], [h for h in live if not h.done]
 
     def wait(self, handles: list[RewardHandle], timeout_s: float | None = None) -> list[Sample]:
@@ -374,30 +444,45 @@ class RewardPool:
                 )
 
     def cancel(self, handles: list[RewardHandle]) -> None:
-        """Drop these responses: queued tasks are cancelled, results never applied.
+        """Drop these responses: their results are never applied, and their workers stop the work.
 
-        A task already running finishes in its worker (it is time-limited anyway) and its
-        result is discarded.
+        Each owning worker gets one ``skip`` call (fire-and-forget) listing its tasks among
+        these; it runs in the actor's control concurrency group, beside the scoring thread. A
+        task still queued then returns a 'cancelled' outcome as soon as its turn comes, without
+        scoring; a code-sandbox run in progress is killed (a math reward in progress, bounded by
+        ``reward.timeout_s``, runs to its end). Until a task returns it counts as its worker's
+        load. Cancelled responses are counted in ``reward/cancelled``, not as errors.
+
+        The tasks are deliberately not ``ray.cancel``-ed: a reward worker is an ordered
+        (sequential) actor, and cancelling a task its caller has not pushed to the actor yet
+        (tail batching cancels responses it accepted moments before) leaves a hole in the
+        actor's sequence numbers. The actor then waits 30 s for the missing task and fails
+        every task queued behind it, which scored a whole step with ``timeout_reward``.
         """
+        by_worker: dict[int, list[int]] = {}
         for handle in handles:
             if handle.done or handle.cancelled:
                 continue
             handle.cancelled = True
-            if handle.ref is not None:
-                import ray
-
-                try:
-                    ray.cancel(handle.ref)
-                except (ray.exceptions.RayError, ValueError, TypeError) as exc:
-                    logger.debug("ray.cancel failed for a reward task: %s", exc)
-                if handle.worker in self._in_flight:
-                    self._in_flight[handle.worker].discard(handle.ref)
+            self.stats.cancelled += 1
+            if handle.ref is not None and handle.task_id is not None and handle.worker in self._workers:
+                by_worker.setdefault(handle.worker, []).append(handle.task_id)
+        for wid, task_ids in by_worker.items():
+            try:
+                self._workers[wid].skip.options(concurrency_group=CONTROL_GROUP).remote(task_ids)
+            except Exception as exc:  # noqa: BLE001 - a dead worker: its tasks fail (and are dropped) anyway
+                logger.debug("reward worker #%d: skip of %d tasks not sent: %s", wid, len(task_ids), exc)
 
     def step_metrics(self, samples: list[Sample] | None = None) -> dict[str, float]:
         """Reward-scheduler metrics since the last call; with the step's samples also how much
         reward time was hidden under rollout (``reward/hidden_fraction``, ``reward/tail_s``)."""
         metrics = self.stats.drain(self.num_workers)
         metrics["reward/adaptive_anchors"] = float(len(self.timeouts))
+        if metrics["reward/timeouts"] or metrics["reward/errors"]:
+            logger.warning("reward: %d timeouts and %d errors among %d responses scored since the last step "
+                           "(they scored timeout_reward=%s; %d retries)", metrics["reward/timeouts"],
+                           metrics["reward/errors"], metrics["reward/scored"], self._cfg.timeout_reward,
+                           metrics["reward/retries"])
         if samples:
             metrics.update(reward_overlap(samples))
         return metrics

@@ -1,6 +1,7 @@
 """The reward pool on real Ray actors: scoring in workers, dispatch, timeouts, cancel."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -70,5 +71,45 @@ def test_ray_pool_cancel_and_wait_timeout(ray_session, tokenizer_dir: Path) -> N
         assert queued[0].sample.reward is None                  # and never scored into the sample
         assert queued[1].sample.reward == 1.0
         assert blocker.outcome.status == "timeout"
+    finally:
+        pool.shutdown()
+
+
+def test_cancel_right_after_submit_does_not_stall_the_worker(ray_session, tokenizer_dir: Path) -> None:
+    """Regression: tail batching cancels responses moments after submitting them. With
+    ray.cancel on those ordered actor tasks, one not yet pushed to the actor left a hole in its
+    sequence numbers: the actor waited 30 s, then failed every queued task (a whole step scored
+    timeout_reward). Cooperative skips must keep every other response scored within seconds.
+
+    The race is timing-dependent: with ray.cancel in RewardPool.cancel this test failed (a 30 s
+    stall) in about half of the runs on a 2-core box, with the many cancels below."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    cfg = RewardConfig(num_workers=1, worker_num_cpus=0.25, timeout_s=5.0, timeout_reward=-1.0)
+    pool = RewardPool(cfg, str(tokenizer_dir), max_new_tokens=256)
+    try:
+        pool.ready(timeout_s=120)
+        start = time.monotonic()
+        handles, cancelled = [], []
+        for i in range(240):
+            handle = pool.submit(make_sample(tok, "p", i, "\\boxed{5}", "5"))
+            if i % 3 == 1:
+                pool.cancel([handle])                        # immediately, likely before it is pushed
+                cancelled.append(handle)
+            else:
+                handles.append(handle)
+        handles += [pool.submit(make_sample(tok, "q", i, "\\boxed{5}", "5")) for i in range(20)]
+        done = pool.wait(handles, timeout_s=20)          # the stall would raise TimeoutError here
+        elapsed = time.monotonic() - start
+        assert len(done) == 180
+        assert [h.outcome.status for h in handles] == ["ok"] * 180
+        assert all(s.reward == 1.0 and s.correct for s in done)
+        assert all(h.sample.reward is None for h in cancelled)
+        assert elapsed < 15.0, f"scoring stalled: {elapsed:.1f} s"
+        metrics = pool.step_metrics()
+        assert metrics["reward/cancelled"] == 80.0
+        assert metrics["reward/errors"] == 0.0 and metrics["reward/retries"] == 0.0
+        assert metrics["reward/scored"] == 180.0
     finally:
         pool.shutdown()
