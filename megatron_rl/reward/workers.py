@@ -36,6 +36,7 @@ from typing import Any
 from megatron_rl.config import AlgorithmConfig, RewardConfig, RunConfig
 from megatron_rl.reward.adaptive_timeout import AdaptiveTimeouts, TimeoutPolicy
 from megatron_rl.reward.autoscale import RewardStats, ScalePolicy, reward_overlap
+from megatron_rl.reward.handles import RewardHandle, apply_outcome, response_label
 from megatron_rl.reward.scorer import (CONTROL_GROUP, REWARD_KINDS, RewardOutcome, RewardWorker, make_outcome,
                                        route_for)
 from megatron_rl.sample import Sample
@@ -46,46 +47,6 @@ __all__ = ["RewardPool", "RewardHandle", "RewardOutcome", "RewardWorker", "apply
 DISPATCH_POLICIES = ("least_loaded", "round_robin")
 MAX_RETRIES = 2
 """Resubmissions of one response whose task was lost with its actor (RayActorError)."""
-
-
-def _label(sample: Sample) -> str:
-    """How warnings name a response: 'prompt_id#index'."""
-    return f"{sample.prompt.prompt_id}#{sample.response_index}"
-
-
-class RewardHandle:
-    """One submitted response: the sample, where it went, and its outcome once known."""
-
-    def __init__(self, sample: Sample, worker: int, ref: Any = None,
-                 outcome: RewardOutcome | None = None, task_id: int | None = None) -> None:
-        self.sample = sample
-        """The sample being scored; filled in place when the outcome is collected."""
-        self.worker = worker
-        """Index of the worker it was dispatched to."""
-        self.ref = ref
-        """Ray ObjectRef of the pending result (None in-process)."""
-        self.task_id = task_id
-        """The pool's number for the current task (what :meth:`RewardWorker.skip` takes)."""
-        self.outcome = outcome
-        """The worker's outcome, once collected."""
-        self.cancelled = False
-        """Set by :meth:`RewardPool.cancel`; a cancelled handle never gets an outcome."""
-        self.attempts = 1
-        """Tasks submitted for this response (more than one after a lost task was retried)."""
-
-    @property
-    def done(self) -> bool:
-        """Whether the outcome has been collected (and applied to the sample)."""
-        return self.outcome is not None
-
-
-def apply_outcome(sample: Sample, outcome: RewardOutcome) -> None:
-    """Write a worker's outcome into ``sample`` (reward, raw_reward, correct, timings)."""
-    sample.raw_reward = outcome.raw_reward
-    sample.reward = outcome.reward
-    sample.correct = outcome.correct
-    sample.timings["reward_done"] = time.monotonic()
-    sample.timings["reward_s"] = outcome.elapsed_s
 
 
 class RewardPool:
@@ -272,7 +233,7 @@ class RewardPool:
         route = route_for(self._cfg.kind, sample.prompt.metadata)
         if route == "judge":
             raise ValueError(f"{sample.request_id}: judge rewards are scored on the driver; await score()")
-        return (sample.response_ids, sample.prompt.answer, _label(sample), sample.prompt.metadata,
+        return (sample.response_ids, sample.prompt.answer, response_label(sample), sample.prompt.metadata,
                 self._timeout_for(sample, route))
 
     def _send(self, sample: Sample, args: tuple) -> tuple[int, Any, int]:
@@ -307,7 +268,7 @@ class RewardPool:
         handle.attempts += 1
         self.stats.retries += 1
         logger.warning("reward of %s (request %s) lost on worker #%d after %.1f s, resubmitted to worker #%d "
-                       "(attempt %d of %d): %s", _label(handle.sample), handle.sample.request_id, lost_on,
+                       "(attempt %d of %d): %s", response_label(handle.sample), handle.sample.request_id, lost_on,
                        self._since_submit(handle), handle.worker, handle.attempts, MAX_RETRIES + 1, exc)
         return True
 
@@ -393,7 +354,7 @@ class RewardPool:
         configured failure reward."""
         if not handle.cancelled:
             logger.warning("reward of %s (request %s) failed on worker #%d after %.1f s and %d attempt(s); "
-                           "scored timeout_reward=%s: %s", _label(handle.sample), handle.sample.request_id,
+                           "scored timeout_reward=%s: %s", response_label(handle.sample), handle.sample.request_id,
                            handle.worker, self._since_submit(handle), handle.attempts, self._cfg.timeout_reward,
                            exc)
         reward = self._cfg.timeout_reward
