@@ -261,9 +261,25 @@ ROUND_TYPES = ("long", "short", "baseline")
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 
 
+def comma_list(spec: str) -> list[str]:
+    """A comma-separated config value (e.g. stream.rounds 'long,short') as a list of stripped items."""
+    return [r.strip() for r in spec.split(",") if r.strip()]
+
+
+def parse_initial_tp(spec: str) -> dict[str, int]:
+    """``planner.initial_tp`` ('short:1,long:2') -> {'short': 1, 'long': 2}; errors name the key."""
+    out: dict[str, int] = {}
+    for part in comma_list(spec):
+        kind, sep, value = part.partition(":")
+        if not sep or not value.strip().isdigit() or int(value) < 1:
+            raise ConfigError(f"planner.initial_tp: expected 'round:tp' pairs like 'short:1,long:2', got {part!r}")
+        out[kind.strip()] = int(value)
+    return out
+
+
 def _validate_stream(cfg: RunConfig) -> None:
     st = cfg.stream
-    rounds = [r.strip() for r in st.rounds.split(",") if r.strip()]
+    rounds = comma_list(st.rounds)
     if not rounds or any(r not in ROUND_TYPES for r in rounds):
         raise ConfigError(f"stream.rounds: expected a comma-separated subset of {ROUND_TYPES}, got {st.rounds!r}")
     if not 0 < st.start_fraction_min <= st.start_fraction_max <= 1:
@@ -291,13 +307,10 @@ def _validate_planner(cfg: RunConfig) -> None:
     _positive(pl.quiet_rounds, "planner.quiet_rounds")
     _positive(pl.max_tp, "planner.max_tp", allow_zero=True)
     devices = cfg.rollout.tensor_parallel_size * cfg.rollout.num_engines
-    for part in filter(None, (p.strip() for p in pl.initial_tp.split(","))):
-        kind, sep, value = part.partition(":")
-        if not sep or not value.strip().isdigit() or int(value) < 1:
-            raise ConfigError(f"planner.initial_tp: expected 'round:tp' pairs like 'short:1,long:2', got {part!r}")
-        if kind.strip() not in ROUND_TYPES:
-            raise ConfigError(f"planner.initial_tp: unknown round type {kind.strip()!r} (one of {ROUND_TYPES})")
-        if devices % int(value):
+    for kind, value in parse_initial_tp(pl.initial_tp).items():
+        if kind not in ROUND_TYPES:
+            raise ConfigError(f"planner.initial_tp: unknown round type {kind!r} (one of {ROUND_TYPES})")
+        if devices % value:
             raise ConfigError(f"planner.initial_tp: TP {value} does not divide the {devices} rollout devices "
                               "(rollout.tensor_parallel_size x rollout.num_engines)")
 

@@ -18,23 +18,13 @@ from __future__ import annotations
 import logging
 
 from megatron_rl.config import RunConfig
+from megatron_rl.config_io import parse_initial_tp
 from megatron_rl.rollout.elastic import ElasticRollout
 from megatron_rl.model.arch import Qwen2Arch
 from megatron_rl.resharding.layouts import MegatronLayout
 from rollpacker.planner import ElasticTPPlanner, switch_plan
 
 log = logging.getLogger(__name__)
-
-
-def parse_initial_tp(spec: str) -> dict[str, int]:
-    """'short:1,long:2' -> {'short': 1, 'long': 2}; errors name the key ``planner.initial_tp``."""
-    out: dict[str, int] = {}
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        kind, sep, value = part.partition(":")
-        if not sep or not value.strip().isdigit():
-            raise ValueError(f"planner.initial_tp: expected 'round:tp' pairs like 'short:1,long:2', got {part!r}")
-        out[kind.strip()] = int(value)
-    return out
 
 
 class ElasticTP:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from megatron_rl.config import RunConfig, StreamConfig
+from megatron_rl.config_io import comma_list
 from megatron_rl.hooks import StepHook
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.sample import Sample
@@ -119,7 +120,7 @@ class StreamTrainer(StepHook):
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.scfg = cfg.stream
-        self.rounds = {r.strip() for r in self.scfg.rounds.split(",") if r.strip()}
+        self.rounds = set(comma_list(self.scfg.rounds))
         self.engine = engine
         self.train_chunk = train_chunk
         self.apply_update = apply_update
