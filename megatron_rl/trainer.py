@@ -58,6 +58,8 @@ class Trainer:
         self.version = 0  # policy version == number of optimizer steps taken == step index
         self.t0 = time.monotonic()
         self.start_step = 0
+        # train.py offloads the freshly loaded trainer when offload_during_rollout is set.
+        self._resident = not self.cfg.trainer.offload_during_rollout
         self.stream = self._make_stream_trainer() if self.cfg.stream.enabled else None
         # The stream trainer is a hook like any other, called first so it sees groups at once.
         self.hooks: list[StepHook] = ([self.stream] if self.stream else []) + list(parts.hooks)
@@ -200,7 +202,7 @@ class Trainer:
         if not samples:
             return []
         if self.cfg.trainer.offload_during_rollout:
-            await self._trainer_resident(True)  # streaming trains during the rollout (no-op once loaded)
+            await self._trainer_resident(True)  # streaming trains during the rollout
         compute_advantages(samples, kind=self.cfg.algorithm.advantage)
         self._check_on_policy(samples)
         await self._set_logprobs(samples)
@@ -264,8 +266,11 @@ class Trainer:
     async def _trainer_resident(self, resident: bool) -> None:
         """trainer.offload_during_rollout: bring the trainer's grads/optimizer/weights back, or
         move them out for the rollout (MegatronWorker.reload_for_training / offload_for_rollout)."""
+        if resident == self._resident:
+            return  # e.g. every streamed chunk after the first: one Ray round trip saved each
         call = self.p.policy.reload_for_training if resident else self.p.policy.offload_for_rollout
         await asyncio.to_thread(call)
+        self._resident = resident
 
     async def _validate(self) -> dict:
         return await evaluation.validate(self.cfg, self.p.engine, self.p.rewards, self.p.eval_prompts,
@@ -359,6 +364,7 @@ class Trainer:
         if path is not None:
             state = self.checkpoints.load_driver_state(path)
             self.p.policy.load_checkpoint(str(path))
+            self._resident = True  # loading a checkpoint brings an offloaded trainer back
             self.cursor.load_state_dict(state["cursor"])
             self.p.scheduler.load_state_dict(state["scheduler"])
             self.p.rewards.timeouts.load_state_dict(state.get("reward_timeouts", {}))
