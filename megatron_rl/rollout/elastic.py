@@ -1,11 +1,12 @@
 """Rollout engines that can be rebuilt at another tensor-parallel size between rounds.
 
 :class:`ElasticRollout` is a :class:`RolloutEngine` holding the engines of the current TP (one
-engine, or a pool of ``devices / TP`` engines). :meth:`ElasticRollout.switch` shuts them down
-and starts engines of the new TP on the same devices, then loads the newest trainer weights
-(the HF export of the last weight sync) and tags them with the same policy version, so rollout
-stays on-policy across a switch. Completions of every generation of engines flow through one
-queue, so a consumer's ``completions()`` iterator survives a switch.
+engine, or a pool of ``devices / TP`` engines). :meth:`ElasticRollout.switch` shuts them down,
+has the current weights written for the new TP (in the run: per-rank shards moved by the
+resharder, tagged with the policy version, see ``megatron_rl.resharding.rollout_shards``) and
+starts engines of the new TP on the same devices from them, so rollout stays on-policy across a
+switch. Completions of every generation of engines flow through one queue, so a consumer's
+``completions()`` iterator survives a switch.
 
 Switching is only legal with no request in flight (between rounds); the engines are built by a
 factory so the same class drives Ray/vLLM engines in the run and fakes in unit tests.
@@ -21,8 +22,13 @@ from megatron_rl.rollout.engine import Completion, EngineStats, GenerationReques
 
 log = logging.getLogger(__name__)
 
-EngineFactory = Callable[[int], Awaitable[RolloutEngine]]
-"""Builds the engines for a TP size on the rollout devices (``devices // tp`` engines)."""
+EngineFactory = Callable[[int, str], Awaitable[RolloutEngine]]
+"""``factory(tp, model_dir)``: the engines for a TP size on the rollout devices (``devices // tp``
+engines), started from the weights in ``model_dir``."""
+
+WeightsWriter = Callable[[int], Awaitable[tuple[str, dict[str, float]]]]
+"""``write(tp)``: writes the current weights for engines of TP ``tp``; returns the directory to
+start them from and figures for the switch's metrics."""
 
 
 class ElasticRollout(RolloutEngine):
@@ -114,10 +120,10 @@ class ElasticRollout(RolloutEngine):
             self._pump.cancel()
         await self._engine.shutdown()
 
-    async def switch(self, tp: int, weights_dir: str | None, version: int) -> dict[str, float]:
-        """Rebuild the engines at ``tp``; load ``weights_dir`` (tagged ``version``) unless None
-        (the factory's model path already holds the current weights, e.g. before the first step).
-        Returns ``{'switch_s', 'old_tp', 'new_tp'}``."""
+    async def switch(self, tp: int, write_weights: WeightsWriter) -> dict[str, float]:
+        """Rebuild the engines at ``tp`` from what ``write_weights(tp)`` writes. The old engines
+        are shut down first, so on a colocated GPU their memory is free while the trainer
+        exports. Returns ``{'switch_s', 'old_tp', 'new_tp'}`` plus the writer's figures."""
         if self._in_flight:
             raise RuntimeError(f"elastic rollout: cannot switch TP with {len(self._in_flight)} requests in flight "
                                f"(e.g. {sorted(self._in_flight)[:3]}); switch between rounds")
@@ -129,11 +135,10 @@ class ElasticRollout(RolloutEngine):
             self._pump.cancel()
             self._pump = None
         await self._engine.shutdown()
-        self._engine = await self._factory(tp)
+        model_dir, figures = await write_weights(tp)
+        self._engine = await self._factory(tp, model_dir)
         self.tp = tp
-        if weights_dir is not None:
-            await self._engine.reload_weights(weights_dir, version)
         self.switches += 1
         elapsed = time.monotonic() - start
-        log.info("rollout TP %d -> %d in %.1f s (weights version %d)", old_tp, tp, elapsed, version)
-        return {"switch_s": elapsed, "old_tp": float(old_tp), "new_tp": float(tp)}
+        log.info("rollout TP %d -> %d in %.1f s (engines started from %s)", old_tp, tp, elapsed, model_dir)
+        return {**figures, "switch_s": elapsed, "old_tp": float(old_tp), "new_tp": float(tp)}

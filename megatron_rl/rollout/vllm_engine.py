@@ -115,7 +115,9 @@ class VLLMEngine(RolloutEngine):
     """A :class:`RolloutEngine` on vLLM's AsyncLLM.
 
     Args:
-        model_path: Hugging Face checkpoint directory (config, safetensors, tokenizer).
+        model_path: Hugging Face checkpoint directory (config, safetensors, tokenizer), or a
+            rollout-shard directory written by the resharder for this TP size (per-rank files
+            loaded with vLLM's sharded_state loader; completions then carry its policy version).
         cfg: rollout section of the run config (batch capacity, KV cache, TP, memory).
         seed: engine seed (per-request seeds drive sampling; this only seeds the engine).
         max_model_len: context length (prompt + response), <= max_position_embeddings.
@@ -145,11 +147,20 @@ class VLLMEngine(RolloutEngine):
             raise FileNotFoundError(f"no config.json in model_path {model_path!r}")
         import torch
 
+        from megatron_rl.resharding.rollout_shards import read_rollout_manifest
+
         self.cfg = cfg
         self.model_path = str(model_path)
         self.max_model_len = max_model_len
         self.on_gpu = torch.cuda.is_available()
-        self._version = 0
+        # A directory of per-rank shards from the resharder (elastic-TP switch) is loaded with
+        # vLLM's sharded_state loader: each rank copies its own file, nothing is re-sharded.
+        shards = read_rollout_manifest(model_path)
+        if shards is not None and shards["tensor_parallel_size"] != cfg.tensor_parallel_size:
+            raise ValueError(f"{model_path}: rollout shards for TP {shards['tensor_parallel_size']}, but this engine "
+                             f"runs rollout.tensor_parallel_size={cfg.tensor_parallel_size}")
+        self._load_format = "auto" if shards is None else "sharded_state"
+        self._version = 0 if shards is None else int(shards["version"])
         self._stats = _StatsSink()
         # request id -> its stream task; None while add_request is still being awaited.
         self._inflight: dict[str, asyncio.Task | None] = {}
@@ -193,6 +204,7 @@ class VLLMEngine(RolloutEngine):
             enable_prefix_caching=True,
             disable_log_stats=True,  # our stat logger still receives stats (custom loggers)
             enable_log_requests=False,
+            load_format=self._load_format,
         )
         if self.on_gpu:
             return AsyncEngineArgs(
@@ -371,6 +383,11 @@ class VLLMEngine(RolloutEngine):
             # A failed reload inside vLLM kills the engine, so validate before the RPC.
             raise FileNotFoundError(f"reload_weights: no *.safetensors in {weights_dir!r}")
         start = time.monotonic()
+        if self._load_format != "auto":
+            # The sharded_state loader cannot read an HF checkpoint (nor reload at all): later
+            # syncs go through the default loader, which shards the HF tensors itself.
+            await self._llm.collective_rpc("update_config", args=({"load_config": {"load_format": "auto"}},))
+            self._load_format = "auto"
         await self._llm.collective_rpc(
             "reload_weights", kwargs=dict(weights_path=str(path.resolve()), is_checkpoint_format=True)
         )

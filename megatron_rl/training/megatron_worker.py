@@ -40,7 +40,8 @@ from megatron_rl.sample import Sample
 from megatron_rl.training.logprobs import run_microbatches
 from megatron_rl.training.memory_offload import TrainerOffload, with_training_state
 from megatron_rl.training.packing import Microbatch, balance_across_ranks, build_microbatch, pack_microbatches, response_values
-from megatron_rl.training.weights_io import gather_hf_state_dict, load_hf_into_model, local_tensors
+from megatron_rl.training.weight_export import WeightExport
+from megatron_rl.training.weights_io import load_hf_into_model
 
 # loss_fn(logprobs, old_logprobs, advantages, mask, *, ref_logprobs, engine_logprobs, seq_ids,
 #         num_tokens_total, num_seqs_total) -> (loss, metrics); the signature of
@@ -97,7 +98,7 @@ def _optional_field(samples: list[Sample], name: str) -> list[list[float]] | Non
     return [list(getattr(s, name)) for s in samples]
 
 
-class MegatronWorker:
+class MegatronWorker(WeightExport):
     """One Megatron trainer rank: load HF weights, logprobs, train steps, export, checkpoints."""
 
     def __init__(self, cfg: RunConfig, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
@@ -179,6 +180,7 @@ class MegatronWorker:
         """Build the policy (+ optimizer) from an HF Qwen2 checkpoint; also the frozen reference
         model when ``model.use_reference_model`` or ``algorithm.kl_coef > 0``."""
         self.arch = read_qwen2_arch(hf_path)
+        self.hf_path = hf_path  # its config/tokenizer files go along with exported weights
         shard_args = (self.arch, self.tp_rank, self.layout.tensor_model_parallel_size,
                       self.pp_rank, self.layout.pipeline_model_parallel_size)
         self.model = self._build(trainable=True)
@@ -437,21 +439,6 @@ class MegatronWorker:
         if grad_norm is None:  # clipping disabled: Megatron skips the norm, report it anyway
             grad_norm = self.optimizer.get_grad_norm()
         return float(grad_norm)
-
-    # ----------------------------------------------------------------- weights out
-    @with_training_state
-    def export_hf_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Full HF-named fp32 state dict of the policy on global rank 0 (None elsewhere);
-        includes ``lm_head.weight`` even when tied (vLLM's CPU reload needs it). Collective."""
-        return gather_hf_state_dict(local_tensors(self.model), self.arch, include_tied_lm_head=True)
-
-    @with_training_state
-    def export_hf_grads(self) -> dict[str, torch.Tensor] | None:
-        """The last mini-batch's gradient (DP-summed, tied embeddings synced), HF-named on rank 0
-        (None elsewhere). Raw only when ``optimizer.grad_clip`` is 0: clipping scales it in place.
-        For parity checks and debugging. Collective."""
-        grads = local_tensors(self.model, pick=lambda p: getattr(p, "main_grad", None))
-        return gather_hf_state_dict(grads, self.arch, include_tied_lm_head=False)
 
     # ----------------------------------------------------------------- checkpoints
     def _rank_file(self, directory: str | Path) -> Path:

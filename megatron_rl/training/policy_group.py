@@ -91,6 +91,9 @@ class TrainerRank:
         write_hf_weights(state, directory)
         return True
 
+    def write_rollout_shards(self, rollout_tp: int, directory: str, version: int, dtype: str) -> dict:
+        return self._call("write_rollout_shards", rollout_tp, directory, version, dtype)
+
     def save_checkpoint(self, directory: str) -> None:
         return self._call("save_checkpoint", directory)
 
@@ -181,6 +184,17 @@ class PolicyGroup:
     def write_hf_weights(self, directory: str) -> None:
         if not any(self._all("write_hf_weights", directory)):
             raise RuntimeError("no trainer rank wrote the HF weights for the engine")
+
+    async def write_rollout_shards_async(self, rollout_tp: int, directory: str, version: int,
+                                         dtype: str = "float32") -> dict[str, float]:
+        """The policy as per-rank shards for vLLM engines of TP ``rollout_tp`` in ``directory``,
+        moved by the resharder (MegatronWorker.write_rollout_shards; the engines' node must be
+        rank 0's). Returns bytes sent/received/copied summed over ranks and the slowest rank's
+        seconds."""
+        per_rank = await self._all_async("write_rollout_shards", rollout_tp, directory, version, dtype)
+        total = {k: sum(r[k] for r in per_rank) for k in ("bytes_sent", "bytes_received", "bytes_local")}
+        total.update(seconds=max(r["seconds"] for r in per_rank), rounds=max(r["rounds"] for r in per_rank))
+        return total
 
     def save_checkpoint(self, directory: str) -> None:
         self._all("save_checkpoint", directory)

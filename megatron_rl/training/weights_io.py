@@ -108,13 +108,20 @@ def local_tensors(
 ) -> dict[str, torch.Tensor]:
     """Local-spec-named tensors of this rank: parameters by default, or ``pick(param)`` (e.g. the
     gradient buffer ``param.main_grad``), detached, fp32 copies on the CPU."""
+    return {n: t.float().cpu().clone() for n, t in local_views(model, pick).items()}
+
+
+def local_views(
+    model: torch.nn.Module, pick: Callable[[torch.nn.Parameter], torch.Tensor | None] | None = None
+) -> dict[str, torch.Tensor]:
+    """Like :func:`local_tensors` but detached views on the model's device and dtype (no copy)."""
     inner = _unwrap(model)
     if pick is None:
         state = {n: t for n, t in inner.state_dict().items() if not n.endswith("_extra_state")}
     else:
         state = {n: pick(p) for n, p in inner.named_parameters()}
         state = {n: t for n, t in state.items() if t is not None}
-    return {n: t.detach().float().cpu().clone() for n, t in from_te_names(state).items()}
+    return {n: t.detach() for n, t in from_te_names(state).items()}
 
 
 def gather_hf_state_dict(

@@ -147,3 +147,27 @@ def trainer_from_converted(rank: int, world: int, port: int, hf_dir: str, conver
     torch.distributed.barrier()
     worker.shutdown()
     return {"logprobs": logprobs, "weights": weights} if rank == 0 else None
+
+
+def rollout_shards_from_trainer(rank: int, world: int, port: int, hf_dirs: list[str], out_root: str,
+                                rollout_tps: list[int]):
+    """A Megatron TP2 x PP2 trainer writes its weights as vLLM rollout shards (policy version 7)
+    for every TP in ``rollout_tps``, for each model in ``hf_dirs``, into
+    ``out_root/<model dir name>/tp<N>``. Returns this rank's resharding stats per (model, TP)."""
+    from megatron_rl.config import RunConfig
+    from megatron_rl.training.megatron_worker import MegatronWorker
+
+    cfg = RunConfig()
+    cfg.parallel.tensor_model_parallel_size = 2
+    cfg.parallel.pipeline_model_parallel_size = 2
+    worker = MegatronWorker(cfg, rank, world, "127.0.0.1", port)
+    stats = {}
+    for hf_dir in hf_dirs:
+        worker.load_hf(hf_dir)
+        for tp in rollout_tps:
+            target = f"{out_root}/{Path(hf_dir).name}/tp{tp}"
+            stats[Path(hf_dir).name, tp] = worker.write_rollout_shards(tp, target, 7, "float32")
+    # Writing the last directory again (version 8) replaces it as a whole.
+    stats["again"] = worker.write_rollout_shards(tp, target, 8, "float32")
+    worker.shutdown()
+    return stats

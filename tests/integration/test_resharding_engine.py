@@ -22,37 +22,15 @@ from megatron_rl.model.tiny import build_tiny_qwen2
 from megatron_rl.resharding.execute import allocate_destinations, execute_plan
 from megatron_rl.resharding.layouts import MegatronLayout, VLLMLayout
 from megatron_rl.resharding.plan import build_plan
-from megatron_rl.rollout.engine import GenerationRequest
 from megatron_rl.rollout.vllm_engine import VLLMEngine
 from megatron_rl.rollout.weight_sync import write_hf_weights
 from megatron_rl.training.weights_io import LazySafetensors
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import convert_checkpoint as cc  # noqa: E402
+from _engine_checks import hf_logprobs, run, sample  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
-PROMPT = [5, 17, 42, 99, 7, 3]
-
-
-def run(loop, coro, timeout: float = 180.0):
-    return loop.run_until_complete(asyncio.wait_for(coro, timeout=timeout))
-
-
-async def sample(engine: VLLMEngine, rid: str) -> tuple[list[int], list[float]]:
-    await engine.submit(GenerationRequest(rid, PROMPT, max_tokens=16, seed=11))
-    async for completion in engine.completions():
-        assert completion.request_id == rid
-        return completion.token_ids, completion.logprobs
-    raise AssertionError("no completion")
-
-
-def hf_logprobs(model_dir, response: list[int]) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([PROMPT + response])).logits[0]
-    return torch.log_softmax(logits[len(PROMPT) - 1:-1], -1).gather(1, torch.tensor(response)[:, None])[:, 0]
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +48,7 @@ def setup(tiny_model_dir, tmp_path_factory):
 
 
 def test_exported_checkpoint_same_logprobs_in_vllm_and_transformers(setup, tiny_model_dir):
-    tokens, logprobs = run(setup["loop"], sample(setup["engine"], "exported"))
+    tokens, logprobs, _ = run(setup["loop"], sample(setup["engine"], "exported"))
     assert len(tokens) > 0
     expected = hf_logprobs(setup["exported"], tokens)
     assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-4), (logprobs, expected.tolist())
@@ -94,7 +72,8 @@ def test_resharded_tp1_layout_reloads_into_engine_with_parity(setup):
         tensors[name] = tensors[name][: arch.vocab_size]
     weights = write_hf_weights(tensors, setup["root"] / "sync", tie_word_embeddings=True)
     run(setup["loop"], setup["engine"].reload_weights(str(weights), version=1))
-    tokens, logprobs = run(setup["loop"], sample(setup["engine"], "resharded"))
+    tokens, logprobs, version = run(setup["loop"], sample(setup["engine"], "resharded"))
+    assert version == 1
     expected = hf_logprobs(other, tokens)
     assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-4), (logprobs, expected.tolist())
     assert not torch.allclose(expected, hf_logprobs(setup["exported"], tokens), atol=1e-2)  # weights changed

@@ -5,7 +5,8 @@
   other) and completed groups are trained while the rest generate. Every step stays on-policy
   (trainer/engine logprob parity after each weight sync) and every prompt is trained once.
 * Elastic TP: short rounds at rollout TP 1 (two engines), long rounds at TP 2 (one engine), so
-  the engines are rebuilt twice and reloaded with the current weights; parity holds after each.
+  the engines are rebuilt twice, each time started from per-rank shards the trainer ranks moved
+  through the resharder; parity holds after each.
 """
 from __future__ import annotations
 
@@ -72,3 +73,16 @@ def test_elastic_tp_switches_real_engines_between_round_types(tiny_model_dir, tm
     assert [r["planner/rollout_tp"] for r in rows] == [1.0, 2.0, 1.0]
     assert [r["planner/switched"] for r in rows] == [0.0, 1.0, 1.0]
     assert all(r["time/engine_switch"] > 0 for r in rows[1:])
+    # Each switch moved one full copy of the model (fp32, vocabulary padding excluded) through
+    # the resharder into the new engines' rank files.
+    from megatron_rl.model.qwen2 import read_qwen2_arch
+    from megatron_rl.resharding.layouts import VLLMLayout
+
+    arch = read_qwen2_arch(tiny_model_dir)
+    for r in rows[1:]:
+        layout = VLLMLayout(arch, int(r["planner/rollout_tp"]))
+        numel = sum(seg.length * spec.row_numel for shard in range(layout.tp) for spec in layout.tensors(shard)
+                    for seg in spec.segments)
+        assert r["planner/reshard_mb"] == pytest.approx(numel * 4 / 1e6), r
+        assert r["planner/reshard_s"] > 0
+    assert log.count("engines started from") == 2 and "rollout-shards" in log

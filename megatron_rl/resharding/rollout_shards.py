@@ -1,0 +1,168 @@
+"""The trainer's weights as per-rank vLLM shards, moved by the resharder: how engines of a new
+rollout TP get their weights after an elastic-TP switch.
+
+Every trainer rank takes part (collective over the world group). The resharding plan
+(:mod:`megatron_rl.resharding.plan`) moves Megatron's TP_t x PP_t (x DP) shards straight into
+vLLM's TP_r parameter layout; each destination rank's tensors land on one trainer rank of the
+engines' node ("writer"), spread round-robin so no rank holds the whole model. Writers save them
+in vLLM's ``sharded_state`` format (``model-rank-{r}-part-0.safetensors``: exactly the tensors
+of ``model.state_dict()`` of TP rank r), and rank 0 adds the HF config/tokenizer files and a
+manifest naming the TP size and the policy version. An engine started on the directory with
+``load_format="sharded_state"`` copies its rank's file into its parameters: no rank re-reads
+or re-shards the full checkpoint (:class:`megatron_rl.rollout.vllm_engine.VLLMEngine`).
+
+The directory is replaced as a whole (built under a temp name, then renamed), like the HF
+weight-sync directory, so an engine never sees half of it.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+from dataclasses import asdict
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from megatron_rl.model.qwen2 import Qwen2Arch
+from megatron_rl.resharding.execute import ReshardStats, allocate_destinations, execute_plan
+from megatron_rl.resharding.layouts import EMBED, LM_HEAD, MegatronLayout, VLLMLayout
+from megatron_rl.resharding.plan import build_plan
+
+MANIFEST = "rollout_shards.json"
+FORMAT = "megatron_rl.rollout_shards/1"
+SHARD_FILE = "model-rank-{rank}-part-0.safetensors"
+# vLLM's unquantized attention registers these KV-cache scale buffers (value 1.0, float32, see
+# ``set_default_quant_scales``); they are part of its state dict, and sharded_state loading
+# refuses a file that lacks any state-dict entry.
+ATTENTION_SCALE_BUFFERS = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
+
+
+def engine_state_dict(tensors: Mapping[str, torch.Tensor], arch: Qwen2Arch) -> dict[str, torch.Tensor]:
+    """One vLLM rank's resharded tensors (``VLLMLayout`` names) as its ``model.state_dict()``:
+
+    * tied embeddings: vLLM's LM head *is* the embedding, and sharded_state keeps one name per
+      storage, the smaller one, ``lm_head.weight``;
+    * plus the attention scale buffers (see ``ATTENTION_SCALE_BUFFERS``).
+    """
+    out = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    if arch.tie_word_embeddings:
+        out[LM_HEAD] = out.pop(EMBED)
+    for layer in range(arch.num_layers):
+        for buffer in ATTENTION_SCALE_BUFFERS:
+            out[f"model.layers.{layer}.self_attn.attn.{buffer}"] = torch.tensor(1.0, dtype=torch.float32)
+    return out
+
+
+def writer_ranks(hostnames: list[str]) -> list[int]:
+    """Trainer ranks on global rank 0's node, which is where the engines read from."""
+    return [rank for rank, host in enumerate(hostnames) if host == hostnames[0]]
+
+
+def read_rollout_manifest(directory: str | Path) -> dict | None:
+    """The manifest of a rollout-shard directory, or None for a plain HF checkpoint directory.
+    Raises ValueError naming the file when a manifest is there but the shards are incomplete."""
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        return None
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    missing = [SHARD_FILE.format(rank=r) for r in range(int(manifest["tensor_parallel_size"]))
+               if not (Path(directory) / SHARD_FILE.format(rank=r)).is_file()]
+    if missing:
+        raise ValueError(f"{path}: rollout shards missing: {missing}")
+    return manifest
+
+
+def _copy_model_files(hf_path: str | Path, target: Path) -> None:
+    """config.json, tokenizer and generation files of the HF checkpoint (not its weights)."""
+    for item in Path(hf_path).iterdir():
+        if item.is_file() and not item.name.endswith(".safetensors") and item.name != "model.safetensors.index.json":
+            shutil.copy2(item, target / item.name)
+
+
+def _replace_dir(tmp: Path, target: Path) -> None:
+    """Put ``tmp`` in place of ``target`` (two renames; the old tree is removed afterwards)."""
+    trash = target.parent / f".{target.name}.old"
+    shutil.rmtree(trash, ignore_errors=True)
+    if target.exists():
+        target.rename(trash)
+    tmp.rename(target)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def write_rollout_shards(
+    sources: Mapping[str, torch.Tensor],
+    arch: Qwen2Arch,
+    trainer: MegatronLayout,
+    rollout_tp: int,
+    directory: str | Path,
+    *,
+    hf_path: str | Path,
+    version: int,
+    transport,
+    dtype: torch.dtype,
+    bucket_bytes: int = 256 << 20,
+) -> ReshardStats:
+    """Collective over ``transport``'s group (the trainer world, rank = Megatron global rank).
+
+    Args:
+        sources: this rank's local tensors (Megatron local-spec names, e.g. the model's state dict).
+        arch: the model.
+        trainer: the trainer layout; shard index = global rank (Megatron's tp-cp-dp-pp order
+            with CP folded into DP, since weights are replicated over CP).
+        rollout_tp: TP size of the engines that will load the directory.
+        directory: the directory to (re)place; on rank 0's node.
+        hf_path: HF checkpoint whose config and tokenizer files go along.
+        version: policy version of these weights (recorded in the manifest; engines tag their
+            completions with it).
+        transport: :class:`~megatron_rl.resharding.transport.TorchDistributedTransport`.
+        dtype: dtype of the message buffers and of the written tensors (the engine's dtype).
+        bucket_bytes: size bound of one message.
+
+    Returns this rank's :class:`ReshardStats` (bytes sent/received/copied locally, seconds).
+    """
+    rank = transport.rank
+    if trainer.num_shards != torch.distributed.get_world_size(transport.group):
+        raise ValueError(f"write_rollout_shards: trainer layout has {trainer.num_shards} shards but the group "
+                         f"has {torch.distributed.get_world_size(transport.group)} ranks")
+    hostnames: list = [None] * trainer.num_shards
+    torch.distributed.all_gather_object(hostnames, socket.gethostname(), group=transport.group)
+    writers = writer_ranks(hostnames)
+    dst = VLLMLayout(arch, rollout_tp)
+    plan = build_plan(trainer, dst, list(range(trainer.num_shards)),
+                      [writers[r % len(writers)] for r in range(rollout_tp)], bucket_bytes,
+                      torch.empty((), dtype=dtype).element_size())
+    target = Path(directory)
+    tmp = target.parent / f".{target.name}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    transport.barrier()  # the temp dir exists before anyone writes into it
+
+    destinations = allocate_destinations(plan, rank, dtype, transport.device())
+    stats = execute_plan(plan, {rank: sources}, destinations, transport, dtype=dtype)
+    from safetensors.torch import save_file
+
+    for shard, tensors in destinations.items():
+        save_file(engine_state_dict(tensors, arch), str(tmp / SHARD_FILE.format(rank=shard)),
+                  metadata={"format": "pt"})
+    del destinations
+    transport.barrier()  # every shard file is complete
+    if rank == 0:
+        _copy_model_files(hf_path, tmp)
+        manifest = {"format": FORMAT, "tensor_parallel_size": rollout_tp, "version": version,
+                    "dtype": str(dtype).removeprefix("torch."), "hf_path": str(hf_path),
+                    "trainer_layout": repr(trainer), "writers": writers,
+                    "bytes_moved": (plan.sent_numel + plan.local_numel) * torch.empty((), dtype=dtype).element_size()}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        _replace_dir(tmp, target)
+    transport.barrier()  # the directory is in place before any rank returns
+    return stats
+
+
+def stats_dict(stats: ReshardStats) -> dict[str, float]:
+    """ReshardStats as plain numbers (to cross Ray)."""
+    return {k: float(v) for k, v in asdict(stats).items()}
