@@ -41,7 +41,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Megatron sequence parallelism (GPU only; torch LayerNorm on CPU rejects it)."""
     use_distributed_optimizer: bool = False
-    """Shard optimizer state across DP ranks (Megatron distributed optimizer)."""
+    """Shard optimizer state across DP ranks (Megatron distributed optimizer). GPU only: refused on CPU."""
     recompute_granularity: str = "none"
     """Activation recomputation in training: 'none' stores every layer's activations for the
     backward; 'selective' recomputes the core attention (Megatron's recompute_modules

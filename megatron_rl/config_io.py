@@ -215,6 +215,9 @@ def validate(cfg: RunConfig, arch: dict | None = None, device: str | None = None
                               "it cannot run on CPU (set it to 1 for CPU runs)")
         if par.sequence_parallel:
             raise ConfigError("parallel.sequence_parallel does not work on CPU (torch LayerNorm rejects it)")
+        if par.use_distributed_optimizer:
+            raise ConfigError("parallel.use_distributed_optimizer needs CUDA (Megatron's distributed optimizer "
+                              "accepts only torch.cuda parameters); set it to false for CPU runs")
         if cfg.model.dtype == "bfloat16":
             raise ConfigError("model.dtype bfloat16 is GPU-only here; use float32 on CPU")
         if cfg.model.transformer_impl == "transformer_engine":

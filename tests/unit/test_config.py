@@ -22,6 +22,14 @@ def test_recipe_loads_and_overrides_apply():
     validate(cfg, TINY_ARCH, device="cpu")
 
 
+def test_every_recipe_has_its_own_run_dir():
+    # Two recipes sharing a run_dir would resume from (and overwrite) each other's checkpoints.
+    recipes = sorted((REPO / "examples").rglob("*.yaml"))
+    run_dirs = {path.name: load_config(path, []).trainer.run_dir for path in recipes}
+    assert len(recipes) >= 10
+    assert len(set(run_dirs.values())) == len(run_dirs), run_dirs
+
+
 @pytest.mark.parametrize("override, key", [
     ("trainer.stepz=3", "trainer.stepz"),
     ("nosection.x=1", "nosection"),
@@ -63,6 +71,7 @@ def test_impossible_layout_against_architecture(overrides, key):
 @pytest.mark.parametrize("overrides, key", [
     (["parallel.context_parallel_size=2"], "context_parallel_size"),
     (["parallel.sequence_parallel=true"], "sequence_parallel"),
+    (["parallel.use_distributed_optimizer=true"], "parallel.use_distributed_optimizer"),
     (["model.dtype=bfloat16"], "model.dtype"),
     (["algorithm.loss_agg=mean"], "algorithm.loss_agg"),
     (["rollout.top_p=0"], "rollout.top_p"),
