@@ -185,8 +185,11 @@ class PlannerConfig:
     engines are rebuilt between rounds when it changes, on the same devices
     (rollout.tensor_parallel_size x rollout.num_engines of them)."""
     initial_tp: str = ""
-    """Starting TP per round type, e.g. 'short:1,long:2' (from a profile or tools/simulate.py);
-    unlisted round types start at rollout.tensor_parallel_size."""
+    """Starting TP per round type, e.g. 'short:1,long:2'; wins over ``profile``. Round types
+    named in neither start at rollout.tensor_parallel_size."""
+    profile: str = ""
+    """JSON file of measured rollout seconds per round type and TP (tools/rollout_profile.py
+    builds it from earlier runs); each round type starts at its fastest legal profiled TP."""
     growth: float = 1.05
     """Online rule: preemptions of a round above this multiple of the previous round's (same type,
     same TP) double that round type's TP."""

@@ -310,6 +310,15 @@ def _validate_planner(cfg: RunConfig) -> None:
     _positive(pl.quiet_rounds, "planner.quiet_rounds")
     _positive(pl.max_tp, "planner.max_tp", allow_zero=True)
     devices = cfg.rollout.tensor_parallel_size * cfg.rollout.num_engines
+    if pl.profile:
+        from rollpacker.tp_profile import ProfileError, load_profile
+
+        try:
+            unknown = sorted(set(load_profile(pl.profile)) - set(ROUND_TYPES))
+        except ProfileError as exc:
+            raise ConfigError(f"planner.profile: {exc}") from None
+        if unknown:
+            raise ConfigError(f"planner.profile: {pl.profile}: unknown round types {unknown} (one of {ROUND_TYPES})")
     for kind, value in parse_initial_tp(pl.initial_tp).items():
         if kind not in ROUND_TYPES:
             raise ConfigError(f"planner.initial_tp: unknown round type {kind!r} (one of {ROUND_TYPES})")

@@ -25,6 +25,7 @@ from megatron_rl.config import RunConfig
 from megatron_rl.config_io import parse_initial_tp
 from megatron_rl.rollout.elastic import ElasticRollout
 from rollpacker.planner import ElasticTPPlanner
+from rollpacker.tp_profile import fastest_tp, load_profile
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,8 @@ def build_elastic_tp(cfg: RunConfig, engine, factory, on_gpu: bool) -> ElasticTP
     arch = read_qwen2_arch(cfg.model.hf_path)
     sizes = legal_tp_sizes(arch, per_node, devices, cfg.planner.max_tp)
     initial = {kind: cfg.rollout.tensor_parallel_size for kind in ("short", "long", "baseline")}
+    if cfg.planner.profile:
+        initial.update(fastest_tp(load_profile(cfg.planner.profile), sizes))
     initial.update(parse_initial_tp(cfg.planner.initial_tp))
     illegal = {kind: tp for kind, tp in initial.items() if tp not in sizes}
     if illegal:

@@ -4,8 +4,8 @@ Short and long rounds want different engine TP sizes: a larger TP gives each eng
 cache per sequence (fewer preemptions when many long responses decode at once) but fewer
 engines and more communication per token. RollPacker picks TP per round type:
 
-* initially from a profile: the measured rollout time of each candidate TP (the fastest wins);
-  without one, the smallest legal TP;
+* initially from a profile: the measured rollout time of each candidate TP, the fastest wins
+  (``rollpacker.tp_profile``); without one, the configured TP;
 * then online, after each round of that type (paper, section "Elastic parallelism"):
   preemptions up more than ``growth`` (1.05x) over the previous round at the same TP -> double
   TP; ``quiet_rounds`` (4) consecutive rounds without preemption -> halve TP.
@@ -92,21 +92,6 @@ class ElasticTPPlanner:
         if self.growth < 1.0 or self.quiet_rounds < 1:
             raise ValueError(f"elastic TP: growth must be >= 1 and quiet_rounds >= 1 "
                              f"(got {self.growth}, {self.quiet_rounds})")
-
-    @classmethod
-    def from_profile(cls, sizes: list[int], profile: dict[str, dict[int, float]], **kwargs) -> "ElasticTPPlanner":
-        """Start each round type at the legal TP with the smallest profiled rollout time.
-
-        ``profile``: round type -> {tp: seconds for that round type's rollout at that TP} (from
-        a profiling run or the simulator); TPs outside ``sizes`` are ignored.
-        """
-        initial = {}
-        for kind, times in profile.items():
-            usable = {tp: t for tp, t in times.items() if tp in sizes}
-            if not usable:
-                raise ValueError(f"elastic TP: profile for {kind!r} rounds has no legal TP (legal: {sizes})")
-            initial[kind] = min(usable, key=lambda tp: (usable[tp], tp))
-        return cls(sizes=sizes, initial=initial, **kwargs)
 
     def _round(self, round_type: str) -> _RoundState:
         if round_type not in self._state:

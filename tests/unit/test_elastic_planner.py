@@ -3,6 +3,7 @@ import pytest
 
 from megatron_rl.model.qwen2 import Qwen2Arch
 from rollpacker.planner import ElasticTPPlanner, legal_tp_sizes
+from rollpacker.tp_profile import fastest_tp
 
 
 def arch(heads=8, kv=4, vocab=320, layers=2) -> Qwen2Arch:
@@ -48,8 +49,8 @@ def test_rise_from_zero_grows_and_bounds_hold():
 
 
 def test_profile_picks_fastest_legal_tp_and_state_round_trips():
-    p = ElasticTPPlanner.from_profile([1, 2, 4], {"short": {1: 30.0, 2: 22.5, 4: 25.0, 8: 1.0},
-                                                  "long": {1: 50.0, 2: 60.0}})
+    p = ElasticTPPlanner(sizes=[1, 2, 4], initial=fastest_tp({"short": {1: 30.0, 2: 22.5, 4: 25.0, 8: 1.0},
+                                                              "long": {1: 50.0, 2: 60.0}}, [1, 2, 4]))
     assert p.initial == {"short": 2, "long": 1}
     p.observe("short", 7)
     state = p.state_dict()
@@ -65,6 +66,6 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="initial TP 3"):
         ElasticTPPlanner(sizes=[1, 2], initial={"short": 3})
     with pytest.raises(ValueError, match="no legal TP"):
-        ElasticTPPlanner.from_profile([1, 2], {"short": {8: 1.0}})
+        fastest_tp({"short": {8: 1.0}}, [1, 2])
     with pytest.raises(ValueError, match="preemptions"):
         ElasticTPPlanner(sizes=[1]).observe("s", -1)
