@@ -16,18 +16,28 @@ VOCAB_DIVISIBLE_BY = 128
 
 @dataclass(frozen=True)
 class Qwen2Arch:
-    """The architecture facts of a Qwen2 HF config.json that the conversion needs."""
+    """The architecture facts of a Qwen2 HF config.json that the conversion and the planner need."""
 
     vocab_size: int
+    """Unpadded vocabulary (``vocab_size``)."""
     hidden_size: int
+    """Model width (``hidden_size``)."""
     intermediate_size: int
+    """SwiGLU MLP width (``intermediate_size``)."""
     num_layers: int
+    """Decoder layers (``num_hidden_layers``)."""
     num_heads: int
+    """Query heads (``num_attention_heads``)."""
     num_kv_heads: int
+    """Key/value heads (``num_key_value_heads``; equal to num_heads without GQA)."""
     max_position_embeddings: int
+    """Longest supported context (``max_position_embeddings``)."""
     rope_theta: float
+    """RoPE base (``rope_theta``)."""
     rms_norm_eps: float
+    """RMSNorm epsilon (``rms_norm_eps``)."""
     tie_word_embeddings: bool
+    """Whether the output layer shares the input embedding (``tie_word_embeddings``)."""
 
     @property
     def head_dim(self) -> int:

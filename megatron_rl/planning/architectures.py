@@ -9,76 +9,71 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_rl.config_io import ConfigError
-from megatron_rl.model.arch import arch_from_hf_config
+from megatron_rl.model.arch import Qwen2Arch, arch_from_hf_config
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The architecture numbers that memory and time estimates need (a Qwen2-family decoder)."""
+    """A named Qwen2-family architecture and the parameter/KV sizes that memory and time
+    estimates derive from it."""
 
     name: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    """Display name: a built-in shape's ('Qwen2.5-14B') or the checkpoint directory's."""
+    arch: Qwen2Arch
+    """The architecture facts, as the trainer parses them from config.json."""
 
     @property
     def layer_params(self) -> int:
         """Parameters of one decoder layer: QKV (+bias), output proj, SwiGLU MLP, two RMSNorms."""
-        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
+        h, kv = self.arch.hidden_size, self.arch.num_kv_heads * self.arch.head_dim
         attn = h * (h + 2 * kv) + (h + 2 * kv) + h * h
-        mlp = 3 * h * self.intermediate_size
+        mlp = 3 * h * self.arch.intermediate_size
         return attn + mlp + 2 * h
 
     @property
     def embedding_params(self) -> int:
-        return self.vocab_size * self.hidden_size
+        return self.arch.vocab_size * self.arch.hidden_size
 
     @property
     def total_params(self) -> int:
-        heads = 1 if self.tie_word_embeddings else 2
-        return self.num_layers * self.layer_params + heads * self.embedding_params + self.hidden_size
+        heads = 1 if self.arch.tie_word_embeddings else 2
+        return self.arch.num_layers * self.layer_params + heads * self.embedding_params + self.arch.hidden_size
 
     @property
     def kv_bytes_per_token(self) -> int:
         """bf16 K and V of one token across all layers (unsharded)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
+        return 2 * self.arch.num_layers * self.arch.num_kv_heads * self.arch.head_dim * 2
 
     def as_hf_dict(self) -> dict:
         """The config.json keys that ``megatron_rl.config_io.validate`` checks."""
-        return {"num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
-                "num_hidden_layers": self.num_layers, "max_position_embeddings": self.max_position_embeddings}
+        a = self.arch
+        return {"num_attention_heads": a.num_heads, "num_key_value_heads": a.num_kv_heads,
+                "num_hidden_layers": a.num_layers, "max_position_embeddings": a.max_position_embeddings}
+
+
+def _qwen25_base(name: str, hidden: int, ffn: int, layers: int, heads: int, kv_heads: int, eps: float) -> ModelShape:
+    """A Qwen2.5 base checkpoint's shape: the family shares vocabulary, context and RoPE base."""
+    return ModelShape(name, Qwen2Arch(
+        vocab_size=152064, hidden_size=hidden, intermediate_size=ffn, num_layers=layers, num_heads=heads,
+        num_kv_heads=kv_heads, max_position_embeddings=131072, rope_theta=1e6, rms_norm_eps=eps,
+        tie_word_embeddings=False))
 
 
 # Published config.json values of the Qwen2.5 *base* checkpoints (Instruct variants have the
 # same shapes but max_position_embeddings 32768, too short for the 32k-response recipe).
 BUILTIN_SHAPES: dict[str, ModelShape] = {
-    "qwen2.5-7b": ModelShape("Qwen2.5-7B", 152064, 3584, 18944, 28, 28, 4, 131072, False),
-    "qwen2.5-14b": ModelShape("Qwen2.5-14B", 152064, 5120, 13824, 48, 40, 8, 131072, False),
-    "qwen2.5-32b": ModelShape("Qwen2.5-32B", 152064, 5120, 27648, 64, 40, 8, 131072, False),
+    "qwen2.5-7b": _qwen25_base("Qwen2.5-7B", 3584, 18944, 28, 28, 4, 1e-6),
+    "qwen2.5-14b": _qwen25_base("Qwen2.5-14B", 5120, 13824, 48, 40, 8, 1e-5),
+    "qwen2.5-32b": _qwen25_base("Qwen2.5-32B", 5120, 27648, 64, 40, 8, 1e-5),
 }
 
 
 def shape_from_hf_config(raw: dict, name: str) -> ModelShape:
     """ModelShape from a parsed config.json (the trainer's torch-free parser); errors name the key."""
     try:
-        arch = arch_from_hf_config(raw, f"config.json of {name}")
+        return ModelShape(name, arch_from_hf_config(raw, f"config.json of {name}"))
     except ValueError as exc:
         raise ConfigError(f"model.hf_path: {exc}") from None
-    return ModelShape(
-        name=name, vocab_size=arch.vocab_size, hidden_size=arch.hidden_size,
-        intermediate_size=arch.intermediate_size, num_layers=arch.num_layers, num_heads=arch.num_heads,
-        num_kv_heads=arch.num_kv_heads, max_position_embeddings=arch.max_position_embeddings,
-        tie_word_embeddings=arch.tie_word_embeddings,
-    )
 
 
 def resolve_shape(hf_path: str) -> ModelShape:

@@ -118,8 +118,8 @@ def max_model_len(cfg: RunConfig) -> int:
 def trainer_params_per_gpu(cfg: RunConfig, shape: ModelShape) -> int:
     """Parameters on the most loaded trainer GPU (the pipeline stage holding an embedding)."""
     tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
-    layers = shape.num_layers // pp * shape.layer_params
-    embeddings = shape.embedding_params * (2 if pp == 1 and not shape.tie_word_embeddings else 1)
+    layers = shape.arch.num_layers // pp * shape.layer_params
+    embeddings = shape.embedding_params * (2 if pp == 1 and not shape.arch.tie_word_embeddings else 1)
     return (layers + embeddings) // tp
 
 
@@ -127,7 +127,8 @@ def activation_bytes_per_token_layer(cfg: RunConfig, shape: ModelShape) -> float
     """bf16 tensors one decoder layer stores for backward without recomputation, per token, on
     one TP rank."""
     tp = cfg.parallel.tensor_model_parallel_size
-    h, ffn, kv = shape.hidden_size, shape.intermediate_size, shape.num_kv_heads * shape.head_dim
+    a = shape.arch
+    h, ffn, kv = a.hidden_size, a.intermediate_size, a.num_kv_heads * a.head_dim
     # Split across TP: q/k/v, attention output, fc1 (gate+up) output, SwiGLU output.
     tp_sharded = 2 * ((h + 2 * kv) + h + 2 * ffn + ffn)
     # Full-hidden tensors (norm inputs/outputs, residuals, linear inputs): split only under SP.
@@ -140,13 +141,13 @@ def attention_internal_bytes_per_token_layer(cfg: RunConfig, shape: ModelShape) 
     """What the core attention stores beyond its inputs (q/k/v) and output, per token and layer on
     one TP rank: with flash attention only the fp32 softmax statistics (log-sum-exp) of each
     head. 'selective' recompute saves exactly this."""
-    return 4 * shape.num_heads / cfg.parallel.tensor_model_parallel_size
+    return 4 * shape.arch.num_heads / cfg.parallel.tensor_model_parallel_size
 
 
 def layer_input_bytes_per_token(cfg: RunConfig, shape: ModelShape) -> float:
     """The bf16 hidden state entering a decoder layer, per token on one TP rank (split under
     SP): all that 'full' recompute keeps of a layer until its backward."""
-    return 2 * shape.hidden_size / (cfg.parallel.tensor_model_parallel_size if cfg.parallel.sequence_parallel else 1)
+    return 2 * shape.arch.hidden_size / (cfg.parallel.tensor_model_parallel_size if cfg.parallel.sequence_parallel else 1)
 
 
 def activation_bytes(cfg: RunConfig, shape: ModelShape) -> float:
@@ -156,7 +157,7 @@ def activation_bytes(cfg: RunConfig, shape: ModelShape) -> float:
     par = cfg.parallel
     tokens = cfg.optimizer.micro_batch_tokens / par.context_parallel_size
     # 1F1B keeps up to PP microbatches in flight on the first stage: all layers' worth in total.
-    layers_in_flight = shape.num_layers // par.pipeline_model_parallel_size * par.pipeline_model_parallel_size
+    layers_in_flight = shape.arch.num_layers // par.pipeline_model_parallel_size * par.pipeline_model_parallel_size
     per_layer = activation_bytes_per_token_layer(cfg, shape)
     if par.recompute_granularity == "full":
         # Layer inputs stay; the backward recomputes one layer at a time and holds its activations.
@@ -183,7 +184,7 @@ def estimate_memory(cfg: RunConfig, shape: ModelShape, gpu: GpuSpec,
     tokens = cfg.optimizer.micro_batch_tokens / par.context_parallel_size
     trainer["activations"] = activation_bytes(cfg, shape) / GIB
     # bf16 logits + fp32 softmax copy + fp32 gradient of the vocab-parallel cross entropy.
-    trainer["logits"] = tokens * shape.vocab_size / par.tensor_model_parallel_size * 10 / GIB
+    trainer["logits"] = tokens * shape.arch.vocab_size / par.tensor_model_parallel_size * 10 / GIB
     resident = trainer["weights"] + trainer["gradients"] + trainer["optimizer"] + trainer.get("reference weights", 0.0)
 
     rtp = cfg.rollout.tensor_parallel_size
@@ -191,7 +192,7 @@ def estimate_memory(cfg: RunConfig, shape: ModelShape, gpu: GpuSpec,
     engine = {"pool": pool, "weights": shape.total_params * 2 / rtp / GIB, "activation reserve": assume.engine_activation_gib}
     engine["kv cache"] = pool - engine["weights"] - engine["activation reserve"]
     # K/V heads split across TP ranks; beyond num_kv_heads ranks each holds a replica of one head.
-    kv_per_gpu_token = shape.kv_bytes_per_token / min(rtp, shape.num_kv_heads)
+    kv_per_gpu_token = shape.kv_bytes_per_token / min(rtp, shape.arch.num_kv_heads)
     kv_tokens = max(0, int(engine["kv cache"] * GIB / kv_per_gpu_token))
 
     overhead = 2 * assume.process_overhead_gib

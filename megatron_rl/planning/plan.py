@@ -23,11 +23,11 @@ class ClusterPlan:
     gpu_name: str
 
     def lines(self) -> list[str]:
-        c, p, r = self.cfg, self.cfg.parallel, self.cfg.rollout
+        c, p, r, a = self.cfg, self.cfg.parallel, self.cfg.rollout, self.shape.arch
         world = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size * p.data_parallel_size
         out = [
-            f"model: {self.shape.name} ({self.shape.total_params / 1e9:.2f}B params, {self.shape.num_layers} layers, "
-            f"{self.shape.num_heads} heads / {self.shape.num_kv_heads} KV heads) from {c.model.hf_path}",
+            f"model: {self.shape.name} ({self.shape.total_params / 1e9:.2f}B params, {a.num_layers} layers, "
+            f"{a.num_heads} heads / {a.num_kv_heads} KV heads) from {c.model.hf_path}",
             f"cluster: {c.cluster.num_nodes} nodes x {c.cluster.gpus_per_node} {self.gpu_name} GPUs",
             f"trainer: TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} "
             f"CP={p.context_parallel_size} DP={p.data_parallel_size} (world {world}), sequence_parallel="

@@ -60,7 +60,7 @@ class TrainModel:
             shard_params = shape.total_params / (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
             optim_shard = p.data_parallel_size * p.context_parallel_size if p.use_distributed_optimizer else 1
             offload_s = 2 * shard_params * (2 + 12 / optim_shard) / (host_gb_per_s * 1e9)
-        return cls(shape.total_params, shape.num_layers, shape.hidden_size, gpus, gpu.bf16_tflops * 1e12, mfu,
+        return cls(shape.total_params, shape.arch.num_layers, shape.arch.hidden_size, gpus, gpu.bf16_tflops * 1e12, mfu,
                    p.pipeline_model_parallel_size, p.data_parallel_size, cfg.optimizer.micro_batch_tokens,
                    cfg.model.use_reference_model or cfg.algorithm.kl_coef > 0,
                    sync_s=shape.total_params * 2 / (sync_gb_per_s * 1e9),

@@ -70,8 +70,8 @@ class EngineModel:
         bw = gpu.hbm_gb_per_s * 1e9 * eff.hbm
         weights = shape.total_params * 2
         flops_per_token = 2 * shape.total_params
-        allreduce = 0.0 if tp == 1 else 2 * shape.num_layers * eff.allreduce_latency_s
-        kv_per_gpu_token = shape.kv_bytes_per_token / min(tp, shape.num_kv_heads)
+        allreduce = 0.0 if tp == 1 else 2 * shape.arch.num_layers * eff.allreduce_latency_s
+        kv_per_gpu_token = shape.kv_bytes_per_token / min(tp, shape.arch.num_kv_heads)
         pool = gpu_memory_utilization * gpu.memory_gib * GIB
         kv_bytes = pool - weights / tp - activation_reserve_gib * GIB
         return cls(

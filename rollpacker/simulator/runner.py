@@ -79,7 +79,8 @@ def build_cluster(cfg: RunConfig, shape: ModelShape, gpu: GpuSpec, lengths: Leng
         def engine_for_tp(tp: int) -> EngineModel:
             return engine if tp == engine.tp else engine.with_tp(tp)
     max_tp = min(c.gpus_per_node, rollout_gpus)
-    while max_tp > 1 and (shape.num_heads % max_tp or shape.num_kv_heads % max_tp and max_tp % shape.num_kv_heads):
+    heads, kv_heads = shape.arch.num_heads, shape.arch.num_kv_heads
+    while max_tp > 1 and (heads % max_tp or kv_heads % max_tp and max_tp % kv_heads):
         max_tp //= 2
     longest = cfg.data.max_prompt_tokens + r.max_new_tokens
     base = engine_for_tp(r.tensor_parallel_size)

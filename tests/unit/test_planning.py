@@ -150,7 +150,7 @@ def test_shape_from_config_json_and_unknown_name(tmp_path):
     (d / "config.json").write_text(json.dumps({"vocab_size": 320, "hidden_size": 128, "intermediate_size": 256,
                                                "num_hidden_layers": 2, "num_attention_heads": 4,
                                                "num_key_value_heads": 2, "max_position_embeddings": 1024}))
-    assert resolve_shape(str(d)).num_layers == 2
+    assert resolve_shape(str(d)).arch.num_layers == 2
     assert resolve_shape("/nowhere/Qwen2.5-14B-Instruct").name == "Qwen2.5-14B"
     with pytest.raises(ConfigError, match="model.hf_path"):
         resolve_shape("/nowhere/llama-7b")
