@@ -13,7 +13,8 @@ Resource handoff: with ``stream.release_engines`` > 0 the start also waits (unti
 ``start_fraction_max``) for the moment the running requests fit on the engines that stay; then
 the released engines' requests migrate recompute-style to the others, the released engines sleep
 and, on CPU, the trainer ranks get ``stream.train_threads`` threads. Everything is given back
-when the round's training is done, before the weight sync.
+when the round's training is done, before the weight sync (if the pool sleeps through training,
+the released engines rejoin it asleep and the sync's wake_up wakes them with the rest).
 
 The trainer's own work is passed in as callables (``train_chunk``, ``apply_update``), so this
 module holds only the policy and is tested on a fake engine as well as in the real loop.
@@ -236,10 +237,9 @@ class StreamTrainer(StepHook):
         if r.task is not None and not r.task.done():
             r.task.cancel()
         if r.release.get("released_engines"):
-            # With rollout.sleep_during_train every engine sleeps through training anyway; the
-            # weight sync wakes them and routes to all again.
-            if not self.cfg.rollout.sleep_during_train:
-                await self.engine.restore_engines()
+            # If the whole pool sleeps through training (rollout.sleep_during_train), the pool
+            # keeps the restored engines asleep until the weight sync's wake_up.
+            await self.engine.restore_engines()
             if self.scfg.train_threads and self.set_train_threads is not None:
                 await self.set_train_threads(1)
 

@@ -18,7 +18,7 @@ import logging
 import time
 from typing import AsyncIterator, Awaitable, Callable
 
-from megatron_rl.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine
+from megatron_rl.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine, forward_completions
 
 log = logging.getLogger(__name__)
 
@@ -52,16 +52,9 @@ class ElasticRollout(RolloutEngine):
 
     def _ensure_pump(self) -> None:
         if self._pump is None or self._pump.done():
-            self._pump = asyncio.get_running_loop().create_task(self._forward(self._engine))
-
-    async def _forward(self, engine: RolloutEngine) -> None:
-        try:
-            async for completion in engine.completions():
-                self._queue.put_nowait(completion)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # the engine died: hand the error to the consumer
-            self._queue.put_nowait(exc)
+            # An engine failure goes onto the same queue, so the consumer's iterator raises it.
+            self._pump = asyncio.get_running_loop().create_task(
+                forward_completions(self._engine, self._queue.put_nowait, self._queue.put_nowait))
 
     async def submit(self, request: GenerationRequest) -> None:
         self._ensure_pump()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 
 @dataclass
@@ -106,3 +106,18 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     async def shutdown(self) -> None:
         """Free the engine; pending requests are aborted."""
+
+
+async def forward_completions(engine: RolloutEngine, deliver: Callable[[Completion], None],
+                              fail: Callable[[Exception], None]) -> None:
+    """Pump ``engine.completions()`` into ``deliver`` until the stream ends.
+
+    Meant to run as a task beside the consumer. If the engine (or ``deliver``) fails, the
+    exception goes to ``fail`` (e.g. onto the consumer's queue) instead of dying with the task;
+    cancellation propagates.
+    """
+    try:
+        async for completion in engine.completions():
+            deliver(completion)
+    except Exception as exc:
+        fail(exc)

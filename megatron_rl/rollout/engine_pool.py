@@ -5,7 +5,9 @@ pool can also shrink mid-round: :meth:`EnginePool.release_engines` takes whole e
 is one TP group, so a group is never split) out of routing, migrates their running requests to
 the remaining engines recompute-style (see ``migration``) and puts them to sleep so training can
 use their devices; :meth:`EnginePool.restore_engines` (implied by ``reload_weights``) brings them
-back.
+back. The pool as a whole can also sleep (:meth:`EnginePool.sleep`, e.g. through training); while
+it does, restored engines rejoin routing asleep and the pool's :meth:`EnginePool.wake_up` wakes
+them with the rest, so the order of restore and sleep does not matter to the caller.
 
 Two id spaces: the consumer's request ids, and the ids of the *parts* running on engines. A
 request that never moved has one part under its own id; each migration starts a new part under
@@ -22,7 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
-from megatron_rl.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine
+from megatron_rl.rollout.engine import (Completion, EngineStats, GenerationRequest, RolloutEngine,
+                                        forward_completions)
 from megatron_rl.rollout.migration import MigrationRecord
 
 logger = logging.getLogger(__name__)
@@ -68,6 +71,8 @@ class EnginePool(RolloutEngine):
         self._load = [0] * len(self.engines)
         self._released: set[int] = set()  # not routed to
         self._sleeping: set[int] = set()
+        self._asleep = False
+        """The pool sleeps: :meth:`sleep` was called and :meth:`wake_up` not since."""
         self._merged: asyncio.Queue = asyncio.Queue()
         self._pumps: list[asyncio.Task] = []
         self._resubmits: set[asyncio.Task] = set()
@@ -165,12 +170,13 @@ class EnginePool(RolloutEngine):
         await self._submitted(entry, request.request_id)
 
     async def _pump(self, index: int) -> None:
-        try:
-            async for completion in self.engines[index].completions():
-                self._on_part(completion)
-        except Exception as exc:
-            self._merged.put_nowait(exc)
-            self._changed.set()  # a release waiting on this engine must notice it died
+        await forward_completions(self.engines[index], self._on_part, self._pump_failed)
+
+    def _pump_failed(self, exc: Exception) -> None:
+        """An engine's completion stream died: the consumer gets the error; a release waiting on
+        that engine must notice (its pump task is done, see ``_wait_drained``)."""
+        self._merged.put_nowait(exc)
+        self._changed.set()
 
     def _on_part(self, part: Completion) -> None:
         """One part ended on its engine. Synchronous, so no other state change interleaves."""
@@ -296,17 +302,25 @@ class EnginePool(RolloutEngine):
             await asyncio.gather(*list(self._resubmits), return_exceptions=True)
 
     async def restore_engines(self) -> dict[str, float]:
-        """Wake the released (and any sleeping) engines and route to them again.
+        """Take the released engines back into routing.
 
-        Returns restored_engines and wake_s. A no-op when none is released or asleep.
+        When the pool is awake they (and any other sleeping engine) are woken first. When the
+        pool sleeps (:meth:`sleep` without :meth:`wake_up` since) they stay asleep like every
+        other engine and :meth:`wake_up` wakes them; until then nothing is routed anywhere.
+
+        Returns restored_engines (released engines brought back, plus, when awake, other
+        sleeping ones woken) and wake_s. A no-op when there is nothing to restore.
         """
         async with self._lock:
             return await self._restore()
 
     async def _restore(self) -> dict[str, float]:
         start = time.monotonic()
-        restored = len(self._released | self._sleeping)
-        await asyncio.gather(*(self._wake_engine(i) for i in sorted(self._sleeping)))
+        if self._asleep:
+            restored = len(self._released)
+        else:
+            restored = len(self._released | self._sleeping)
+            await asyncio.gather(*(self._wake_engine(i) for i in sorted(self._sleeping)))
         self._released.clear()
         return {"restored_engines": float(restored), "wake_s": time.monotonic() - start}
 
@@ -319,21 +333,27 @@ class EnginePool(RolloutEngine):
         self._sleeping.discard(index)
 
     async def sleep(self) -> None:
-        """Put every engine to sleep; refused while requests are in flight."""
+        """Put every engine to sleep; refused while requests are in flight. Released engines
+        (already asleep) stay released until :meth:`restore_engines` or :meth:`wake_up`, and
+        a restore while the pool sleeps leaves them asleep (see :meth:`restore_engines`)."""
         async with self._lock:
             if self._entries:
                 raise RuntimeError(f"EnginePool.sleep refused: {len(self._entries)} request(s) in flight")
+            self._asleep = True
             awake = [i for i in range(len(self.engines)) if i not in self._sleeping]
             await asyncio.gather(*(self._sleep_engine(i) for i in awake))
 
     async def wake_up(self) -> None:
         """Wake every engine (released ones too) and route to all of them."""
         async with self._lock:
+            self._asleep = False
             await self._restore()
 
     async def reload_weights(self, weights_dir: str, version: int) -> None:
-        """Wake released engines, then reload every engine (concurrently), so all serve ``version``."""
+        """Restore released engines and wake every sleeping one (a sleeping pool too: an engine
+        cannot reload asleep), then reload every engine concurrently, so all serve ``version``."""
         async with self._lock:
+            self._asleep = False
             if self._released or self._sleeping:
                 await self._restore()
             await asyncio.gather(*(e.reload_weights(weights_dir, version) for e in self.engines))

@@ -120,6 +120,24 @@ def test_switch_with_requests_in_flight_is_refused():
     asyncio.run(main())
 
 
+def test_an_engine_failure_reaches_the_consumer_and_a_new_pump_starts_after_it():
+    async def main():
+        rollout, first, _ = make_rollout(1)
+
+        async def dying():
+            raise RuntimeError("engine died")
+            yield  # an async generator
+
+        first.completions = dying
+        with pytest.raises(RuntimeError, match="engine died"):
+            await asyncio.wait_for(rollout.completions().__anext__(), 5)
+        del first.completions  # the engine recovered: the next consumer gets a fresh pump
+        assert await asyncio.wait_for(generate(rollout, ["a"]), 5) == ["a"]
+        await rollout.shutdown()
+
+    asyncio.run(main())
+
+
 def test_planner_hook_switches_per_round_type_and_applies_the_online_rule():
     cfg = RunConfig()
     planner = ElasticTPPlanner(sizes=[1, 2], initial={"short": 1, "long": 2}, quiet_rounds=2)

@@ -13,7 +13,8 @@ class FakeEngine(RolloutEngine):
     """Holds requests until told to finish or abort them; ``generate`` adds partial tokens.
 
     With ``defer_aborts`` an abort only takes effect at ``flush_aborts()`` (a migration abort
-    still in flight); with ``gate`` set, submit waits until the event is set.
+    still in flight); with ``gate`` set, submit waits until the event is set; an exception put
+    on ``queue`` ends ``completions()`` with it (the engine died).
     """
 
     def __init__(self, running: int = 0, kv: float = 0.0, defer_aborts: bool = False) -> None:
@@ -52,7 +53,10 @@ class FakeEngine(RolloutEngine):
 
     async def completions(self):
         while True:
-            yield await self.queue.get()
+            item = await self.queue.get()
+            if isinstance(item, Exception):
+                raise item  # the engine died
+            yield item
 
     async def abort(self, request_ids):
         self.aborted.extend(request_ids)
@@ -281,6 +285,22 @@ def test_scheduler_abort_while_continuation_submit_is_pending():
     asyncio.run(scenario())
 
 
+def test_an_engine_dying_reaches_the_consumer_and_a_release_waiting_on_it():
+    async def scenario():
+        a, b, pool = await two_engines_with_work(defer_aborts=True)
+        stream = pool.completions()
+        release = asyncio.create_task(pool.release_engines(1))
+        await asyncio.sleep(0.01)
+        assert not release.done()  # waiting for b's aborted requests
+        b.queue.put_nowait(RuntimeError("engine b died"))
+        with pytest.raises(RuntimeError, match=r"engine\(s\) \[1\] failed while draining"):
+            await asyncio.wait_for(release, 5)
+        with pytest.raises(RuntimeError, match="engine b died"):
+            await next_completion(stream)
+
+    asyncio.run(scenario())
+
+
 def test_release_refuses_to_release_every_engine():
     async def scenario():
         pool = EnginePool([FakeEngine(), FakeEngine(), FakeEngine()])
@@ -355,6 +375,101 @@ def test_pool_sleep_and_wake_up():
             await pool.submit(req("r1"))
         await pool.wake_up()
         assert not a.asleep and not b.asleep and pool.active_engines == 2
+
+    asyncio.run(scenario())
+
+
+async def released_then_drained():
+    """Two engines, b released mid-round, every request finished: the state after a stream round."""
+    a, b, pool = await two_engines_with_work()
+    stream = pool.completions()
+    await pool.release_engines(1)
+    for rid in list(a.requests):
+        a.finish(rid)
+    assert len([await next_completion(stream) for _ in range(5)]) == 5
+    assert (a.asleep, b.asleep, b.sleeps) == (False, True, 1)
+    return a, b, pool, stream
+
+
+async def routed_to_both(a: FakeEngine, b: FakeEngine, pool: EnginePool, stream) -> None:
+    await pool.submit(req("next0"))
+    await pool.submit(req("next1"))
+    assert a.submitted[-1] == "next0" and b.submitted[-1] == "next1"
+    a.finish("next0")
+    b.finish("next1")
+    [await next_completion(stream) for _ in range(2)]
+
+
+def test_restore_while_the_pool_sleeps_keeps_engines_asleep_until_wake_up():
+    """The loop with rollout.sleep_during_train: pool.sleep(), then the stream trainer gives the
+    released engine back, then the weight sync wakes the pool and reloads."""
+    async def scenario():
+        a, b, pool, stream = await released_then_drained()
+        await pool.sleep()
+        assert (a.asleep, a.sleeps, b.sleeps) == (True, 1, 1)  # the released one is not slept twice
+        restored = await pool.restore_engines()
+        assert restored["restored_engines"] == 1.0
+        assert a.asleep and b.asleep and (a.wakes, b.wakes) == (0, 0)  # training keeps every device
+        assert pool.released_indices == [] and pool.active_engines == 0
+        with pytest.raises(RuntimeError, match="no active engine"):
+            await pool.submit(req("too-early"))
+        assert await pool.restore_engines() == {"restored_engines": 0.0, "wake_s": pytest.approx(0, abs=1)}
+
+        await pool.wake_up()
+        assert (a.asleep, b.asleep, a.wakes, b.wakes) == (False, False, 1, 1)
+        assert pool.active_engines == 2
+        await pool.reload_weights("/dev/shm/w", 1)
+        assert a.reloads == b.reloads == [("/dev/shm/w", 1)]
+        await routed_to_both(a, b, pool, stream)
+
+        # The next round: with the pool awake again, a restore wakes as before.
+        await pool.release_engines(1)
+        assert b.asleep
+        await pool.restore_engines()
+        assert not b.asleep and pool.active_engines == 2
+
+    asyncio.run(scenario())
+
+
+def test_restore_before_the_pool_sleeps_also_ends_with_every_engine_asleep():
+    """The other order (give back, then sleep): restore wakes, sleep puts all to sleep again."""
+    async def scenario():
+        a, b, pool, stream = await released_then_drained()
+        await pool.restore_engines()
+        assert not b.asleep and pool.active_engines == 2
+        await pool.sleep()
+        assert a.asleep and b.asleep and pool.active_engines == 0
+        await pool.wake_up()
+        await pool.reload_weights("/dev/shm/w", 1)
+        assert not a.asleep and not b.asleep and a.reloads == b.reloads == [("/dev/shm/w", 1)]
+        await routed_to_both(a, b, pool, stream)
+
+    asyncio.run(scenario())
+
+
+def test_restore_while_awake_wakes_and_routes():
+    async def scenario():
+        a, b, pool, stream = await released_then_drained()
+        restored = await pool.restore_engines()
+        assert restored["restored_engines"] == 1.0
+        assert (b.asleep, b.wakes, a.sleeps, a.wakes) == (False, 1, 0, 0)
+        assert pool.active_engines == 2 and pool.released_indices == []
+        await routed_to_both(a, b, pool, stream)
+
+    asyncio.run(scenario())
+
+
+def test_reload_wakes_a_sleeping_pool():
+    """reload_weights needs every engine awake: on a sleeping pool it wakes it (and restores)."""
+    async def scenario():
+        a, b, pool, stream = await released_then_drained()
+        await pool.sleep()
+        await pool.reload_weights("/dev/shm/w", 3)
+        assert not a.asleep and not b.asleep and a.reloads == b.reloads == [("/dev/shm/w", 3)]
+        await routed_to_both(a, b, pool, stream)
+        await pool.release_engines(1)
+        await pool.restore_engines()  # the pool is awake again: restored engines wake
+        assert not a.asleep and not b.asleep
 
     asyncio.run(scenario())
 
