@@ -336,12 +336,7 @@ def test_least_loaded_engine_is_released():
 
 def test_reload_and_restore_wake_released_engines():
     async def scenario():
-        a, b, pool = await two_engines_with_work()
-        stream = pool.completions()
-        await pool.release_engines(1)
-        for rid in list(a.requests):
-            a.finish(rid)
-        assert len([await next_completion(stream) for _ in range(5)]) == 5
+        a, b, pool, stream = await released_then_drained()
         await pool.reload_weights("/dev/shm/w", 2)
         assert (b.wakes, b.asleep, pool.active_engines, pool.released_indices) == (1, False, 2, [])
         assert a.reloads == b.reloads == [("/dev/shm/w", 2)]  # the released engine got them too
