@@ -107,7 +107,8 @@ def build_and_run(cfg: RunConfig) -> list[dict]:
         sync_dir = cfg.rollout.weight_sync_dir or default_sync_dir(run_dir)
         parts = TrainerParts(cfg=cfg, policy=policy, engine=engine, rewards=rewards, train_prompts=train_prompts,
                              eval_prompts=eval_prompts, scheduler=make_scheduler(cfg),
-                             weight_sync_dir=str(sync_dir), elastic=elastic)
+                             weight_sync_dir=str(sync_dir), elastic=elastic,
+                             fanout_source=policy.rank0_node_id() if cfg.cluster.num_nodes > 1 else "")
         return run_trainer(parts)
     finally:
         for part in (rewards, engine, policy):

@@ -46,6 +46,10 @@ class TrainerParts:
     weight_sync_dir: str = ""
     elastic: "object | None" = None
     """rollpacker.elastic_tp.ElasticTP when planner.enabled (engine is then its ElasticRollout)."""
+    fanout_source: str = ""
+    """Multi-node runs: Ray node id of trainer rank 0, which writes the weight directories; each
+    is then copied to the same path on every other node (``rollout.weight_fanout``). Empty on
+    one node."""
 
 
 class Trainer:
@@ -60,6 +64,7 @@ class Trainer:
         self.start_step = 0
         # train.py offloads the freshly loaded trainer when offload_during_rollout is set.
         self._resident = not self.cfg.trainer.offload_during_rollout
+        self._fanout_metrics: dict[str, float] = {}  # this step's copies to other nodes
         self.stream = self._make_stream_trainer() if self.cfg.stream.enabled else None
         # The stream trainer is a hook like any other, called first so it sees groups at once.
         self.hooks: list[StepHook] = ([self.stream] if self.stream else []) + list(parts.hooks)
@@ -109,6 +114,7 @@ class Trainer:
     async def _step(self, step: int) -> dict:
         timer = PhaseTimer()
         step_start = time.monotonic()
+        self._fanout_metrics = {}
         if self.p.elastic is not None:
             with timer("engine_switch"):
                 await self.p.elastic.before_round(self.p.scheduler.next_round_type(self.cfg), self._write_rollout_shards)
@@ -147,6 +153,7 @@ class Trainer:
         metrics.update(prep_metrics)
         metrics.update(stream_metrics)
         metrics.update(planner_metrics)
+        metrics.update(self._fanout_metrics)
         metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
         # Reward scheduler: queue wait, busy workers, reward time hidden under rollout, scaling.
         metrics.update(self.p.rewards.step_metrics(batch.samples))
@@ -256,6 +263,7 @@ class Trainer:
     async def _sync_weights(self) -> None:
         """Trainer shards -> HF names -> safetensors -> engine reload, tagged with the version."""
         self.p.policy.write_hf_weights(self.p.weight_sync_dir)
+        await self._fan_out(self.p.weight_sync_dir)
         if self.cfg.trainer.offload_during_rollout:
             await self._trainer_resident(False)  # before the engine wakes (see _step)
         if self.cfg.rollout.sleep_during_train:
@@ -275,7 +283,20 @@ class Trainer:
         finally:
             if offload:
                 await self._trainer_resident(False)
+        await self._fan_out(directory)
         return directory, stats
+
+    async def _fan_out(self, directory: str) -> None:
+        """Multi-node runs: copy a weights directory rank 0 just wrote to the same path on every
+        other node, where engines read it (``rollout.weight_fanout``)."""
+        if not self.p.fanout_source:
+            return
+        from megatron_rl.rollout.weight_fanout import fan_out, other_nodes
+
+        figures = await fan_out(directory, self.p.fanout_source, other_nodes(self.p.fanout_source))
+        for key, value in figures.items():
+            name = f"weight_sync/{key}"
+            self._fanout_metrics[name] = self._fanout_metrics.get(name, 0.0) + value
 
     async def _trainer_resident(self, resident: bool) -> None:
         """trainer.offload_during_rollout: bring the trainer's grads/optimizer/weights back, or

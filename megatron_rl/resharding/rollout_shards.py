@@ -29,6 +29,7 @@ from megatron_rl.model.qwen2 import Qwen2Arch
 from megatron_rl.resharding.execute import ReshardStats, allocate_destinations, execute_plan
 from megatron_rl.resharding.layouts import EMBED, LM_HEAD, MegatronLayout, VLLMLayout
 from megatron_rl.resharding.plan import build_plan
+from megatron_rl.rollout.weight_sync import replace_dir
 
 MANIFEST = "rollout_shards.json"
 FORMAT = "megatron_rl.rollout_shards/1"
@@ -81,16 +82,6 @@ def _copy_model_files(hf_path: str | Path, target: Path) -> None:
     for item in Path(hf_path).iterdir():
         if item.is_file() and not item.name.endswith(".safetensors") and item.name != "model.safetensors.index.json":
             shutil.copy2(item, target / item.name)
-
-
-def _replace_dir(tmp: Path, target: Path) -> None:
-    """Put ``tmp`` in place of ``target`` (two renames; the old tree is removed afterwards)."""
-    trash = target.parent / f".{target.name}.old"
-    shutil.rmtree(trash, ignore_errors=True)
-    if target.exists():
-        target.rename(trash)
-    tmp.rename(target)
-    shutil.rmtree(trash, ignore_errors=True)
 
 
 def write_rollout_shards(
@@ -158,7 +149,7 @@ def write_rollout_shards(
                     "trainer_layout": repr(trainer), "writers": writers,
                     "bytes_moved": (plan.sent_numel + plan.local_numel) * torch.empty((), dtype=dtype).element_size()}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        _replace_dir(tmp, target)
+        replace_dir(tmp, target)
     transport.barrier()  # the directory is in place before any rank returns
     return stats
 

@@ -120,16 +120,24 @@ def write_hf_weights(
             total = sum(t.numel() * t.element_size() for t in cpu.values())
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        # Swap: old -> trash, tmp -> target. Only the short gap between the renames lacks a
-        # directory; the engine reads only after the trainer returns, so it never sees it.
-        trash = None
-        if target.exists():
-            trash = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(target, trash)
-        os.rename(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    replace_dir(tmp, target)
+    return target
+
+
+def replace_dir(tmp: str | Path, target: str | Path) -> None:
+    """Put the finished directory ``tmp`` in place of ``target`` and delete the old one.
+
+    Two renames (old -> trash, tmp -> target): only the short gap between them lacks a
+    directory, and readers (engines) read only after the writer returns, so none sees half a
+    directory."""
+    tmp, target = Path(tmp), Path(target)
+    trash = None
+    if target.exists():
+        trash = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(target, trash)
+    os.rename(tmp, target)
     if trash is not None:
         shutil.rmtree(trash, ignore_errors=True)
-    return target

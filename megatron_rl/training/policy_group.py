@@ -94,6 +94,9 @@ class TrainerRank:
     def write_rollout_shards(self, rollout_tp: int, directory: str, version: int, dtype: str) -> dict:
         return self._call("write_rollout_shards", rollout_tp, directory, version, dtype)
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
     def save_checkpoint(self, directory: str) -> None:
         return self._call("save_checkpoint", directory)
 
@@ -195,6 +198,10 @@ class PolicyGroup:
         total = {k: sum(r[k] for r in per_rank) for k in ("bytes_sent", "bytes_received", "bytes_local")}
         total.update(seconds=max(r["seconds"] for r in per_rank), rounds=max(r["rounds"] for r in per_rank))
         return total
+
+    def rank0_node_id(self) -> str:
+        """Ray node id of global rank 0 (where the weight directories are written)."""
+        return ray.get(self.actors[0].node_id.remote(), timeout=CALL_TIMEOUT_S)
 
     def save_checkpoint(self, directory: str) -> None:
         self._all("save_checkpoint", directory)
