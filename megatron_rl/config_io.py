@@ -164,6 +164,7 @@ def validate(cfg: RunConfig, arch: dict | None = None, device: str | None = None
                               f"got {getattr(cfg.scheduler, key)}")
     _positive(cfg.scheduler.max_refills, "scheduler.max_refills", allow_zero=True)
     _validate_stream(cfg)
+    _choice(cfg.rollout.weight_sync_format, ("hf", "sharded"), "rollout.weight_sync_format")
     _validate_planner(cfg)
     _choice(cfg.algorithm.advantage, ("grpo", "drgrpo"), "algorithm.advantage")
     _choice(cfg.algorithm.loss_agg, ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"), "algorithm.loss_agg")

@@ -64,7 +64,7 @@ class Trainer:
         self.start_step = 0
         # train.py offloads the freshly loaded trainer when offload_during_rollout is set.
         self._resident = not self.cfg.trainer.offload_during_rollout
-        self._fanout_metrics: dict[str, float] = {}  # this step's copies to other nodes
+        self._sync_metrics: dict[str, float] = {}  # this step's weight_sync/* figures
         self.stream = self._make_stream_trainer() if self.cfg.stream.enabled else None
         # The stream trainer is a hook like any other, called first so it sees groups at once.
         self.hooks: list[StepHook] = ([self.stream] if self.stream else []) + list(parts.hooks)
@@ -114,7 +114,7 @@ class Trainer:
     async def _step(self, step: int) -> dict:
         timer = PhaseTimer()
         step_start = time.monotonic()
-        self._fanout_metrics = {}
+        self._sync_metrics = {}
         if self.p.elastic is not None:
             with timer("engine_switch"):
                 await self.p.elastic.before_round(self.p.scheduler.next_round_type(self.cfg), self._write_rollout_shards)
@@ -153,7 +153,7 @@ class Trainer:
         metrics.update(prep_metrics)
         metrics.update(stream_metrics)
         metrics.update(planner_metrics)
-        metrics.update(self._fanout_metrics)
+        metrics.update(self._sync_metrics)
         metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
         # Reward scheduler: queue wait, busy workers, reward time hidden under rollout, scaling.
         metrics.update(self.p.rewards.step_metrics(batch.samples))
@@ -261,8 +261,19 @@ class Trainer:
         log.info("engine warm-up took %.1f s", time.monotonic() - start)
 
     async def _sync_weights(self) -> None:
-        """Trainer shards -> HF names -> safetensors -> engine reload, tagged with the version."""
-        self.p.policy.write_hf_weights(self.p.weight_sync_dir)
+        """Trainer shards -> weight files (HF export, or per-engine-rank shards moved by the
+        resharder: ``rollout.weight_sync_format``) -> engine reload, tagged with the version."""
+        if self.cfg.rollout.weight_sync_format == "sharded":
+            from megatron_rl.config_io import resolve_device
+            from megatron_rl.rollout.vllm_engine import engine_dtype
+
+            tp = getattr(self.p.engine, "tp", self.cfg.rollout.tensor_parallel_size)  # elastic: the current TP
+            dtype = engine_dtype(self.cfg.model.hf_path, resolve_device(self.cfg) == "cuda")
+            stats = await self.p.policy.write_rollout_shards_async(tp, self.p.weight_sync_dir, self.version, dtype)
+            self._sync_metrics.update({"weight_sync/reshard_mb": (stats["bytes_sent"] + stats["bytes_local"]) / 1e6,
+                                       "weight_sync/reshard_s": stats["seconds"]})
+        else:
+            self.p.policy.write_hf_weights(self.p.weight_sync_dir)
         await self._fan_out(self.p.weight_sync_dir)
         if self.cfg.trainer.offload_during_rollout:
             await self._trainer_resident(False)  # before the engine wakes (see _step)
@@ -296,7 +307,7 @@ class Trainer:
         figures = await fan_out(directory, self.p.fanout_source, other_nodes(self.p.fanout_source))
         for key, value in figures.items():
             name = f"weight_sync/{key}"
-            self._fanout_metrics[name] = self._fanout_metrics.get(name, 0.0) + value
+            self._sync_metrics[name] = self._sync_metrics.get(name, 0.0) + value
 
     async def _trainer_resident(self, resident: bool) -> None:
         """trainer.offload_during_rollout: bring the trainer's grads/optimizer/weights back, or

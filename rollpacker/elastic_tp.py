@@ -16,14 +16,13 @@ Later weight syncs of those engines use the ordinary HF export.
 """
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 from typing import Awaitable, Callable
 
 from megatron_rl.config import RunConfig
 from megatron_rl.config_io import parse_initial_tp
 from megatron_rl.rollout.elastic import ElasticRollout
+from megatron_rl.rollout.vllm_engine import engine_dtype
 from rollpacker.planner import ElasticTPPlanner
 from rollpacker.tp_profile import fastest_tp, load_profile
 
@@ -110,11 +109,3 @@ def build_elastic_tp(cfg: RunConfig, engine, factory, on_gpu: bool) -> ElasticTP
                                quiet_rounds=cfg.planner.quiet_rounds)
     return ElasticTP(cfg, planner, ElasticRollout(engine, cfg.rollout.tensor_parallel_size, factory),
                      engine_dtype(cfg.model.hf_path, on_gpu))
-
-
-def engine_dtype(hf_path: str, on_gpu: bool) -> str:
-    """The dtype VLLMEngine runs the model in: float32 on CPU, the checkpoint's dtype on GPU."""
-    if not on_gpu:
-        return "float32"
-    config = json.loads((Path(hf_path) / "config.json").read_text())
-    return config.get("dtype") or config.get("torch_dtype") or "bfloat16"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
 import logging
 import os
 import shutil
@@ -111,6 +112,15 @@ def _stat_logger_factory(sink: _StatsSink):
     return _SinkLogger
 
 
+def engine_dtype(hf_path: str, on_gpu: bool) -> str:
+    """The dtype VLLMEngine runs a model in (the dtype of weights written for it): float32 on
+    CPU, the checkpoint's dtype on GPU (vLLM's 'auto')."""
+    if not on_gpu:
+        return "float32"
+    config = json.loads((Path(hf_path) / "config.json").read_text())
+    return config.get("dtype") or config.get("torch_dtype") or "bfloat16"
+
+
 class VLLMEngine(RolloutEngine):
     """A :class:`RolloutEngine` on vLLM's AsyncLLM.
 
@@ -192,6 +202,8 @@ class VLLMEngine(RolloutEngine):
     def _engine_args(self, seed: int, logprobs_mode: str, dtype: str | None) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
 
+        from megatron_rl.rollout import vllm_worker_ext
+
         cfg = self.cfg
         common = dict(
             model=self.model_path,
@@ -205,6 +217,7 @@ class VLLMEngine(RolloutEngine):
             disable_log_stats=True,  # our stat logger still receives stats (custom loggers)
             enable_log_requests=False,
             load_format=self._load_format,
+            worker_extension_cls=vllm_worker_ext.EXTENSION,  # load_rank_shards: per-rank in-place reload
         )
         if self.on_gpu:
             return AsyncEngineArgs(
@@ -363,10 +376,13 @@ class VLLMEngine(RolloutEngine):
         return self._version
 
     async def reload_weights(self, weights_dir: str, version: int) -> None:
-        """Load HF-named safetensors from ``weights_dir`` in place, then drop the prefix cache.
+        """Load new weights in place from ``weights_dir``, then drop the prefix cache.
 
-        The directory is read by the engine-core process (tensors cannot cross its RPC), so it
-        must be on this node, e.g. under /dev/shm (see ``weight_sync.write_hf_weights``).
+        ``weights_dir`` is either HF-named safetensors (``weight_sync.write_hf_weights``; every
+        rank reads them all and vLLM cuts its slice) or a rollout-shard directory for this TP
+        size (``resharding.rollout_shards``; each rank reads only its own file, see
+        ``vllm_worker_ext``). It is read by the engine's processes (tensors cannot cross their
+        RPC), so it must be on this node, e.g. under /dev/shm.
         """
         if self._inflight:
             ids = sorted(self._inflight)
@@ -382,7 +398,23 @@ class VLLMEngine(RolloutEngine):
         if not path.is_dir() or not any(path.glob("*.safetensors")):
             # A failed reload inside vLLM kills the engine, so validate before the RPC.
             raise FileNotFoundError(f"reload_weights: no *.safetensors in {weights_dir!r}")
+        from megatron_rl.resharding.rollout_shards import read_rollout_manifest
+
+        shards = read_rollout_manifest(path)
+        if shards is not None and shards["tensor_parallel_size"] != self.cfg.tensor_parallel_size:
+            raise ValueError(f"reload_weights: {weights_dir} holds rollout shards for TP "
+                             f"{shards['tensor_parallel_size']}, this engine runs TP {self.cfg.tensor_parallel_size}")
         start = time.monotonic()
+        if shards is not None:
+            await self._llm.collective_rpc("load_rank_shards", args=(str(path.resolve()),))
+        else:
+            await self._reload_hf(path)
+        # Cached KV blocks were computed with the old weights.
+        await self._llm.reset_prefix_cache()
+        self._version = version
+        logger.info("reloaded weights v%d from %s in %.3f s", version, path, time.monotonic() - start)
+
+    async def _reload_hf(self, path: Path) -> None:
         if self._load_format != "auto":
             # The sharded_state loader cannot read an HF checkpoint (nor reload at all): later
             # syncs go through the default loader, which shards the HF tensors itself.
@@ -391,10 +423,6 @@ class VLLMEngine(RolloutEngine):
         await self._llm.collective_rpc(
             "reload_weights", kwargs=dict(weights_path=str(path.resolve()), is_checkpoint_format=True)
         )
-        # Cached KV blocks were computed with the old weights.
-        await self._llm.reset_prefix_cache()
-        self._version = version
-        logger.info("reloaded weights v%d from %s in %.3f s", version, path, time.monotonic() - start)
 
     async def sleep(self) -> None:
         """AsyncLLM sleep level 1: on GPU the weights move to pinned host memory and the KV cache

