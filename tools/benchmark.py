@@ -14,6 +14,11 @@ final validation reward of each, and a last line ``speedup: X.XX`` = baseline tr
 start-up of Ray/engines/trainer is excluded because it is identical for both). Results go to
 <out>/benchmark.json and, with tools/plot_timeline.py, to <out>/timeline.png.
 
+``--compare weight_sync`` runs the baseline scheduler twice, ``rollout.weight_sync_format`` hf vs
+sharded, and adds the mean weight-sync time per step and their ratio (``weight-sync speedup:``);
+give it a larger model (e.g. a random one from ``megatron_rl.model.tiny.build_tiny_qwen2``) so
+the sync moves enough bytes to measure.
+
 ``--compare stream`` runs tail batching twice, stream trainer off and on (``stream.enabled``),
 and adds the long-round step time of each, their ratio (``long-round speedup:``) and the stream
 metrics (start point, fraction trained before the rollout ended, training hidden under rollout).
@@ -49,6 +54,8 @@ COMPARISONS = {
     "schedulers": [("baseline", "baseline", [], "baseline"), ("tail_batching", "tail_batching", [], "RollPacker")],
     "stream": [("tail_batching", "tail_batching", ["stream.enabled=false"], "no stream"),
                ("stream", "tail_batching", ["stream.enabled=true"], "stream")],
+    "weight_sync": [("sync_hf", "baseline", ["rollout.weight_sync_format=hf"], "hf sync"),
+                    ("sync_sharded", "baseline", ["rollout.weight_sync_format=sharded"], "sharded sync")],
 }
 
 
@@ -81,6 +88,7 @@ def summarize(rows: list[dict]) -> dict:
             "response_length_max": max(r["response_length/max"] for r in sel),
         }
     out["occupancy_mean"] = statistics.mean(r["rollout/engine_occupancy"] for r in rows)
+    out["weight_sync_time_mean"] = statistics.mean(r["time/weight_sync"] for r in rows)
     out["wasted_tokens"] = sum(r.get("rollout/wasted_tokens", 0.0) for r in rows)
     out["generated_tokens"] = sum(r["response_length/mean"] * r["batch/samples_trained"] for r in rows)
     out["train_reward_mean"] = statistics.mean(r["reward/mean"] for r in rows)
@@ -129,6 +137,7 @@ def print_table(base: dict, tb: dict, labels: tuple[str, str] = ("baseline", "Ro
         row("stream: trained before rollout end", None, st["trained_fraction_before_rollout_end"])
         row("stream: train time hidden (s/round)", None, st["hidden_train_s"])
         row("stream: train time exposed (s/round)", None, st["exposed_train_s"])
+    row("weight sync time (s/step)", base["weight_sync_time_mean"], tb["weight_sync_time_mean"], "{:.3f}")
     row("engine occupancy (mean)", base["occupancy_mean"], tb["occupancy_mean"])
     row("wasted tokens (aborted+discarded)", base["wasted_tokens"], tb["wasted_tokens"], "{:.0f}")
     row("train reward (mean over run)", base["train_reward_mean"], tb["train_reward_mean"], "{:.3f}")
@@ -148,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-prompts", type=int, default=128)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--compare", choices=sorted(COMPARISONS), default="schedulers",
-                        help="baseline vs tail batching, or tail batching without vs with the stream trainer")
+                        help="baseline vs tail batching; tail batching without vs with the stream trainer; "
+                             "or the HF vs the sharded weight sync (baseline scheduler)")
     parser.add_argument("overrides", nargs="*", help="extra dotted config overrides for both runs")
     args = parser.parse_args(argv)
     if not (Path(args.model) / "config.json").is_file():
@@ -189,14 +199,17 @@ def main(argv: list[str] | None = None) -> int:
         long_speedup = base["long"]["step_time_mean"] / tb["long"]["step_time_mean"]
         results["long_round_speedup"] = long_speedup
         print(f"long-round speedup: {long_speedup:.2f}")
+    if args.compare == "weight_sync":
+        results["weight_sync_speedup"] = base["weight_sync_time_mean"] / tb["weight_sync_time_mean"]
+        print(f"weight-sync speedup: {results['weight_sync_speedup']:.2f}")
     results.update({"steps": steps, "speedup": speedup, "length_median": median, "length_max": longest})
     (out / "benchmark.json").write_text(json.dumps(results, indent=2))
     try:
         from tools.plot_timeline import plot_timeline
 
         plot_timeline(out / first, out / second, out / "timeline.png",
-                      titles=None if args.compare == "schedulers" else (f"tail batching, {runs[0][3]}",
-                                                                        f"tail batching, {runs[1][3]}"))
+                      titles=None if args.compare == "schedulers" else tuple(
+                          f"{scheduler.replace('_', ' ')}, {label}" for _, scheduler, _, label in runs))
         print(f"timeline: {out / 'timeline.png'}")
     except Exception as exc:  # the numbers above stand without the picture
         print(f"timeline plot failed: {exc}", file=sys.stderr)

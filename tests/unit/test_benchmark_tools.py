@@ -15,7 +15,8 @@ def test_period_steps(eta, p0, expected):
 
 
 def _row(step, rt, t, rollout, occ, wasted=0.0, reward=0.5):
-    return {"step": step, "round_type": rt, "time/step": t, "time/rollout": rollout, "rollout/engine_occupancy": occ,
+    return {"step": step, "round_type": rt, "time/step": t, "time/rollout": rollout, "time/weight_sync": t / 10,
+            "rollout/engine_occupancy": occ,
             "response_length/mean": 10.0, "response_length/max": 50.0, "batch/samples_trained": 8.0,
             "rollout/wasted_tokens": wasted, "reward/mean": reward}
 
@@ -28,6 +29,7 @@ def test_summarize_splits_round_types():
     assert s["short"]["step_time_mean"] == 3.0 and s["short"]["occupancy_mean"] == pytest.approx(0.6)
     assert s["long"]["steps"] == 1 and s["wasted_tokens"] == 40.0
     assert s["initial_val_pass@1"] == 0.25 and s["final_val_pass@1"] == 0.5
+    assert s["weight_sync_time_mean"] == pytest.approx(0.5)
 
 
 def test_plot_timeline_writes_png(tmp_path):
