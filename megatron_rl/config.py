@@ -95,10 +95,10 @@ class RolloutConfig:
     weight_sync_dir: str = ""
     """Where the trainer writes the weights for the engine to reload; empty uses /dev/shm (or
     the run dir when /dev/shm is missing)."""
-    weight_sync_format: str = "hf"
-    """'hf': trainer rank 0 gathers the whole model and writes HF safetensors; every engine rank
-    reads all of it. 'sharded': the trainer ranks move their shards through the resharder into
-    one file per engine TP rank, and each engine rank reloads only its own file in place."""
+    weight_sync_format: str = "sharded"
+    """'sharded': the trainer ranks move their shards through the resharder into one file per
+    engine TP rank, and each engine rank reloads only its own file in place. 'hf': trainer rank
+    0 gathers the whole model and writes HF safetensors; every engine rank reads all of it."""
     sleep_during_train: bool = False
     """Colocated GPUs: put the engines to sleep (vLLM sleep mode level 1: weights to host memory,
     KV cache freed) once a step's rollout is done, so training can use that memory; they wake

@@ -46,10 +46,11 @@ def test_stream_trainer_with_engine_release_and_migration(tiny_model_dir, tmp_pa
     rows, _ = _run(tiny_model_dir, tmp_path, 3, [
         "stream.enabled=true", "stream.rounds=short,long", "stream.start_fraction_min=0.25",
         "stream.min_new_groups=1", "stream.release_engines=1", "stream.train_threads=2",
-        "rollout.sleep_during_train=true",
+        "rollout.sleep_during_train=true", "rollout.weight_sync_format=hf",  # the other sync format
     ])
     for r in rows:
         assert r["stream/started"] == 1.0, r
+        assert "weight_sync/reshard_mb" not in r  # HF export, not the resharder
         assert 0.25 <= r["stream/start_mark"] <= 0.5 and r["stream/start_fraction"] >= 0.25
         assert r["stream/chunks"] >= 1
         assert r["stream/released_engines"] == 1.0
