@@ -145,6 +145,11 @@ def test_tp2_engine_starts_from_shards_reloads_shards_in_place_then_takes_an_hf_
         expected = hf_logprobs(other, tokens)
         assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-4), (logprobs, expected.tolist())
         assert not torch.allclose(expected, hf_logprobs(untied, tokens), atol=1e-2)  # weights really changed
+        # The HF export of the same model gives bit-identical engine weights: same tokens, same logprobs.
+        hf = LazySafetensors(other)
+        run(loop, engine.reload_weights(str(write_hf_weights({k: hf[k] for k in hf}, tmp_path / "same",
+                                                             tie_word_embeddings=False)), version=10))
+        assert run(loop, sample(engine, "same-via-hf")) == (tokens, logprobs, 10)
         # Then an ordinary HF export (the sharded_state loader is switched back for reloads).
         hf = LazySafetensors(untied)
         weights = write_hf_weights({k: hf[k] for k in hf}, tmp_path / "sync", tie_word_embeddings=False)
