@@ -13,7 +13,7 @@ import asyncio
 from typing import Any, AsyncIterator
 
 from megatron_rl.config import RolloutConfig, RunConfig
-from megatron_rl.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine
+from megatron_rl.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine, forward_completions
 from megatron_rl.rollout.engine_pool import EnginePool  # lives there; re-exported for existing imports
 
 
@@ -38,13 +38,12 @@ class EngineActor:
             self._pump = asyncio.get_running_loop().create_task(self._pump_completions())
 
     async def _pump_completions(self) -> None:
-        try:
-            async for completion in self._engine.completions():
-                self._buffer.append(completion)
-                self._ready.set()
-        except Exception as exc:  # hand the engine's failure to the client's drain()
-            self._buffer.append(exc)
-            self._ready.set()
+        # The engine's failure goes into the buffer too: the client's drain() raises it.
+        await forward_completions(self._engine, self._buffered, self._buffered)
+
+    def _buffered(self, item: Completion | Exception) -> None:
+        self._buffer.append(item)
+        self._ready.set()
 
     async def ready(self) -> bool:
         """Returns once the actor (and its engine) is constructed."""
