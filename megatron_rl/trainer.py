@@ -265,7 +265,7 @@ class Trainer:
         resharder: ``rollout.weight_sync_format``) -> engine reload, tagged with the version."""
         if self.cfg.rollout.weight_sync_format == "sharded":
             from megatron_rl.config_io import resolve_device
-            from megatron_rl.rollout.vllm_engine import engine_dtype
+            from megatron_rl.rollout.weight_sync import engine_dtype
 
             tp = getattr(self.p.engine, "tp", self.cfg.rollout.tensor_parallel_size)  # elastic: the current TP
             dtype = engine_dtype(self.cfg.model.hf_path, resolve_device(self.cfg) == "cuda")

@@ -22,7 +22,7 @@ from typing import Awaitable, Callable
 from megatron_rl.config import RunConfig
 from megatron_rl.config_io import parse_initial_tp
 from megatron_rl.rollout.elastic import ElasticRollout
-from megatron_rl.rollout.vllm_engine import engine_dtype
+from megatron_rl.rollout.weight_sync import engine_dtype
 from rollpacker.planner import ElasticTPPlanner
 from rollpacker.tp_profile import fastest_tp, load_profile
 

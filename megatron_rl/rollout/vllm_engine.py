@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import json
 import logging
 import os
 import shutil
@@ -110,15 +109,6 @@ def _stat_logger_factory(sink: _StatsSink):
             pass
 
     return _SinkLogger
-
-
-def engine_dtype(hf_path: str, on_gpu: bool) -> str:
-    """The dtype VLLMEngine runs a model in (the dtype of weights written for it): float32 on
-    CPU, the checkpoint's dtype on GPU (vLLM's 'auto')."""
-    if not on_gpu:
-        return "float32"
-    config = json.loads((Path(hf_path) / "config.json").read_text())
-    return config.get("dtype") or config.get("torch_dtype") or "bfloat16"
 
 
 class VLLMEngine(RolloutEngine):

@@ -141,3 +141,12 @@ def replace_dir(tmp: str | Path, target: str | Path) -> None:
     os.rename(tmp, target)
     if trash is not None:
         shutil.rmtree(trash, ignore_errors=True)
+
+
+def engine_dtype(hf_path: str | Path, on_gpu: bool) -> str:
+    """The dtype VLLMEngine runs a model in, so the dtype to write its weights in: float32 on
+    CPU, the checkpoint's dtype on GPU (vLLM's 'auto')."""
+    if not on_gpu:
+        return "float32"
+    config = json.loads((Path(hf_path) / "config.json").read_text())
+    return config.get("dtype") or config.get("torch_dtype") or "bfloat16"
