@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -264,12 +265,9 @@ class Trainer:
         """Trainer shards -> weight files (HF export, or per-engine-rank shards moved by the
         resharder: ``rollout.weight_sync_format``) -> engine reload, tagged with the version."""
         if self.cfg.rollout.weight_sync_format == "sharded":
-            from megatron_rl.config_io import resolve_device
-            from megatron_rl.rollout.weight_sync import engine_dtype
-
             tp = getattr(self.p.engine, "tp", self.cfg.rollout.tensor_parallel_size)  # elastic: the current TP
-            dtype = engine_dtype(self.cfg.model.hf_path, resolve_device(self.cfg) == "cuda")
-            stats = await self.p.policy.write_rollout_shards_async(tp, self.p.weight_sync_dir, self.version, dtype)
+            stats = await self.p.policy.write_rollout_shards_async(tp, self.p.weight_sync_dir, self.version,
+                                                                   self._engine_dtype)
             self._sync_metrics.update({"weight_sync/reshard_mb": (stats["bytes_sent"] + stats["bytes_local"]) / 1e6,
                                        "weight_sync/reshard_s": stats["seconds"]})
         else:
@@ -280,6 +278,14 @@ class Trainer:
         if self.cfg.rollout.sleep_during_train:
             await self.p.engine.wake_up()
         await self.p.engine.reload_weights(self.p.weight_sync_dir, self.version)
+
+    @functools.cached_property
+    def _engine_dtype(self) -> str:
+        """The dtype the engines run in (and weights are written in); read once."""
+        from megatron_rl.config_io import resolve_device
+        from megatron_rl.rollout.weight_sync import engine_dtype
+
+        return engine_dtype(self.cfg.model.hf_path, resolve_device(self.cfg) == "cuda")
 
     async def _write_rollout_shards(self, tp: int, dtype: str) -> tuple[str, dict[str, float]]:
         """Elastic-TP switch: the current weights as per-rank shards for engines of TP ``tp``,

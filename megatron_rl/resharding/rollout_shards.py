@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import shutil
 import socket
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Mapping
 
@@ -28,7 +28,7 @@ import torch
 from megatron_rl.model.qwen2 import Qwen2Arch
 from megatron_rl.resharding.execute import ReshardStats, allocate_destinations, execute_plan
 from megatron_rl.resharding.layouts import EMBED, LM_HEAD, MegatronLayout, VLLMLayout
-from megatron_rl.resharding.plan import build_plan
+from megatron_rl.resharding.plan import ReshardPlan, build_plan
 from megatron_rl.rollout.weight_sync import replace_dir
 
 MANIFEST = "rollout_shards.json"
@@ -84,48 +84,66 @@ def _copy_model_files(hf_path: str | Path, target: Path) -> None:
             shutil.copy2(item, target / item.name)
 
 
+@dataclass(frozen=True)
+class RolloutShardPlan:
+    """What one rollout-shard write needs besides the tensors; the same for every write of a
+    (trainer layout, rollout TP, dtype), so the trainer builds it once (:func:`plan_rollout_shards`)."""
+
+    arch: Qwen2Arch
+    """The model."""
+    rollout_tp: int
+    """TP size of the engines that load the files."""
+    plan: ReshardPlan
+    """Trainer shards -> one replica of vLLM TP ``rollout_tp`` shards."""
+    writers: list[int]
+    """Trainer ranks on rank 0's node; destination rank r is written by ``writers[r % len]``."""
+
+
+def plan_rollout_shards(arch: Qwen2Arch, trainer: MegatronLayout, rollout_tp: int, transport,
+                        dtype: torch.dtype, bucket_bytes: int = 256 << 20) -> RolloutShardPlan:
+    """Collective over ``transport``'s group (the trainer world, rank = Megatron global rank):
+    find the writer ranks (rank 0's node) and build the resharding plan.
+
+    ``trainer``: shard index = global rank (Megatron's tp-cp-dp-pp order with CP folded into DP,
+    since weights are replicated over CP)."""
+    world = torch.distributed.get_world_size(transport.group)
+    if trainer.num_shards != world:
+        raise ValueError(f"write_rollout_shards: trainer layout has {trainer.num_shards} shards but the group "
+                         f"has {world} ranks")
+    hostnames: list = [None] * world
+    torch.distributed.all_gather_object(hostnames, socket.gethostname(), group=transport.group)
+    writers = writer_ranks(hostnames)
+    plan = build_plan(trainer, VLLMLayout(arch, rollout_tp), list(range(world)),
+                      [writers[r % len(writers)] for r in range(rollout_tp)], bucket_bytes,
+                      torch.empty((), dtype=dtype).element_size())
+    return RolloutShardPlan(arch, rollout_tp, plan, writers)
+
+
 def write_rollout_shards(
     sources: Mapping[str, torch.Tensor],
-    arch: Qwen2Arch,
-    trainer: MegatronLayout,
-    rollout_tp: int,
+    shard_plan: RolloutShardPlan,
     directory: str | Path,
     *,
     hf_path: str | Path,
     version: int,
     transport,
     dtype: torch.dtype,
-    bucket_bytes: int = 256 << 20,
 ) -> ReshardStats:
-    """Collective over ``transport``'s group (the trainer world, rank = Megatron global rank).
+    """Collective over ``transport``'s group (the group the plan was built on).
 
     Args:
         sources: this rank's local tensors (Megatron local-spec names, e.g. the model's state dict).
-        arch: the model.
-        trainer: the trainer layout; shard index = global rank (Megatron's tp-cp-dp-pp order
-            with CP folded into DP, since weights are replicated over CP).
-        rollout_tp: TP size of the engines that will load the directory.
+        shard_plan: from :func:`plan_rollout_shards` with the same dtype.
         directory: the directory to (re)place; on rank 0's node.
         hf_path: HF checkpoint whose config and tokenizer files go along.
         version: policy version of these weights (recorded in the manifest; engines tag their
             completions with it).
         transport: :class:`~megatron_rl.resharding.transport.TorchDistributedTransport`.
         dtype: dtype of the message buffers and of the written tensors (the engine's dtype).
-        bucket_bytes: size bound of one message.
 
     Returns this rank's :class:`ReshardStats` (bytes sent/received/copied locally, seconds).
     """
-    rank = transport.rank
-    if trainer.num_shards != torch.distributed.get_world_size(transport.group):
-        raise ValueError(f"write_rollout_shards: trainer layout has {trainer.num_shards} shards but the group "
-                         f"has {torch.distributed.get_world_size(transport.group)} ranks")
-    hostnames: list = [None] * trainer.num_shards
-    torch.distributed.all_gather_object(hostnames, socket.gethostname(), group=transport.group)
-    writers = writer_ranks(hostnames)
-    dst = VLLMLayout(arch, rollout_tp)
-    plan = build_plan(trainer, dst, list(range(trainer.num_shards)),
-                      [writers[r % len(writers)] for r in range(rollout_tp)], bucket_bytes,
-                      torch.empty((), dtype=dtype).element_size())
+    rank, plan, arch = transport.rank, shard_plan.plan, shard_plan.arch
     target = Path(directory)
     tmp = target.parent / f".{target.name}.tmp"
     if rank == 0:
@@ -144,9 +162,9 @@ def write_rollout_shards(
     transport.barrier()  # every shard file is complete
     if rank == 0:
         _copy_model_files(hf_path, tmp)
-        manifest = {"format": FORMAT, "tensor_parallel_size": rollout_tp, "version": version,
+        manifest = {"format": FORMAT, "tensor_parallel_size": shard_plan.rollout_tp, "version": version,
                     "dtype": str(dtype).removeprefix("torch."), "hf_path": str(hf_path),
-                    "trainer_layout": repr(trainer), "writers": writers,
+                    "writers": shard_plan.writers,
                     "bytes_moved": (plan.sent_numel + plan.local_numel) * torch.empty((), dtype=dtype).element_size()}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
         replace_dir(tmp, target)

@@ -122,6 +122,7 @@ class MegatronWorker(WeightExport):
         self.steps_done = 0
         self._accumulated: _Accumulation | None = None  # None: nothing since the last step
         self._offload = TrainerOffload()  # what offload_for_rollout moved away
+        self.rollout_shard_plans: dict = {}  # (arch, rollout TP, dtype) -> RolloutShardPlan
 
     # ----------------------------------------------------------------- set-up
     def _build(self, trainable: bool) -> torch.nn.Module:

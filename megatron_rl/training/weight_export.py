@@ -1,7 +1,8 @@
 """The trainer's weights (and gradients) out of the Megatron shards: the HF export for the
-file-based weight sync and checks, and per-rank vLLM shards through the resharder for engines of
-a new rollout TP. A mixin of :class:`~megatron_rl.training.megatron_worker.MegatronWorker`
-(it uses the worker's ``model``, ``arch``, ``hf_path``, ``layout`` and offload state)."""
+file-based weight sync and checks, and per-rank vLLM shards through the resharder (the sharded
+weight sync and elastic-TP switches). A mixin of :class:`~megatron_rl.training.megatron_worker.MegatronWorker`
+(it uses the worker's ``model``, ``arch``, ``hf_path``, ``layout``, ``rollout_shard_plans``
+and offload state)."""
 from __future__ import annotations
 
 import torch
@@ -25,13 +26,19 @@ class WeightExport:
         moved shard to shard by the resharder (``resharding.rollout_shards``); returns this rank's
         bytes sent/received/copied and seconds. Collective."""
         from megatron_rl.resharding import MegatronLayout, TorchDistributedTransport
-        from megatron_rl.resharding.rollout_shards import stats_dict, write_rollout_shards
+        from megatron_rl.resharding.rollout_shards import plan_rollout_shards, stats_dict, write_rollout_shards
 
-        tp, pp = self.layout.tensor_model_parallel_size, self.layout.pipeline_model_parallel_size
-        trainer = MegatronLayout(self.arch, tp, pp, torch.distributed.get_world_size() // (tp * pp))
-        stats = write_rollout_shards(local_views(self.model), self.arch, trainer, rollout_tp, directory,
-                                     hf_path=self.hf_path, version=version,
-                                     transport=TorchDistributedTransport(), dtype=getattr(torch, dtype))
+        transport, torch_dtype = TorchDistributedTransport(), getattr(torch, dtype)
+        # Every sync of a run writes for the same few (TP, dtype): plan once (a collective, and the
+        # same call sequence on every rank, so the caches agree).
+        plans = self.rollout_shard_plans
+        key = (self.arch, rollout_tp, dtype)
+        if key not in plans:
+            tp, pp = self.layout.tensor_model_parallel_size, self.layout.pipeline_model_parallel_size
+            trainer = MegatronLayout(self.arch, tp, pp, torch.distributed.get_world_size() // (tp * pp))
+            plans[key] = plan_rollout_shards(self.arch, trainer, rollout_tp, transport, torch_dtype)
+        stats = write_rollout_shards(local_views(self.model), plans[key], directory, hf_path=self.hf_path,
+                                     version=version, transport=transport, dtype=torch_dtype)
         return stats_dict(stats)
 
     @with_training_state
