@@ -171,7 +171,7 @@ class StreamTrainer(StepHook):
         """Do the running requests fit on the engines left after the release?"""
         if self.scfg.release_engines == 0:
             return True
-        staying = getattr(self.engine, "active_engines", self.cfg.rollout.num_engines) - self.scfg.release_engines
+        staying = self.engine.active_engines - self.scfg.release_engines
         if staying < 1:
             return True  # nothing will be released (see _start): no reason to wait
         stats = await self.engine.stats()
@@ -182,7 +182,7 @@ class StreamTrainer(StepHook):
         # Groups can complete in a burst, so the completed fraction may lie past the mark.
         r.start_fraction, r.start_mark = len(r.completed) / r.total_groups, mark
         if self.scfg.release_engines > 0:
-            active = getattr(self.engine, "active_engines", 1)
+            active = self.engine.active_engines
             if active <= self.scfg.release_engines:
                 # E.g. the elastic planner runs this round as one large-TP engine: stream without
                 # a handoff rather than stop the only engine (a TP group is never split).

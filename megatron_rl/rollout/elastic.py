@@ -89,18 +89,14 @@ class ElasticRollout(RolloutEngine):
     @property
     def active_engines(self) -> int:
         """Engines now generating (a pool may have released some to the stream trainer)."""
-        return getattr(self._engine, "active_engines", 1)
+        return self._engine.active_engines
 
     async def release_engines(self, count: int) -> dict[str, float]:
-        """Forward to the pool (stream-trainer handoff); a single engine cannot release any."""
-        release = getattr(self._engine, "release_engines", None)
-        if release is None:
-            raise ValueError(f"elastic rollout: TP {self.tp} runs a single engine, none can be released")
-        return await release(count)
+        """Forward to the current engines (stream-trainer handoff; a single one refuses)."""
+        return await self._engine.release_engines(count)
 
     async def restore_engines(self) -> dict[str, float]:
-        restore = getattr(self._engine, "restore_engines", None)
-        return await restore() if restore is not None else {}
+        return await self._engine.restore_engines()
 
     async def sleep(self) -> None:
         await self._engine.sleep()

@@ -99,6 +99,20 @@ class RolloutEngine(abc.ABC):
         """Reacquire what :meth:`sleep` released; the engine then serves requests again with the
         weights it had (reload afterwards to move to newer ones). No-op when awake."""
 
+    @property
+    def active_engines(self) -> int:
+        """Engines now generating: 1 for a single engine; a pool counts those not released."""
+        return 1
+
+    async def release_engines(self, count: int) -> dict[str, float]:
+        """Hand ``count`` whole engines to the trainer (a pool, see ``engine_pool``); a single
+        engine has none to spare."""
+        raise ValueError(f"{type(self).__name__} runs a single engine: none can be released")
+
+    async def restore_engines(self) -> dict[str, float]:
+        """Route to released engines again (a pool); nothing to do for a single engine."""
+        return {}
+
     @abc.abstractmethod
     async def stats(self) -> EngineStats:
         """Current load: running, waiting, preemptions, KV usage."""
