@@ -93,8 +93,9 @@ class RolloutConfig:
     enforce_eager: bool = True
     """Disable CUDA graphs / compilation (always true on CPU)."""
     weight_sync_dir: str = ""
-    """Where the trainer writes the weights for the engine to reload; empty uses /dev/shm (or
-    the run dir when /dev/shm is missing)."""
+    """Where the trainer writes the weights for the engine to reload (also the rank files an
+    elastic-TP switch starts new engines from); empty uses a per-run dir in /dev/shm (or the run
+    dir when /dev/shm is missing), deleted when the run ends. A directory given here is kept."""
     weight_sync_format: str = "sharded"
     """'sharded': the trainer ranks move their shards through the resharder into one file per
     engine TP rank, and each engine rank reloads only its own file in place. 'hf': trainer rank

@@ -89,6 +89,8 @@ def build_and_run(cfg: RunConfig) -> list[dict]:
 
     start_ray(cfg, run_dir, device)
     policy = engine = rewards = None
+    sync_dir = Path(cfg.rollout.weight_sync_dir or default_sync_dir(run_dir))
+    fanout_source = ""
     try:
         port = cfg.cluster.master_port or free_port()
         policy = PolicyGroup(cfg, device, trainer_actor_options(cfg, device), port)
@@ -104,11 +106,12 @@ def build_and_run(cfg: RunConfig) -> list[dict]:
         rewards = RewardPool.from_run_config(cfg)
         if not cfg.trainer.offload_during_rollout:
             policy.load_hf(cfg.model.hf_path)
-        sync_dir = cfg.rollout.weight_sync_dir or default_sync_dir(run_dir)
+        fanout_source = policy.rank0_node_id() if cfg.cluster.num_nodes > 1 else ""
+        log.info("weights for the engines go to %s", sync_dir)
         parts = TrainerParts(cfg=cfg, policy=policy, engine=engine, rewards=rewards, train_prompts=train_prompts,
                              eval_prompts=eval_prompts, scheduler=make_scheduler(cfg),
                              weight_sync_dir=str(sync_dir), elastic=elastic,
-                             fanout_source=policy.rank0_node_id() if cfg.cluster.num_nodes > 1 else "")
+                             fanout_source=fanout_source)
         return run_trainer(parts)
     finally:
         for part in (rewards, engine, policy):
@@ -119,7 +122,24 @@ def build_and_run(cfg: RunConfig) -> list[dict]:
                         asyncio.run(result)
                 except Exception as exc:  # teardown must not hide the real error
                     log.warning("shutdown of %s failed: %s", type(part).__name__, exc)
+        if not cfg.rollout.weight_sync_dir:  # ours: a user-given directory is left as it is
+            _remove_weights(sync_dir, fanout_source)
         ray.shutdown()
+
+
+def _remove_weights(sync_dir: Path, fanout_source: str) -> None:
+    """Delete the run's weight directory (in /dev/shm: memory) here and, in a multi-node run,
+    its fanned-out copies on the other nodes."""
+    from megatron_rl.rollout.weight_sync import remove_sync_dir
+
+    remove_sync_dir(sync_dir)
+    if fanout_source:
+        from megatron_rl.rollout.weight_fanout import other_nodes, remove_on_nodes
+
+        try:
+            remove_on_nodes(str(sync_dir), other_nodes(fanout_source))
+        except Exception as exc:  # teardown must not hide the real error
+            log.warning("removing %s on the other nodes failed: %s", sync_dir, exc)
 
 
 def main(argv: list[str] | None = None) -> int:

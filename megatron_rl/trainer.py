@@ -287,21 +287,21 @@ class Trainer:
 
         return engine_dtype(self.cfg.model.hf_path, resolve_device(self.cfg) == "cuda")
 
-    async def _write_rollout_shards(self, tp: int, dtype: str) -> tuple[str, dict[str, float]]:
+    async def _write_rollout_shards(self, tp: int) -> tuple[str, dict[str, float]]:
         """Elastic-TP switch: the current weights as per-rank shards for engines of TP ``tp``,
-        moved by the resharder into one directory beside the weight-sync dir (replaced per switch;
-        the old engines are already shut down)."""
-        directory = f"{self.p.weight_sync_dir}-rollout-shards"
+        moved by the resharder into the weight-sync directory (the old engines are already shut
+        down, and the per-step sync rewrites it next, so /dev/shm holds one copy)."""
         offload = self.cfg.trainer.offload_during_rollout
         if offload:
             await self._trainer_resident(True)
         try:
-            stats = await self.p.policy.write_rollout_shards_async(tp, directory, self.version, dtype)
+            stats = await self.p.policy.write_rollout_shards_async(tp, self.p.weight_sync_dir, self.version,
+                                                                   self._engine_dtype)
         finally:
             if offload:
                 await self._trainer_resident(False)
-        await self._fan_out(directory)
-        return directory, stats
+        await self._fan_out(self.p.weight_sync_dir)
+        return self.p.weight_sync_dir, stats
 
     async def _fan_out(self, directory: str) -> None:
         """Multi-node runs: copy a weights directory rank 0 just wrote to the same path on every

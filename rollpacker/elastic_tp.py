@@ -10,9 +10,10 @@ training state and goes into the checkpoint.
 How weights reach engines of the new TP: the old engines are shut down, the trainer ranks move
 their Megatron shards straight into vLLM's TP layout for the new size with the resharding
 executor (``megatron_rl.resharding``: point to point, size-bounded buckets, every byte once) and
-write one file per engine rank (vLLM's ``sharded_state`` format); the new engines start from
-that directory, each rank loading only its own file, tagged with the current policy version.
-Later weight syncs of those engines use the ordinary HF export.
+write one file per engine rank (vLLM's ``sharded_state`` format) into the weight-sync directory;
+the new engines start from it, each rank loading only its own file, tagged with the current
+policy version. Later syncs of those engines go through the same directory
+(``rollout.weight_sync_format``).
 """
 from __future__ import annotations
 
@@ -22,38 +23,35 @@ from typing import Awaitable, Callable
 from megatron_rl.config import RunConfig
 from megatron_rl.config_io import parse_initial_tp
 from megatron_rl.rollout.elastic import ElasticRollout
-from megatron_rl.rollout.weight_sync import engine_dtype
 from rollpacker.planner import ElasticTPPlanner
 from rollpacker.tp_profile import fastest_tp, load_profile
 
 log = logging.getLogger(__name__)
 
-ShardWriter = Callable[[int, str], Awaitable[tuple[str, dict[str, float]]]]
-"""``write_shards(tp, dtype)``: the trainer writes its weights as rollout shards for TP ``tp``;
-returns the directory and the resharder's figures (bytes_sent, bytes_local, seconds, rounds)."""
+ShardWriter = Callable[[int], Awaitable[tuple[str, dict[str, float]]]]
+"""``write_shards(tp)``: the trainer writes its weights as rollout shards for TP ``tp`` (in the
+engines' dtype); returns the directory and the resharder's figures (bytes_sent, bytes_local,
+seconds, rounds)."""
 
 
 class ElasticTP:
     """Planner + elastic engines; called by the trainer around each round."""
 
-    def __init__(self, cfg: RunConfig, planner: ElasticTPPlanner, rollout: ElasticRollout,
-                 engine_dtype: str = "float32") -> None:
+    def __init__(self, cfg: RunConfig, planner: ElasticTPPlanner, rollout: ElasticRollout) -> None:
         self.cfg = cfg
         self.planner = planner
         self.rollout = rollout
-        self.engine_dtype = engine_dtype
-        """dtype the engines run in (the shards are written in it)."""
         self._preemptions_at_start = 0
         self._switch_metrics: dict[str, float] = {}
 
     async def before_round(self, round_type: str, write_shards: ShardWriter) -> None:
         """Rebuild the engines when the planner wants another TP for ``round_type``, from the
-        shards ``write_shards(tp, dtype)`` writes (see the module docstring)."""
+        shards ``write_shards(tp)`` writes (see the module docstring)."""
         tp = self.planner.tp_for(round_type)
         self._switch_metrics = {}
         if tp != self.rollout.tp:
             async def write(new_tp: int) -> tuple[str, dict[str, float]]:
-                directory, stats = await write_shards(new_tp, self.engine_dtype)
+                directory, stats = await write_shards(new_tp)
                 moved = stats["bytes_sent"] + stats["bytes_local"]
                 return directory, {"reshard_mb": moved / 1e6, "reshard_s": stats["seconds"],
                                    "reshard_rounds": stats["rounds"]}
@@ -107,5 +105,4 @@ def build_elastic_tp(cfg: RunConfig, engine, factory, on_gpu: bool) -> ElasticTP
                          f"TP sizes {sizes} for this model on {devices} devices")
     planner = ElasticTPPlanner(sizes=sizes, initial=initial, growth=cfg.planner.growth,
                                quiet_rounds=cfg.planner.quiet_rounds)
-    return ElasticTP(cfg, planner, ElasticRollout(engine, cfg.rollout.tensor_parallel_size, factory),
-                     engine_dtype(cfg.model.hf_path, on_gpu))
+    return ElasticTP(cfg, planner, ElasticRollout(engine, cfg.rollout.tensor_parallel_size, factory))

@@ -68,6 +68,21 @@ def _finish(tmp: str, directory: str) -> str:
     return ray.get_runtime_context().get_node_id()
 
 
+@ray.remote(num_cpus=0)
+def _remove(directory: str) -> str:
+    from megatron_rl.rollout.weight_sync import remove_sync_dir
+
+    remove_sync_dir(directory)
+    return ray.get_runtime_context().get_node_id()
+
+
+def remove_on_nodes(directory: str, nodes: list[str]) -> None:
+    """End of a multi-node run: delete the fanned-out copies of ``directory`` on ``nodes``."""
+    done = ray.get([_remove.options(scheduling_strategy=_on(n)).remote(directory) for n in nodes])
+    if done != list(nodes):
+        raise RuntimeError(f"weight fan-out: removed on nodes {done}, expected {list(nodes)}")
+
+
 def other_nodes(source_node: str) -> list[str]:
     """Alive nodes of the Ray cluster other than ``source_node`` (where engines may run)."""
     return sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != source_node)

@@ -143,6 +143,22 @@ def replace_dir(tmp: str | Path, target: str | Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
 
 
+def remove_sync_dir(directory: str | Path) -> None:
+    """Delete a weight directory the run created once the run is over, with the temp and trash
+    siblings its writers leave after a crash (``.<name>.*``), and its parent when that is left
+    empty (default_sync_dir's per-process dir). /dev/shm is memory: without this every run left
+    one model copy there (64 GB for a 32B model in bf16)."""
+    path = Path(directory)
+    shutil.rmtree(path, ignore_errors=True)
+    if path.parent.is_dir():
+        for sibling in path.parent.glob(f".{path.name}.*"):
+            shutil.rmtree(sibling, ignore_errors=True)
+    try:
+        path.parent.rmdir()
+    except OSError:
+        pass  # not empty (e.g. a run dir holding weight_sync/) or already gone
+
+
 def engine_dtype(hf_path: str | Path, on_gpu: bool) -> str:
     """The dtype VLLMEngine runs a model in, so the dtype to write its weights in: float32 on
     CPU, the checkpoint's dtype on GPU (vLLM's 'auto')."""

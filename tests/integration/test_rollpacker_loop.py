@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,11 @@ def _run(tiny_model_dir: Path, tmp_path: Path, steps: int, extra: list[str]) -> 
     rc = proc.wait(timeout=900)
     log = (tmp_path / "log.txt").read_text()
     assert rc == 0, log[-4000:]
+    # The run's weight directory (in /dev/shm: memory) is gone once the run is over.
+    sync_dir = re.search(r"weights for the engines go to (\S+)", log).group(1)
+    assert not Path(sync_dir).exists()
+    if sync_dir.startswith("/dev/shm/"):
+        assert not Path(sync_dir).parent.exists(), "the per-process /dev/shm dir was left behind"
     rows = loop._read_jsonl(run_dir / "metrics.jsonl")
     assert [r["policy_version"] for r in rows] == list(range(1, steps + 1))
     for r in rows:
@@ -92,4 +98,6 @@ def test_elastic_tp_switches_real_engines_between_round_types(tiny_model_dir, tm
             assert r["planner/reshard_s"] > 0
         # The step's sync: shards for the engines of this step's TP, in place.
         assert r["weight_sync/reshard_mb"] == pytest.approx(one_copy_mb), r
-    assert log.count("engines started from") == 2 and "rollout-shards" in log
+    # Both switches started the new engines from the weight-sync directory itself (one copy).
+    sync_dir = re.search(r"weights for the engines go to (\S+)", log).group(1)
+    assert log.count(f"engines started from {sync_dir})") == 2

@@ -68,3 +68,15 @@ def test_a_missing_source_directory_is_named(two_nodes, tmp_path):
     _, head, worker = two_nodes
     with pytest.raises(Exception, match="does not exist on the source node"):
         asyncio.run(fan_out(str(tmp_path / "absent"), head, [worker]))
+
+
+def test_the_copies_are_removed_on_the_other_node_at_the_end(two_nodes, tmp_path):
+    from megatron_rl.rollout.weight_fanout import remove_on_nodes
+
+    _, head, worker = two_nodes
+    root = tmp_path / "megatron_rl-0-123"  # default_sync_dir's per-process dir
+    (root / "weights").mkdir(parents=True)
+    (root / "weights" / "model.safetensors").write_bytes(b"x" * 1000)
+    (root / ".weights.fanout-tmp").mkdir()  # left by a fan-out cut short
+    remove_on_nodes(str(root / "weights"), [worker])
+    assert not root.exists()

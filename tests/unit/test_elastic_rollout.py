@@ -46,16 +46,16 @@ class FakeTrainer:
     def __init__(self, version: int = 0) -> None:
         self.version = version
         self.written: dict[str, int] = {}
-        self.calls: list[tuple[int, str]] = []
+        self.calls: list[int] = []
 
-    async def write_shards(self, tp: int, dtype: str) -> tuple[str, dict[str, float]]:
+    async def write_shards(self, tp: int) -> tuple[str, dict[str, float]]:
         directory = f"/shm/shards-tp{tp}"
         self.written[directory] = self.version
-        self.calls.append((tp, dtype))
+        self.calls.append(tp)
         return directory, {"bytes_sent": 3e6, "bytes_local": 1e6, "seconds": 0.5, "rounds": 2.0}
 
     async def write(self, tp: int) -> tuple[str, dict[str, float]]:
-        directory, stats = await self.write_shards(tp, "float32")
+        directory, stats = await self.write_shards(tp)
         return directory, {"reshard_mb": (stats["bytes_sent"] + stats["bytes_local"]) / 1e6}
 
 
@@ -154,7 +154,7 @@ def test_planner_hook_switches_per_round_type_and_applies_the_online_rule():
         assert m["planner/preemptions"] == 4.0 and m["planner/switched"] == 0.0
         trainer.version = 4
         await hook.before_round("long", trainer.write_shards)
-        assert rollout.tp == 2 and trainer.calls == [(2, "float32")] and built[0].version == 4
+        assert rollout.tp == 2 and trainer.calls == [2] and built[0].version == 4
         m = await hook.after_round("long")
         assert m["planner/switched"] == 1.0 and m["planner/rollout_tp"] == 2.0 and m["planner/preemptions"] == 0.0
         # The resharder's figures: (3 MB sent + 1 MB copied locally), its seconds and rounds.
@@ -164,7 +164,7 @@ def test_planner_hook_switches_per_round_type_and_applies_the_online_rule():
         m = await hook.after_round("long")
         assert m["planner/next_tp"] == 1.0 and "planner/reshard_mb" not in m
         await hook.before_round("long", trainer.write_shards)
-        assert rollout.tp == 1 and len(built) == 2 and trainer.calls[-1] == (1, "float32")
+        assert rollout.tp == 1 and len(built) == 2 and trainer.calls[-1] == 1
 
     asyncio.run(main())
 

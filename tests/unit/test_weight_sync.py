@@ -99,3 +99,22 @@ def test_default_sync_dir_prefers_dev_shm_and_falls_back(tmp_path, monkeypatch):
     assert default_sync_dir(tmp_path / "run", required_bytes=1 << 62) == tmp_path / "run" / "weight_sync"
     monkeypatch.setattr(weight_sync, "_SHM", tmp_path / "absent")
     assert default_sync_dir(tmp_path / "run") == tmp_path / "run" / "weight_sync"
+
+
+def test_remove_sync_dir_deletes_the_run_weights_and_their_leftovers_only(tmp_path):
+    from megatron_rl.rollout.weight_sync import remove_sync_dir
+
+    root = tmp_path / "megatron_rl-0-123"
+    weights = write_hf_weights({"model.embed_tokens.weight": torch.ones(4, 2)}, root / "weights")
+    (root / ".weights.tmp-1234abcd").mkdir()  # a writer killed mid-write
+    (root / ".weights.old-1234abcd").mkdir()
+    remove_sync_dir(weights)
+    assert not root.exists()  # the per-process dir went with its last entry
+
+    run_dir = tmp_path / "run"  # the fallback: weight_sync/ inside the run dir
+    weights = write_hf_weights({"model.embed_tokens.weight": torch.ones(4, 2)}, run_dir / "weight_sync")
+    (run_dir / "metrics.jsonl").write_text("{}\n")
+    (run_dir / ".weight_sync_other").mkdir()  # not one of the writers' siblings
+    remove_sync_dir(weights)
+    assert sorted(p.name for p in run_dir.iterdir()) == [".weight_sync_other", "metrics.jsonl"]
+    remove_sync_dir(weights)  # already gone: nothing to do
