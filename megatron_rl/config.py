@@ -281,6 +281,12 @@ class AlgorithmConfig:
     engine/trainer numeric mismatch; 0 disables it."""
     ppo_mini_batches: int = 1
     """Optimizer steps per training step (the batch split into this many mini-batches)."""
+    recompute_old_logprobs: bool = True
+    """True: a forward pass before training scores the batch under the current weights (the old
+    logprobs of the PPO ratio). False: with one optimizer step per batch (ppo_mini_batches = 1)
+    that pass equals the training forward, so it is skipped and the training forward's own
+    detached logprobs serve as old (ratio 1, the same gradient): one forward pass less per step.
+    The trainer/engine parity metrics then come from the training forward."""
 
 
 @dataclass

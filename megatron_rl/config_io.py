@@ -200,6 +200,9 @@ def validate(cfg: RunConfig, arch: dict | None = None, device: str | None = None
     _positive(cfg.trainer.steps, "trainer.steps")
     _positive(cfg.trainer.save_every, "trainer.save_every", allow_zero=True)
     _positive(cfg.trainer.keep_checkpoints, "trainer.keep_checkpoints")
+    if not cfg.algorithm.recompute_old_logprobs and cfg.algorithm.ppo_mini_batches != 1:
+        raise ConfigError("algorithm.recompute_old_logprobs=false needs algorithm.ppo_mini_batches = 1: after the "
+                          f"first optimizer step the weights are no longer the old policy (got {cfg.algorithm.ppo_mini_batches})")
     if cfg.data.prompts_per_step % cfg.algorithm.ppo_mini_batches:
         raise ConfigError("algorithm.ppo_mini_batches must divide data.prompts_per_step")
     if cfg.rollout.max_model_len and cfg.rollout.max_model_len < cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens:

@@ -155,6 +155,10 @@ class Trainer:
         metrics.update(stream_metrics)
         metrics.update(planner_metrics)
         metrics.update(self._sync_metrics)
+        if "logprob_abs_diff_sum" in train_metrics:  # recompute_old_logprobs=false: the training forward's
+            diff_sum = train_metrics.pop("logprob_abs_diff_sum")
+            metrics["rollout/logprob_abs_diff_max"] = train_metrics.pop("logprob_abs_diff_max", 0.0)
+            metrics["rollout/logprob_abs_diff_mean"] = diff_sum / max(1.0, train_metrics.get("num_tokens", 0.0))
         metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
         # Reward scheduler: queue wait, busy workers, reward time hidden under rollout, scaling.
         metrics.update(self.p.rewards.step_metrics(batch.samples))
@@ -238,12 +242,13 @@ class Trainer:
                                f"{self.version} (e.g. {stale[:3]}): training would be off-policy")
 
     async def _set_logprobs(self, samples: list[Sample]) -> None:
-        old = await self.p.policy.compute_logprobs_async(samples, "policy")
-        for s, lp in zip(samples, old):
-            if len(lp) != len(s.response_ids):
-                raise RuntimeError(f"trainer returned {len(lp)} logprobs for {len(s.response_ids)} tokens "
-                                   f"of {s.request_id}")
-            s.old_logprobs = lp
+        if self.cfg.algorithm.recompute_old_logprobs:  # else the training forward scores the batch
+            old = await self.p.policy.compute_logprobs_async(samples, "policy")
+            for s, lp in zip(samples, old):
+                if len(lp) != len(s.response_ids):
+                    raise RuntimeError(f"trainer returned {len(lp)} logprobs for {len(s.response_ids)} tokens "
+                                       f"of {s.request_id}")
+                s.old_logprobs = lp
         if self.cfg.algorithm.kl_coef > 0:
             ref = await self.p.policy.compute_logprobs_async(samples, "reference")
             for s, lp in zip(samples, ref):

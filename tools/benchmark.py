@@ -19,6 +19,9 @@ sharded, and adds the mean weight-sync time per step and their ratio (``weight-s
 give it a larger model (e.g. a random one from ``megatron_rl.model.tiny.build_tiny_qwen2``) so
 the sync moves enough bytes to measure.
 
+``--compare old_logprobs`` runs the baseline scheduler twice, ``algorithm.recompute_old_logprobs``
+true vs false (the separate scoring forward vs the training forward's own logprobs).
+
 ``--compare stream`` runs tail batching twice, stream trainer off and on (``stream.enabled``),
 and adds the long-round step time of each, their ratio (``long-round speedup:``) and the stream
 metrics (start point, fraction trained before the rollout ended, training hidden under rollout).
@@ -56,6 +59,8 @@ COMPARISONS = {
                ("stream", "tail_batching", ["stream.enabled=true"], "stream")],
     "weight_sync": [("sync_hf", "baseline", ["rollout.weight_sync_format=hf"], "hf sync"),
                     ("sync_sharded", "baseline", ["rollout.weight_sync_format=sharded"], "sharded sync")],
+    "old_logprobs": [("recompute", "baseline", ["algorithm.recompute_old_logprobs=true"], "recompute"),
+                     ("fused", "baseline", ["algorithm.recompute_old_logprobs=false"], "train fwd")],
 }
 
 
@@ -89,6 +94,8 @@ def summarize(rows: list[dict]) -> dict:
         }
     out["occupancy_mean"] = statistics.mean(r["rollout/engine_occupancy"] for r in rows)
     out["weight_sync_time_mean"] = statistics.mean(r["time/weight_sync"] for r in rows)
+    out["logprob_time_mean"] = statistics.mean(r.get("time/logprob", 0.0) for r in rows)
+    out["train_time_mean"] = statistics.mean(r.get("time/train", 0.0) for r in rows)
     out["wasted_tokens"] = sum(r.get("rollout/wasted_tokens", 0.0) for r in rows)
     out["generated_tokens"] = sum(r["response_length/mean"] * r["batch/samples_trained"] for r in rows)
     out["train_reward_mean"] = statistics.mean(r["reward/mean"] for r in rows)
@@ -137,6 +144,8 @@ def print_table(base: dict, tb: dict, labels: tuple[str, str] = ("baseline", "Ro
         row("stream: trained before rollout end", None, st["trained_fraction_before_rollout_end"])
         row("stream: train time hidden (s/round)", None, st["hidden_train_s"])
         row("stream: train time exposed (s/round)", None, st["exposed_train_s"])
+    row("scoring (logprob) time (s/step)", base["logprob_time_mean"], tb["logprob_time_mean"], "{:.3f}")
+    row("train time (s/step)", base["train_time_mean"], tb["train_time_mean"], "{:.3f}")
     row("weight sync time (s/step)", base["weight_sync_time_mean"], tb["weight_sync_time_mean"], "{:.3f}")
     row("engine occupancy (mean)", base["occupancy_mean"], tb["occupancy_mean"])
     row("wasted tokens (aborted+discarded)", base["wasted_tokens"], tb["wasted_tokens"], "{:.0f}")
@@ -158,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--compare", choices=sorted(COMPARISONS), default="schedulers",
                         help="baseline vs tail batching; tail batching without vs with the stream trainer; "
-                             "or the HF vs the sharded weight sync (baseline scheduler)")
+                             "the HF vs the sharded weight sync, or recomputed vs training-forward old "
+                             "logprobs (baseline scheduler)")
     parser.add_argument("overrides", nargs="*", help="extra dotted config overrides for both runs")
     args = parser.parse_args(argv)
     if not (Path(args.model) / "config.json").is_file():

@@ -40,6 +40,7 @@ from megatron_rl.sample import Sample
 from megatron_rl.training.logprobs import run_microbatches
 from megatron_rl.training.memory_offload import TrainerOffload, with_training_state
 from megatron_rl.training.packing import Microbatch, balance_across_ranks, build_microbatch, pack_microbatches, response_values
+from megatron_rl.training.step_metrics import LOSS_METRICS, TOKEN_METRICS, combine, combine_over_ranks, parity_metrics
 from megatron_rl.training.weight_export import WeightExport
 from megatron_rl.training.weights_io import load_hf_into_model
 
@@ -57,14 +58,6 @@ def _finalize_grads_without_token_scaling(model: list, num_tokens: Any, *args: A
     finalize_model_grads(model, None, *args, **kwargs)
 
 
-# How apply_accumulated_gradients turns raw (normaliser 1) metric sums into train_step's values;
-# names from megatron_rl.algorithms.losses. Any other key (num_tokens, num_seqs, a custom loss's
-# counts) stays a sum, as train_step reports it too.
-_LOSS_METRICS = frozenset({"loss", "pg_loss", "kl_loss"})  # / the loss normaliser N
-_TOKEN_METRICS = frozenset({"clip_frac_low", "clip_frac_high", "approx_kl_old", "ratio_mean", "entropy_proxy",
-                            "kl_ref", "tis_weight_mean", "tis_clip_frac"})  # / num_tokens_total
-
-
 @dataclass
 class _Accumulation:
     """Gradients accumulated since the last optimizer step (see accumulate_gradients)."""
@@ -74,17 +67,6 @@ class _Accumulation:
     tokens: int = 0
     time_s: float = 0.0
     failed: str = ""  # a chunk died mid-schedule: the buffers hold part of it
-
-
-def _sum_over_ranks(local: dict[str, float]) -> dict[str, float]:
-    """Key-wise sum of every rank's dict. Collective: every rank calls it, even with {}."""
-    gathered: list = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, local)
-    summed: dict[str, float] = {}
-    for part in gathered:
-        for key, value in part.items():
-            summed[key] = summed.get(key, 0.0) + value
-    return summed
 
 
 def _optional_field(samples: list[Sample], name: str) -> list[list[float]] | None:
@@ -219,13 +201,14 @@ class MegatronWorker(WeightExport):
         token_fields: dict[str, list[list[float]] | None] = {}
         seq_fields: dict[str, list[float]] = {}
         if fields:
+            recompute = self.cfg.algorithm.recompute_old_logprobs  # else the training forward's own
             for i, s in enumerate(samples):
-                if s.response_ids and len(s.old_logprobs) != len(s.response_ids):
+                if recompute and s.response_ids and len(s.old_logprobs) != len(s.response_ids):
                     raise ValueError(
                         f"sample {i} ({s.prompt.prompt_id}, response {s.response_index}): old_logprobs has "
                         f"{len(s.old_logprobs)} values for {len(s.response_ids)} response tokens"
                     )
-            token_fields = {"old_logprobs": [list(s.old_logprobs) for s in samples],
+            token_fields = {"old_logprobs": [list(s.old_logprobs) for s in samples] if recompute else None,
                             "ref_logprobs": _optional_field(samples, "ref_logprobs"),
                             "engine_logprobs": _optional_field(samples, "engine_logprobs")}
             seq_fields = {"advantages": [s.advantage for s in samples]}
@@ -284,6 +267,9 @@ class MegatronWorker(WeightExport):
             raise RuntimeError("train_step: gradients from accumulate_gradients are pending; call "
                                "apply_accumulated_gradients or discard_accumulated_gradients first")
         n_mini = self.cfg.algorithm.ppo_mini_batches
+        if n_mini != 1 and not self.cfg.algorithm.recompute_old_logprobs:
+            raise ValueError(f"algorithm.recompute_old_logprobs=false needs algorithm.ppo_mini_batches == 1 "
+                             f"(after the first optimizer step the weights are no longer the old policy), got {n_mini}")
         if len(samples) < n_mini * self.dp_size:
             raise ValueError(f"{len(samples)} samples cannot fill algorithm.ppo_mini_batches={n_mini} "
                              f"x data_parallel_size={self.dp_size}")
@@ -300,7 +286,7 @@ class MegatronWorker(WeightExport):
                                              sum(len(s.response_ids) for s in mini), len(mini))
             grad_norms.append(self._optimizer_step())
             for key, value in metrics.items():
-                totals[key] = totals.get(key, 0.0) + value / n_mini
+                combine(totals, key, value, 1.0 / n_mini)
         self.steps_done += 1
         totals.update({
             "grad_norm": sum(grad_norms) / len(grad_norms),
@@ -350,7 +336,7 @@ class MegatronWorker(WeightExport):
         finally:
             config.finalize_model_grads_func = finalize
         for key, value in raw.items():
-            acc.metrics[key] = acc.metrics.get(key, 0.0) + value
+            combine(acc.metrics, key, value)
         acc.samples += len(samples)
         acc.tokens += sum(len(s.response_ids) for s in samples)
         acc.time_s += time.perf_counter() - start
@@ -384,7 +370,7 @@ class MegatronWorker(WeightExport):
         grad_norm = self._optimizer_step()
         self._accumulated = None
         self.steps_done += 1
-        out = {key: value / norm if key in _LOSS_METRICS else value / num_tokens_total if key in _TOKEN_METRICS
+        out = {key: value / norm if key in LOSS_METRICS else value / num_tokens_total if key in TOKEN_METRICS
                else value for key, value in acc.metrics.items()}
         out.update({"grad_norm": grad_norm, "lr": self.cfg.optimizer.lr, "tokens": float(acc.tokens),
                     "optimizer_steps": 1.0, "time_s": acc.time_s + time.perf_counter() - start})
@@ -417,13 +403,18 @@ class MegatronWorker(WeightExport):
         Collective."""
 
         def loss_callback(batch: Microbatch, logprobs: torch.Tensor) -> tuple[torch.Tensor, Any]:
+            old, engine = batch.fields.get("old_logprobs"), batch.fields.get("engine_logprobs")
+            if old is None:  # algorithm.recompute_old_logprobs=false: these weights generated the batch
+                old = logprobs.detach()
             loss, metrics = loss_fn(
-                logprobs, batch.fields["old_logprobs"], batch.fields["advantages"], batch.loss_mask,
-                ref_logprobs=batch.fields.get("ref_logprobs"), engine_logprobs=batch.fields.get("engine_logprobs"),
+                logprobs, old, batch.fields["advantages"], batch.loss_mask,
+                ref_logprobs=batch.fields.get("ref_logprobs"), engine_logprobs=engine,
                 seq_ids=batch.segment_ids, num_tokens_total=num_tokens_total, num_seqs_total=num_seqs_total,
             )
             values = {k: float(v.detach()) if torch.is_tensor(v) else float(v) for k, v in metrics.items()}
             values.setdefault("loss", float(loss.detach()))
+            if "old_logprobs" not in batch.fields and engine is not None:
+                values.update(parity_metrics(logprobs, engine, batch.loss_mask))
             return loss, values
 
         payloads = run_microbatches(self.model, mbs, loss_callback, self.arch.vocab_size, forward_only=False)
@@ -431,8 +422,8 @@ class MegatronWorker(WeightExport):
         if self._is_loss_rank():
             for payload in payloads:
                 for key, value in payload.items():
-                    local[key] = local.get(key, 0.0) + value
-        return _sum_over_ranks(local)
+                    combine(local, key, value)
+        return combine_over_ranks(local)
 
     def _optimizer_step(self) -> float:
         """Step on the finalised grads (clipping included); returns the gradient norm."""

@@ -53,9 +53,14 @@ def test_stream_trainer_with_engine_release_and_migration(tiny_model_dir, tmp_pa
         "stream.enabled=true", "stream.rounds=short,long", "stream.start_fraction_min=0.25",
         "stream.min_new_groups=1", "stream.release_engines=1", "stream.train_threads=2",
         "rollout.sleep_during_train=true", "rollout.weight_sync_format=hf",  # the other sync format
+        # No separate scoring pass: each streamed chunk's training forward gives the old logprobs
+        # and the parity that _run checks (<= 1e-4 every step).
+        "algorithm.recompute_old_logprobs=false",
     ])
     for r in rows:
         assert r["stream/started"] == 1.0, r
+        assert r["rollout/logprob_abs_diff_mean"] <= r["rollout/logprob_abs_diff_max"]
+        assert "train/logprob_abs_diff_max" not in r and r["train/ratio_mean"] == pytest.approx(1.0)
         assert "weight_sync/reshard_mb" not in r  # HF export, not the resharder
         assert 0.25 <= r["stream/start_mark"] <= 0.5 and r["stream/start_fraction"] >= 0.25
         assert r["stream/chunks"] >= 1

@@ -30,6 +30,9 @@ def test_summarize_splits_round_types():
     assert s["long"]["steps"] == 1 and s["wasted_tokens"] == 40.0
     assert s["initial_val_pass@1"] == 0.25 and s["final_val_pass@1"] == 0.5
     assert s["weight_sync_time_mean"] == pytest.approx(0.5)
+    assert s["logprob_time_mean"] == 0.0  # absent (recompute_old_logprobs=false and no KL): no pass ran
+    rows[0]["time/logprob"], rows[1]["time/logprob"], rows[2]["time/logprob"] = 0.3, 0.6, 0.9
+    assert summarize(rows)["logprob_time_mean"] == pytest.approx(0.6)
 
 
 def test_plot_timeline_writes_png(tmp_path):

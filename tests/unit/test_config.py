@@ -75,6 +75,7 @@ def test_impossible_layout_against_architecture(overrides, key):
     (["rollout.weight_sync_format=nccl"], "rollout.weight_sync_format"),
     (["model.dtype=bfloat16"], "model.dtype"),
     (["algorithm.loss_agg=mean"], "algorithm.loss_agg"),
+    (["algorithm.recompute_old_logprobs=false", "algorithm.ppo_mini_batches=2"], "algorithm.recompute_old_logprobs"),
     (["rollout.top_p=0"], "rollout.top_p"),
     (["data.prompts_per_step=0"], "data.prompts_per_step"),
     (["data.format=custom"], "data.prompt_key"),
