@@ -18,6 +18,9 @@
 #   PARTITION, ACCOUNT, TIME_LIMIT   used when the script submits itself with sbatch (run outside
 #                    an allocation, it calls sbatch on itself; inside one it launches)
 #   GPUS_PER_NODE (8), RAY_PORT (6379), RAY_JOIN_TIMEOUT_S (600), RAY_POLL_S (5)
+#   STOP_GRACE_S     seconds before the time limit at which Slurm sends SIGTERM (default 900, as the
+#                    scripts' #SBATCH --signal=B:TERM@900): the trainer finishes its step, writes a
+#                    checkpoint and exits 143; resubmit with trainer.resume=true to go on
 #   WANDB_PROJECT    enables W&B logging (trainer.wandb_project)
 
 _log() { echo "[$JOB_NAME $(date +%H:%M:%S)] $*" >&2; }
@@ -62,7 +65,8 @@ _hostnames() {
 _sbatch_command() {
   # Fills SBATCH_CMD: how this script submits itself when run outside an allocation.
   SBATCH_CMD=(sbatch "--job-name=$JOB_NAME" "--nodes=$NODES_DEFAULT" "--gpus-per-node=$GPUS_PER_NODE"
-              "--ntasks-per-node=1" "--exclusive" "--output=$LOG_ROOT/%x-%j.out")
+              "--ntasks-per-node=1" "--exclusive" "--signal=B:TERM@${STOP_GRACE_S:-900}"
+              "--output=$LOG_ROOT/%x-%j.out")
   [ -n "${PARTITION:-}" ] && SBATCH_CMD+=("--partition=$PARTITION")
   [ -n "${ACCOUNT:-}" ] && SBATCH_CMD+=("--account=$ACCOUNT")
   [ -n "${TIME_LIMIT:-}" ] && SBATCH_CMD+=("--time=$TIME_LIMIT")
@@ -104,7 +108,7 @@ _cleanup() {
   trap - EXIT INT TERM
   # The trainer first (it holds the Ray driver), then the Ray steps this job started.
   if [ -n "${TRAIN_PID:-}" ] && kill -0 "$TRAIN_PID" 2>/dev/null; then
-    _log "stopping the trainer ($TRAIN_PID)"
+    _log "stopping the trainer ($TRAIN_PID): it finishes its step and writes a checkpoint"
     kill -TERM "$TRAIN_PID" 2>/dev/null || true
     wait "$TRAIN_PID" 2>/dev/null || true
   fi

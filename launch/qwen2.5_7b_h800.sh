@@ -4,6 +4,7 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=8
 #SBATCH --exclusive
+#SBATCH --signal=B:TERM@900
 # Qwen2.5-7B GRPO/DAPO on 2 nodes x 8 H800 with Ray + Megatron-Core + vLLM (Slurm).
 #
 #   bash launch/qwen2.5_7b_h800.sh --dry-run          # print placement, layout, memory; launch nothing

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from megatron_rl.config import RunConfig
+from megatron_rl.graceful_stop import GracefulStop
 from megatron_rl.config_io import (ConfigError, config_to_dict, load_config, read_hf_architecture, resolve_device,
                                    validate)
 
@@ -57,8 +58,9 @@ def _elastic_rollout(cfg: RunConfig, engine, device: str):
     return build_elastic_tp(cfg, engine, factory, on_gpu=device == "cuda")
 
 
-def build_and_run(cfg: RunConfig) -> list[dict]:
-    """Validate, place every process, run the loop, tear down. Returns per-step metrics."""
+def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict]:
+    """Validate, place every process, run the loop, tear down. Returns per-step metrics (fewer
+    than trainer.steps when ``stop`` was requested: the loop checkpointed and returned early)."""
     device = resolve_device(cfg)
     arch = read_hf_architecture(cfg.model.hf_path)
     if arch is None:
@@ -88,6 +90,8 @@ def build_and_run(cfg: RunConfig) -> list[dict]:
     log.info("data: %d train prompts, %d eval prompts", len(train_prompts), len(eval_prompts))
 
     start_ray(cfg, run_dir, device)
+    if stop is not None:
+        stop.install()  # after ray.init, which sets its own SIGTERM handler (an immediate sys.exit)
     policy = engine = rewards = None
     sync_dir = Path(cfg.rollout.weight_sync_dir or default_sync_dir(run_dir))
     fanout_source = ""
@@ -111,7 +115,7 @@ def build_and_run(cfg: RunConfig) -> list[dict]:
         parts = TrainerParts(cfg=cfg, policy=policy, engine=engine, rewards=rewards, train_prompts=train_prompts,
                              eval_prompts=eval_prompts, scheduler=make_scheduler(cfg),
                              weight_sync_dir=str(sync_dir), elastic=elastic,
-                             fanout_source=fanout_source)
+                             fanout_source=fanout_source, stop=stop)
         return run_trainer(parts)
     finally:
         for part in (rewards, engine, policy):
@@ -146,15 +150,16 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_rl.data.datasets import DatasetError
 
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stop = GracefulStop()
     try:
-        build_and_run(parse_args(argv))
+        build_and_run(parse_args(argv), stop)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     except DatasetError as exc:
         print(f"data error: {exc}", file=sys.stderr)
         return 2
-    return 0
+    return stop.exit_code  # 0, or 143 after a SIGTERM stop (checkpointed; resume to go on)
 
 
 if __name__ == "__main__":

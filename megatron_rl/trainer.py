@@ -51,6 +51,9 @@ class TrainerParts:
     """Multi-node runs: Ray node id of trainer rank 0, which writes the weight directories; each
     is then copied to the same path on every other node (``rollout.weight_fanout``). Empty on
     one node."""
+    stop: "object | None" = None
+    """megatron_rl.graceful_stop.GracefulStop: once it is requested, the loop checkpoints after the
+    current step and returns."""
 
 
 class Trainer:
@@ -103,11 +106,17 @@ class Trainer:
                 # Log before saving: a kill in between leaves a line the resumed run drops and
                 # redoes, never a checkpointed step without its metrics line.
                 metrics_log.log(step, metrics)
-                if self._should_save(step):
+                stopping = self.p.stop is not None and self.p.stop.requested and step + 1 < cfg.trainer.steps
+                if self._should_save(step) or stopping:
                     await self._save(step + 1)
                 for hook in self.hooks:
                     hook.on_step_end(step, metrics)
                 history.append(metrics)
+                if stopping:
+                    self.p.stop.stopped_after = step
+                    log.warning("stopped after step %d of %d on request; checkpoint step_%06d written: resume with "
+                                "trainer.resume=true", step, cfg.trainer.steps, step + 1)
+                    break
         finally:
             metrics_log.close()
         return history

@@ -2,12 +2,14 @@
 
 One short run checks metrics, on-policy versions, trainer/engine logprob parity after several
 weight syncs, checkpoints and validation. A second run is SIGKILLed mid-step and resumed: the
-resumed run loses and repeats no prompt.
+resumed run loses and repeats no prompt. A third gets a SIGTERM (Slurm's time limit, scancel):
+it finishes the step, checkpoints, tears down and exits 143, and its resume goes on from there.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -118,3 +120,34 @@ def test_sigkill_mid_step_then_resume_loses_and_repeats_no_prompt(tiny_model_dir
         assert rounds == ["short"] * 4 + ["long"], rounds
     metrics = _read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in metrics] == list(range(steps))
+
+
+def test_sigterm_finishes_the_step_checkpoints_and_resumes(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    steps = 5
+    args = _overrides(tiny_model_dir, run_dir, steps, ["trainer.save_every=0"])  # no periodic checkpoints
+    proc = _run_train(args, tmp_path / "log1.txt")
+    deadline = time.monotonic() + 600
+    metrics_file = run_dir / "metrics.jsonl"
+    while not (metrics_file.is_file() and metrics_file.read_text().count("\n") >= 1):
+        assert proc.poll() is None, (tmp_path / "log1.txt").read_text()[-4000:]
+        assert time.monotonic() < deadline, "first run made no progress"
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGTERM)  # the driver only, as Slurm's teardown does
+    rc = proc.wait(timeout=300)
+    log = (tmp_path / "log1.txt").read_text()
+    assert rc == 143, log[-4000:]
+    done = len(_read_jsonl(metrics_file))
+    assert 1 <= done < steps
+    assert f"stopped after step {done - 1} of {steps} on request" in log
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_{done:06d}"]
+    sync_dir = re.search(r"weights for the engines go to (\S+)", log).group(1)
+    assert not Path(sync_dir).exists(), "teardown did not run"
+
+    proc = _run_train(args + ["trainer.resume=true"], tmp_path / "log2.txt")
+    rc = proc.wait(timeout=600)
+    assert rc == 0, (tmp_path / "log2.txt").read_text()[-4000:]
+    assert [r["step"] for r in _read_jsonl(metrics_file)] == list(range(steps))
+    trained = [pid for r in _read_jsonl(run_dir / "trained_prompts.jsonl") for pid in r["prompt_ids"]]
+    expected = [f"arith:{i}" for i in PromptCursor(64, seed=1234, shuffle=True).take(steps * P0)]
+    assert trained == expected  # baseline: every prompt once, in the uninterrupted order

@@ -78,6 +78,10 @@ def test_outside_slurm_submits_itself_with_partition(tmp_path):
     assert result.returncode == 0, result.stderr
     call = (tmp_path / "sbatch.log").read_text()
     assert "--partition=h800q" in call and "--nodes=2" in call and call.strip().endswith("trainer.steps=3")
+    # SIGTERM 900 s before the time limit: the trainer finishes its step and checkpoints (graceful_stop).
+    assert "--signal=B:TERM@900" in call
+    for script in sorted((REPO / "launch").glob("qwen2.5_*_h800.sh")):
+        assert "#SBATCH --signal=B:TERM@900" in script.read_text(), script.name
 
 
 def test_launch_starts_ray_waits_runs_trainer_and_tears_down(tmp_path):
