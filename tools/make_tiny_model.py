@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import statistics
 import sys
@@ -62,13 +63,39 @@ class SFTReport:
     eval_prompts: int
     response_len_median: float
     response_len_max: int
+    sampled_len_median: float = 0.0
+    sampled_len_max: int = 0
+    recheck_rate: float = 0.0
+    recheck_continue: float = 0.0
 
 
-def _encode_example(problem: arithmetic.ArithmeticProblem, tokenizer, eos_id: int) -> tuple[list[int], list[int]]:
+@dataclass
+class RecheckStyle:
+    """The verbose style (``arithmetic.verbose_solution``) some SFT targets get: a fraction
+    ``rate`` of examples re-check the running sum 1 + Geometric(``continue_prob``) times, within
+    ``max_response_tokens``. rate 0 (the default model) leaves every target as it was."""
+
+    rate: float = 0.0
+    continue_prob: float = 0.9
+    max_response_tokens: int = 736  # + the longest prompt (~230 tokens) stays within 1024 positions
+
+    def solution(self, problem: arithmetic.ArithmeticProblem, seed: int) -> str:
+        if self.rate <= 0:
+            return problem.solution
+        answer_line = problem.solution.split("\n")[-1]
+        one_pass = len(arithmetic.RECHECK_LINE) + 1 + len(problem.solution) - len(answer_line)
+        max_passes = (self.max_response_tokens - len(problem.solution)) // one_pass  # byte-level: 1 char = 1 token
+        rng = random.Random(f"recheck:{seed}:{problem.index}")
+        passes = arithmetic.sample_recheck_passes(rng, self.rate, self.continue_prob, max_passes)
+        return arithmetic.verbose_solution(problem, passes)
+
+
+def _encode_example(problem: arithmetic.ArithmeticProblem, tokenizer, eos_id: int,
+                    solution: str | None = None) -> tuple[list[int], list[int]]:
     """(input ids, labels) of one SFT example: labels are -100 on the prompt, so only the
-    solution and its <|im_end|> are learned."""
+    solution (``problem.solution`` unless given) and its <|im_end|> are learned."""
     prompt = apply_chat_template(tokenizer, problem.question)
-    response = tokenizer.encode(problem.solution, add_special_tokens=False) + [eos_id]
+    response = tokenizer.encode(solution or problem.solution, add_special_tokens=False) + [eos_id]
     return prompt + response, [-100] * len(prompt) + response
 
 
@@ -120,7 +147,8 @@ def _lr_at(step: int, total: int, peak: float) -> float:
 
 
 def train_sft(
-    model, tokenizer, seed: int, steps: int, batch_size: int, lr: float, progress: bool, token_budget: int = 4096
+    model, tokenizer, seed: int, steps: int, batch_size: int, lr: float, progress: bool, token_budget: int = 4096,
+    style: RecheckStyle | None = None,
 ) -> float:
     """Fine-tune ``model`` in place on fresh train-split problems; returns the last loss."""
     import torch
@@ -128,6 +156,7 @@ def train_sft(
 
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad_id = tokenizer.pad_token_id
+    style = style or RecheckStyle()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     model.train()
     loss_value = float("nan")
@@ -136,7 +165,7 @@ def train_sft(
         # Fresh problems every step, in a fixed order: the data order is a function of the seed.
         start = SFT_INDEX_OFFSET + step * batch_size
         problems = arithmetic.make_problems(batch_size, seed=seed, split="train", start=start)
-        examples = [_encode_example(p, tokenizer, eos_id) for p in problems]
+        examples = [_encode_example(p, tokenizer, eos_id, style.solution(p, seed)) for p in problems]
         num_targets = sum(sum(1 for t in lab if t != -100) for _, lab in examples)
         for group in optimizer.param_groups:
             group["lr"] = _lr_at(step, steps, lr)
@@ -195,17 +224,21 @@ def generate_responses(model, tokenizer, questions: list[str], sample: bool, see
     return responses
 
 
-def evaluate(model, tokenizer, num_prompts: int, seed: int) -> dict:
+def evaluate(model, tokenizer, num_prompts: int, seed: int, max_new_tokens: int = 0) -> dict:
     """Greedy and sampled accuracy on the first ``num_prompts`` test problems, plus the
-    greedy response lengths in tokens (byte-level tokenizer: one character, one token)."""
+    greedy and sampled response lengths in tokens (byte-level tokenizer: one character, one
+    token). ``max_new_tokens`` 0: the longest reference solution plus slack."""
     problems = arithmetic.make_problems(num_prompts, seed=BUILTIN_TASK_SEED, split="test")
     questions = [p.question for p in problems]
     # Room for the longest reference solution plus slack, so long answers are not cut short.
-    budget = max(len(p.solution) for p in problems) + 64
+    budget = max_new_tokens or max(len(p.solution) for p in problems) + 64
     greedy = generate_responses(model, tokenizer, questions, sample=False, seed=seed, max_new_tokens=budget)
     sampled = generate_responses(model, tokenizer, questions, sample=True, seed=seed, max_new_tokens=budget)
     lengths = [len(tokenizer.encode(r, add_special_tokens=False)) + 1 for r in greedy]
+    sampled_lengths = [len(tokenizer.encode(r, add_special_tokens=False)) + 1 for r in sampled]
     return {
+        "sampled_len_median": statistics.median(sampled_lengths),
+        "sampled_len_max": max(sampled_lengths),
         "greedy_accuracy": sum(arithmetic.score(r, p.answer) for r, p in zip(greedy, problems)) / num_prompts,
         "sampled_accuracy": sum(arithmetic.score(r, p.answer) for r, p in zip(sampled, problems)) / num_prompts,
         "response_len_median": statistics.median(lengths),
@@ -223,6 +256,7 @@ def make_tiny_model(
     num_threads: int = 2,
     shape: ModelShape | None = None,
     progress: bool = True,
+    style: RecheckStyle | None = None,
 ) -> SFTReport:
     """Build, fine-tune, evaluate and atomically save the tiny model to ``out_dir``."""
     import torch
@@ -257,9 +291,10 @@ def make_tiny_model(
         model = Qwen2ForCausalLM.from_pretrained(tmp, dtype=torch.float32)
         torch.manual_seed(seed)
         start = time.monotonic()
-        loss = train_sft(model, tokenizer, seed, sft_steps, batch_size, lr, progress)
+        style = style or RecheckStyle()
+        loss = train_sft(model, tokenizer, seed, sft_steps, batch_size, lr, progress, style=style)
         train_seconds = time.monotonic() - start
-        metrics = evaluate(model, tokenizer, eval_prompts, seed)
+        metrics = evaluate(model, tokenizer, eval_prompts, seed, style.max_response_tokens if style.rate > 0 else 0)
         report = SFTReport(
             out_dir=str(out),
             seed=seed,
@@ -267,6 +302,8 @@ def make_tiny_model(
             final_loss=loss,
             train_seconds=round(train_seconds, 1),
             eval_prompts=eval_prompts,
+            recheck_rate=style.rate,
+            recheck_continue=style.continue_prob if style.rate > 0 else 0.0,
             **metrics,
         )
         model.save_pretrained(tmp, safe_serialization=True)
@@ -300,7 +337,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
     parser.add_argument("--eval-prompts", type=int, default=48, help="held-out test problems to score")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (results depend on it)")
+    parser.add_argument("--recheck-rate", type=float, default=0.0,
+                        help="fraction of SFT targets in the verbose re-checking style (0: none; see RecheckStyle)")
+    parser.add_argument("--recheck-continue", type=float, default=0.9,
+                        help="probability of each further re-check pass in those targets")
     args = parser.parse_args(argv)
+    if not 0.0 <= args.recheck_rate <= 1.0 or not 0.0 <= args.recheck_continue < 1.0:
+        parser.error("--recheck-rate must be in [0, 1] and --recheck-continue in [0, 1)")
     report = make_tiny_model(
         args.out,
         seed=args.seed,
@@ -309,13 +352,15 @@ def main(argv: list[str] | None = None) -> int:
         lr=args.lr,
         eval_prompts=args.eval_prompts,
         num_threads=args.threads,
+        style=RecheckStyle(rate=args.recheck_rate, continue_prob=args.recheck_continue),
     )
     print(
         f"saved {report.out_dir} after {report.sft_steps} SFT steps ({report.train_seconds:.0f} s, "
         f"final loss {report.final_loss:.3f})\n"
         f"test accuracy on {report.eval_prompts} prompts: greedy {report.greedy_accuracy:.0%}, "
         f"sampled (T=1) {report.sampled_accuracy:.0%}\n"
-        f"greedy response length (tokens): median {report.response_len_median:g}, max {report.response_len_max}"
+        f"greedy response length (tokens): median {report.response_len_median:g}, max {report.response_len_max}; "
+        f"sampled: median {report.sampled_len_median:g}, max {report.sampled_len_max}"
     )
     return 0
 

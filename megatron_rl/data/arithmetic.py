@@ -77,6 +77,33 @@ class ArithmeticProblem:
         return "\n".join(lines)
 
 
+RECHECK_LINE = "check:"
+"""Opens each extra pass over the running sum in :func:`verbose_solution`."""
+
+
+def verbose_solution(problem: ArithmeticProblem, passes: int) -> str:
+    """``problem.solution`` with ``passes`` more passes over the running sum before the answer
+    line, each opened by 'check:'. ``tools/make_tiny_model.py --recheck-rate`` teaches this style
+    on a random minority of examples, so that a sampled response sometimes runs long whatever the
+    problem, as reasoning models' re-verification does: the stochastic part of the long tail (the
+    power-law step count is the part that comes with the prompt)."""
+    if passes < 0:
+        raise ValueError(f"passes must be >= 0, got {passes}")
+    *steps, answer = problem.solution.split("\n")
+    return "\n".join(steps + ([RECHECK_LINE] + steps) * passes + [answer])
+
+
+def sample_recheck_passes(rng: random.Random, rate: float, continue_prob: float, max_passes: int) -> int:
+    """0 with probability 1 - ``rate``; else 1 + a geometric number of further passes (each with
+    probability ``continue_prob``), at most ``max_passes``."""
+    if max_passes <= 0 or rng.random() >= rate:
+        return 0
+    passes = 1
+    while passes < max_passes and rng.random() < continue_prob:
+        passes += 1
+    return passes
+
+
 def _is_test_problem(terms: tuple[int, ...]) -> bool:
     # crc32 is stable across processes and Python versions (unlike hash()).
     return zlib.crc32(",".join(map(str, terms)).encode()) % TEST_BUCKETS == 0

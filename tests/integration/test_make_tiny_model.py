@@ -80,3 +80,24 @@ def test_lr_schedule():
     assert tool._lr_at(79, 100, 1.0) == pytest.approx(1.0)
     assert tool._lr_at(90, 100, 1.0) == pytest.approx(0.55)
     assert tool._lr_at(100, 100, 1.0) == pytest.approx(0.1)
+
+
+def test_recheck_style_makes_a_random_minority_of_targets_long_within_the_budget():
+    import statistics
+
+    from megatron_rl.data import arithmetic
+
+    tool = _load_tool()
+    problems = arithmetic.make_problems(2000, seed=0, start=1_000_000)
+    assert all(tool.RecheckStyle().solution(p, 0) == p.solution for p in problems[:50])  # rate 0: unchanged
+    style = tool.RecheckStyle(rate=0.08, continue_prob=0.9, max_response_tokens=736)
+    targets = [style.solution(p, 0) for p in problems]
+    assert targets == [style.solution(p, 0) for p in problems]  # a function of (seed, problem)
+    verbose = [t for t in targets if arithmetic.RECHECK_LINE in t]
+    assert 0.06 <= len(verbose) / len(targets) <= 0.10
+    assert max(len(t) for t in targets) <= 736
+    for problem, target in zip(problems, targets):  # still solves the problem
+        assert arithmetic.score(target, problem.answer)
+    plain = statistics.median(len(p.solution) for p in problems)
+    # The style is independent of the problem: verbose targets are long whatever the step count.
+    assert statistics.median(len(t) for t in verbose) >= 5 * plain

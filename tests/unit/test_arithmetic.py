@@ -84,3 +84,24 @@ def test_bad_arguments_raise():
         make_problem(0, split="validation")
     with pytest.raises(ValueError, match="index"):
         make_problem(-1)
+
+
+def test_verbose_solution_repeats_the_running_sum_before_the_answer():
+    problem = arithmetic.ArithmeticProblem(split="train", index=0, terms=(7, 3, 9))
+    assert arithmetic.verbose_solution(problem, 0) == problem.solution
+    assert arithmetic.verbose_solution(problem, 2) == (
+        "7+3=10\n10+9=19\ncheck:\n7+3=10\n10+9=19\ncheck:\n7+3=10\n10+9=19\n#### 19")
+    with pytest.raises(ValueError, match="passes"):
+        arithmetic.verbose_solution(problem, -1)
+
+
+def test_recheck_passes_follow_rate_and_geometric_continuation():
+    import random
+
+    rng = random.Random(0)
+    draws = [arithmetic.sample_recheck_passes(rng, 0.2, 0.5, 50) for _ in range(20000)]
+    entered = [d for d in draws if d > 0]
+    assert abs(len(entered) / len(draws) - 0.2) < 0.015
+    assert abs(sum(entered) / len(entered) - 2.0) < 0.1  # 1 + Geometric(0.5): mean 2
+    assert max(arithmetic.sample_recheck_passes(rng, 1.0, 0.99, 3) for _ in range(200)) == 3
+    assert arithmetic.sample_recheck_passes(rng, 1.0, 0.9, 0) == 0
