@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 from megatron_rl.config import RunConfig
-from megatron_rl.graceful_stop import GracefulStop
 from megatron_rl.config_io import (ConfigError, config_to_dict, load_config, read_hf_architecture, resolve_device,
                                    validate)
+from megatron_rl.graceful_stop import GracefulStop
 
 log = logging.getLogger("megatron_rl")
 

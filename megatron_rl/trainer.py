@@ -22,6 +22,7 @@ from megatron_rl.algorithms.filters import filter_zero_variance
 from megatron_rl.checkpoint import CheckpointManager
 from megatron_rl.config import RunConfig
 from megatron_rl.data.cursor import PromptCursor
+from megatron_rl.graceful_stop import GracefulStop
 from megatron_rl.hooks import RolloutBatch, RolloutContext, RolloutScheduler, StepHook
 from megatron_rl.metrics import MetricsLogger, PhaseTimer, length_stats, occupancy
 from megatron_rl.rollout.engine import GenerationRequest, RolloutEngine
@@ -51,8 +52,8 @@ class TrainerParts:
     """Multi-node runs: Ray node id of trainer rank 0, which writes the weight directories; each
     is then copied to the same path on every other node (``rollout.weight_fanout``). Empty on
     one node."""
-    stop: "object | None" = None
-    """megatron_rl.graceful_stop.GracefulStop: once it is requested, the loop checkpoints after the
+    stop: GracefulStop | None = None
+    """SIGTERM (train.py installs it): once a stop is requested, the loop checkpoints after the
     current step and returns."""
 
 

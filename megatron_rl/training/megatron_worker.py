@@ -404,7 +404,8 @@ class MegatronWorker(WeightExport):
 
         def loss_callback(batch: Microbatch, logprobs: torch.Tensor) -> tuple[torch.Tensor, Any]:
             old, engine = batch.fields.get("old_logprobs"), batch.fields.get("engine_logprobs")
-            if old is None:  # algorithm.recompute_old_logprobs=false: these weights generated the batch
+            scored_here = old is None  # algorithm.recompute_old_logprobs=false: these weights generated the batch
+            if scored_here:
                 old = logprobs.detach()
             loss, metrics = loss_fn(
                 logprobs, old, batch.fields["advantages"], batch.loss_mask,
@@ -413,7 +414,7 @@ class MegatronWorker(WeightExport):
             )
             values = {k: float(v.detach()) if torch.is_tensor(v) else float(v) for k, v in metrics.items()}
             values.setdefault("loss", float(loss.detach()))
-            if "old_logprobs" not in batch.fields and engine is not None:
+            if scored_here and engine is not None:
                 values.update(parity_metrics(logprobs, engine, batch.loss_mask))
             return loss, values
 
