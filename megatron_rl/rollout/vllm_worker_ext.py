@@ -13,10 +13,14 @@ each rank's slice is handed over inside a full-size tensor at the rows the loade
 touch are never written, so on Linux they are never committed and the memory cost stays about
 the slice's.
 
-Importable without vLLM (it is imported lazily inside the method).
+Importable without vLLM (it is imported lazily inside the method). Importing it (vLLM does, in
+each worker) also mutes vLLM's per-reload "RotaryEmbedding: Failed to load weights" warning: the
+rotary cos/sin cache is a buffer computed at start-up, never in a checkpoint, and the reload puts
+it back as it was; left alone, every weight sync logged that warning once per engine rank.
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Iterator
 
@@ -27,6 +31,24 @@ from megatron_rl.resharding.layouts import EMBED, LM_HEAD, VLLMLayout, logical_s
 
 EXTENSION = f"{__name__}.RankShardReload"
 """The ``worker_extension_cls`` value for vLLM's engine arguments."""
+
+LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+def is_rotary_cache_warning(record: logging.LogRecord) -> bool:
+    """vLLM's "<layer>: Failed to load weights" for a rotary-embedding layer (only a computed
+    buffer, restored by the reload); the same warning for any other layer still gets through."""
+    return (record.msg == "%s: Failed to load weights" and bool(record.args)
+            and str(record.args[0]).endswith("RotaryEmbedding"))
+
+
+class _MuteRotaryCacheWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not is_rotary_cache_warning(record)
+
+
+if not any(isinstance(f, _MuteRotaryCacheWarning) for f in logging.getLogger(LAYERWISE_LOGGER).filters):
+    logging.getLogger(LAYERWISE_LOGGER).addFilter(_MuteRotaryCacheWarning())
 
 
 def hf_pieces(tensors: dict[str, torch.Tensor], arch: Qwen2Arch, tp: int, rank: int) -> Iterator[tuple[str, torch.Tensor]]:

@@ -35,3 +35,16 @@ def test_each_rank_slice_sits_where_vllm_cuts_it(tmp_path, tied, tp):
                     (rank, spec.name, seg)
         if tied:
             assert pieces["lm_head.weight"] is pieces["model.embed_tokens.weight"]
+
+
+def test_only_the_rotary_cache_reload_warning_is_muted(caplog):
+    import logging
+
+    from megatron_rl.rollout.vllm_worker_ext import LAYERWISE_LOGGER
+
+    logger = logging.getLogger(LAYERWISE_LOGGER)
+    with caplog.at_level(logging.WARNING):
+        logger.warning("%s: Failed to load weights", "RotaryEmbedding")
+        logger.warning("%s: Failed to load weights", "Llama3RotaryEmbedding")
+        logger.warning("%s: Failed to load weights", "QKVParallelLinear")  # a real miss: still reported
+    assert [r.getMessage() for r in caplog.records] == ["QKVParallelLinear: Failed to load weights"]
