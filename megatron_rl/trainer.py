@@ -165,10 +165,7 @@ class Trainer:
         metrics.update(stream_metrics)
         metrics.update(planner_metrics)
         metrics.update(self._sync_metrics)
-        if "logprob_abs_diff_sum" in train_metrics:  # recompute_old_logprobs=false: the training forward's
-            diff_sum = train_metrics.pop("logprob_abs_diff_sum")
-            metrics["rollout/logprob_abs_diff_max"] = train_metrics.pop("logprob_abs_diff_max", 0.0)
-            metrics["rollout/logprob_abs_diff_mean"] = diff_sum / max(1.0, train_metrics.get("num_tokens", 0.0))
+        metrics.update(self._parity_metrics(samples, train_metrics))
         metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
         # Reward scheduler: queue wait, busy workers, reward time hidden under rollout, scaling.
         metrics.update(self.p.rewards.step_metrics(batch.samples))
@@ -344,6 +341,20 @@ class Trainer:
                                          policy_version=self.version)
 
     # ---------------------------------------------------------------- metrics
+    @staticmethod
+    def _parity_metrics(trained: list[Sample], train_metrics: dict) -> dict[str, float]:
+        """Trainer vs engine logprobs of the same tokens (catches stale or mis-mapped weight
+        syncs): from the scoring pass's old logprobs or, with algorithm.recompute_old_logprobs=false,
+        from the training forward (its ``logprob_abs_diff_*`` sums, taken out of ``train_metrics``)."""
+        if "logprob_abs_diff_sum" in train_metrics:
+            diff_sum = train_metrics.pop("logprob_abs_diff_sum")
+            return {"rollout/logprob_abs_diff_max": train_metrics.pop("logprob_abs_diff_max", 0.0),
+                    "rollout/logprob_abs_diff_mean": diff_sum / max(1.0, train_metrics.get("num_tokens", 0.0))}
+        diffs = [abs(a - b) for s in trained if s.engine_logprobs for a, b in zip(s.old_logprobs, s.engine_logprobs)]
+        if not diffs:
+            return {}
+        return {"rollout/logprob_abs_diff_max": max(diffs), "rollout/logprob_abs_diff_mean": sum(diffs) / len(diffs)}
+
     def _step_metrics(self, step: int, batch: RolloutBatch, trained: list[Sample], timer: PhaseTimer,
                       elapsed: float) -> dict:
         samples = batch.samples
@@ -371,11 +382,6 @@ class Trainer:
         }
         stats = length_stats(lengths)
         m.update({f"response_length/{k}": v for k, v in stats.items()})
-        # Trainer vs engine logprobs of the same tokens: catches stale or mis-mapped weight syncs.
-        diffs = [abs(a - b) for s in trained if s.engine_logprobs for a, b in zip(s.old_logprobs, s.engine_logprobs)]
-        if diffs:
-            m["rollout/logprob_abs_diff_max"] = max(diffs)
-            m["rollout/logprob_abs_diff_mean"] = sum(diffs) / len(diffs)
         # Short and long rounds are bimodal: also report step time and lengths per round type.
         rt = batch.round_type
         m[f"round/{rt}/time_step"] = elapsed

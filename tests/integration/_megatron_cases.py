@@ -15,6 +15,24 @@ from typing import Any, Callable
 import torch
 
 
+def policy_loss_cfg(tp: int, pp: int, loss_agg: str, kl_coef: float, tis_cap: float):
+    """A worker config for comparing two ways of taking one step: several microbatches per rank
+    (micro_batch_tokens 24), no clipping (the exported gradient is the raw one), lr 1e-3, and the
+    given layout and loss terms."""
+    from megatron_rl.config import RunConfig
+
+    cfg = RunConfig()
+    cfg.parallel.tensor_model_parallel_size = tp
+    cfg.parallel.pipeline_model_parallel_size = pp
+    cfg.optimizer.micro_batch_tokens = 24
+    cfg.optimizer.grad_clip = 0.0
+    cfg.optimizer.lr = 1e-3
+    cfg.algorithm.loss_agg = loss_agg
+    cfg.algorithm.kl_coef = kl_coef
+    cfg.algorithm.tis_cap = tis_cap
+    return cfg
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

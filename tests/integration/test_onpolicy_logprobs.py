@@ -24,7 +24,7 @@ import functools
 import pytest
 import torch
 
-from _megatron_cases import make_samples, run_spmd
+from _megatron_cases import make_samples, policy_loss_cfg, run_spmd
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -37,28 +37,13 @@ CASES = [
 ]
 
 
-def _cfg(tp: int, pp: int, loss_agg: str, kl_coef: float, tis_cap: float):
-    from megatron_rl.config import RunConfig
-
-    cfg = RunConfig()
-    cfg.parallel.tensor_model_parallel_size = tp
-    cfg.parallel.pipeline_model_parallel_size = pp
-    cfg.optimizer.micro_batch_tokens = 24  # several microbatches per rank
-    cfg.optimizer.grad_clip = 0.0  # the exported gradient is the raw one
-    cfg.optimizer.lr = 1e-3
-    cfg.algorithm.loss_agg = loss_agg
-    cfg.algorithm.kl_coef = kl_coef
-    cfg.algorithm.tis_cap = tis_cap
-    return cfg
-
-
 def scenarios(rank: int, world: int, port: int, model_dir: str, samples) -> list | None:
     from megatron_rl.algorithms.losses import compute_policy_loss
     from megatron_rl.training.megatron_worker import MegatronWorker
 
     results = []
     for index, (name, tp, pp, loss_agg, kl_coef, tis_cap) in enumerate(CASES):
-        cfg = _cfg(tp, pp, loss_agg, kl_coef, tis_cap)
+        cfg = policy_loss_cfg(tp, pp, loss_agg, kl_coef, tis_cap)
         loss_fn = functools.partial(compute_policy_loss, cfg=cfg.algorithm)
         worker = MegatronWorker(cfg, rank, world, "127.0.0.1", port)
         worker.load_hf(model_dir)

@@ -45,7 +45,7 @@ import functools
 import pytest
 import torch
 
-from _megatron_cases import make_samples, run_spmd
+from _megatron_cases import make_samples, policy_loss_cfg, run_spmd
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -67,21 +67,6 @@ CASES = [
     ("tp2dp2-token_mean-kl", 4, 2, 1, "token_mean", 0.05, 0.0),
     ("pp2dp2-seq_mean_token_mean", 4, 1, 2, "seq_mean_token_mean", 0.0, 0.0),
 ]
-
-
-def _cfg(tp: int, pp: int, loss_agg: str, kl_coef: float, tis_cap: float):
-    from megatron_rl.config import RunConfig
-
-    cfg = RunConfig()
-    cfg.parallel.tensor_model_parallel_size = tp
-    cfg.parallel.pipeline_model_parallel_size = pp
-    cfg.optimizer.micro_batch_tokens = 24  # several microbatches per chunk and rank
-    cfg.optimizer.grad_clip = 0.0  # the exported gradient is the raw one
-    cfg.optimizer.lr = 1e-3
-    cfg.algorithm.loss_agg = loss_agg
-    cfg.algorithm.kl_coef = kl_coef
-    cfg.algorithm.tis_cap = tis_cap
-    return cfg
 
 
 def _prepare(worker, samples, seed: int) -> None:
@@ -129,7 +114,7 @@ def stream_scenarios(rank: int, world: int, port: int, model_dir: str, cases: li
 
     results = []
     for index, (name, _, tp, pp, loss_agg, kl_coef, tis_cap) in enumerate(cases):
-        cfg = _cfg(tp, pp, loss_agg, kl_coef, tis_cap)
+        cfg = policy_loss_cfg(tp, pp, loss_agg, kl_coef, tis_cap)
         loss_fn = functools.partial(compute_policy_loss, cfg=cfg.algorithm)
         worker = MegatronWorker(cfg, rank, world, "127.0.0.1", port)
         worker.load_hf(model_dir)
@@ -161,7 +146,7 @@ def stream_scenarios(rank: int, world: int, port: int, model_dir: str, cases: li
     return results if rank == 0 else None
 
 
-LR, ADAM_EPS = 1e-3, 1e-8  # _cfg's lr; Megatron's default adam_eps
+LR, ADAM_EPS = 1e-3, 1e-8  # policy_loss_cfg's lr; Megatron's default adam_eps
 
 
 def _param_check(r: dict, name: str) -> tuple[float, int, float]:
