@@ -80,7 +80,7 @@ def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict
     from megatron_rl.distributed.cluster import engine_actor_options, free_port, start_ray, trainer_actor_options
     from megatron_rl.reward.workers import RewardPool
     from megatron_rl.rollout.ray_engine import create_engine_client
-    from megatron_rl.rollout.weight_sync import default_sync_dir
+    from megatron_rl.rollout.weight_sync import default_sync_dir, sweep_dead_sync_dirs
     from megatron_rl.trainer import TrainerParts, run_trainer
     from megatron_rl.training.policy_group import PolicyGroup
 
@@ -93,6 +93,7 @@ def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict
     if stop is not None:
         stop.install()  # after ray.init, which sets its own SIGTERM handler (an immediate sys.exit)
     policy = engine = rewards = None
+    sweep_dead_sync_dirs()  # weight copies of SIGKILLed runs on this host (memory)
     sync_dir = Path(cfg.rollout.weight_sync_dir or default_sync_dir(run_dir))
     fanout_source = ""
     try:

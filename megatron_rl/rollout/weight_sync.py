@@ -17,6 +17,8 @@ from typing import Mapping
 
 import torch
 
+from megatron_rl.distributed.local_state import run_dir_name, sweep_dead_run_dirs
+
 EMBED_KEY = "model.embed_tokens.weight"
 LM_HEAD_KEY = "lm_head.weight"
 _SHM = Path("/dev/shm")
@@ -29,11 +31,17 @@ def default_sync_dir(fallback_root: str | Path | None = None, required_bytes: in
     missing, not writable, or has less than ``required_bytes`` free (containers often mount a
     64 MiB /dev/shm). The directory is not created.
     """
-    name = f"megatron_rl-{os.getuid()}-{os.getpid()}"
+    name = run_dir_name()  # megatron_rl-<host>-<uid>-<pid>: a later run can tell it is dead
     if _SHM.is_dir() and os.access(_SHM, os.W_OK) and shutil.disk_usage(_SHM).free >= required_bytes:
         return _SHM / name / "weights"
     root = Path(fallback_root) if fallback_root is not None else Path(tempfile.gettempdir()) / name
     return root / "weight_sync"
+
+
+def sweep_dead_sync_dirs() -> list[Path]:
+    """Remove the /dev/shm weight directories of dead runs of this host (a SIGKILLed run cannot
+    remove its own); never a live run's, never another node's (see ``local_state``)."""
+    return sweep_dead_run_dirs(_SHM)
 
 
 def _with_lm_head(

@@ -10,15 +10,19 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def ray_session(tmp_path_factory):
+def ray_session():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             _temp_dir=str(tmp_path_factory.mktemp("ray")),
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}})
-    yield ray
-    ray.shutdown()
+    from tests.helpers.ray_dirs import short_ray_dir
+
+    with short_ray_dir() as temp_dir:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=str(temp_dir),
+                 runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}})
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
 
 
 @pytest.fixture(scope="module")

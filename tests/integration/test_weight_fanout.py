@@ -19,20 +19,29 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
-def two_nodes(tmp_path_factory):
+def two_nodes():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
     from ray.cluster_utils import Cluster
 
+    from tests.helpers.ray_dirs import short_ray_dir
+
     if ray.is_initialized():
         ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "object_store_memory": 96 << 20, "temp_dir": str(tmp_path_factory.mktemp("ray2"))})
-    worker = cluster.add_node(num_cpus=1, object_store_memory=96 << 20)
-    ray.init(address=cluster.address, log_to_driver=False)
-    yield ray, ray.get_runtime_context().get_node_id(), worker.node_id
-    ray.shutdown()
-    cluster.shutdown()
+    with short_ray_dir("r", room=4) as root, pytest.MonkeyPatch.context() as env:
+        # Cluster writes <RAY_TMPDIR>/ray/ray_current_cluster (by default /tmp/ray/..., which a
+        # new machine does not have): point it at a directory of this test that exists.
+        env.setenv("RAY_TMPDIR", str(root))
+        (root / "ray").mkdir()
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 1, "object_store_memory": 96 << 20, "temp_dir": str(root / "ray")})
+        try:
+            worker = cluster.add_node(num_cpus=1, object_store_memory=96 << 20)
+            ray.init(address=cluster.address, log_to_driver=False)
+            yield ray, ray.get_runtime_context().get_node_id(), worker.node_id
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
 
 
 def digest(directory) -> dict[str, str]:

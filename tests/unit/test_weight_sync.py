@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 
 import pytest
 import torch
@@ -94,7 +95,8 @@ def test_default_sync_dir_prefers_dev_shm_and_falls_back(tmp_path, monkeypatch):
     shm = tmp_path / "shm"
     shm.mkdir()
     monkeypatch.setattr(weight_sync, "_SHM", shm)
-    assert default_sync_dir() == shm / f"megatron_rl-{os.getuid()}-{os.getpid()}" / "weights"
+    host = socket.gethostname().replace("-", "_")
+    assert default_sync_dir() == shm / f"megatron_rl-{host}-{os.getuid()}-{os.getpid()}" / "weights"
     # Not enough room in /dev/shm -> the fallback root.
     assert default_sync_dir(tmp_path / "run", required_bytes=1 << 62) == tmp_path / "run" / "weight_sync"
     monkeypatch.setattr(weight_sync, "_SHM", tmp_path / "absent")

@@ -1,0 +1,105 @@
+"""Where a run keeps machine-local state, and how leftovers of dead runs are found.
+
+Two facts shape this module:
+
+* Unix sockets have a 107-byte path limit, and Ray puts its sockets three levels below its temp
+  dir (``<temp>/session_<date>_<pid>/sockets/plasma_store``). A long ``TMPDIR`` (CI runners,
+  ``mktemp -d`` inside ``mktemp -d``, pytest's nested tmp dirs) therefore breaks ``ray.init``;
+  :func:`short_temp_root` picks a base short enough for that.
+* Per-run directories in ``/dev/shm`` (the weight-sync directory) are memory. A run killed with
+  SIGKILL cannot remove its own, so the next run on the machine does it, but only for
+  directories that are provably a dead run's: the name carries the host, the uid and the pid
+  (``megatron_rl-<host>-<uid>-<pid>``), and a directory is removed only when the host is this
+  one, the uid is ours and no process has that pid. On a multi-node run the weight directories
+  fanned out to other nodes keep rank 0's host in their name, so another node never mistakes a
+  live run's copy for its own leftover.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+RUN_DIR_PREFIX = "megatron_rl"
+SOCKET_PATH_MAX = 107
+"""Longest Unix socket path Linux accepts (108 bytes with the terminating NUL)."""
+RAY_SOCKET_DEPTH = 64
+"""Bytes Ray adds below its temp dir for its deepest socket:
+``/session_<date>_<time>_<pid>/sockets/plasma_store`` with a 7-digit pid."""
+
+
+def fits_ray_sockets(temp_dir: str | Path) -> bool:
+    """Whether Ray's sockets fit below ``temp_dir`` (used as Ray's ``_temp_dir``)."""
+    return len(str(temp_dir).encode()) + RAY_SOCKET_DEPTH <= SOCKET_PATH_MAX
+
+
+def host_tag() -> str:
+    """This machine's host name, reduced to characters that are safe in a file name."""
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+
+
+def run_dir_name(pid: int | None = None) -> str:
+    """Name of this process's per-run directory: ``megatron_rl-<host>-<uid>-<pid>``."""
+    return f"{RUN_DIR_PREFIX}-{host_tag()}-{os.getuid()}-{os.getpid() if pid is None else pid}"
+
+
+def short_temp_root(room: int) -> Path:
+    """The system temp dir (``$TMPDIR``) when a Ray temp dir of ``room`` more bytes below it
+    still fits Ray's sockets, else ``/tmp``."""
+    base = Path(tempfile.gettempdir())
+    return base if fits_ray_sockets("x" * (len(str(base).encode()) + room)) else Path("/tmp")
+
+
+def ray_temp_dir() -> Path:
+    """Ray's temp dir for a local cluster: ``$RAY_TMPDIR`` when set, else ``ray_rl-<uid>`` under
+    :func:`short_temp_root` (so it follows ``TMPDIR`` and stays short enough for Ray's sockets)."""
+    if os.environ.get("RAY_TMPDIR"):
+        return Path(os.environ["RAY_TMPDIR"])
+    name = f"ray_rl-{os.getuid()}"
+    return short_temp_root(len(name) + 1) / name
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this machine (ours or another user's)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def dead_run_dirs(root: str | Path) -> list[Path]:
+    """Per-run directories under ``root`` left by dead runs of this host and user."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    pattern = re.compile(rf"^{RUN_DIR_PREFIX}-{re.escape(host_tag())}-(\d+)-(\d+)$")
+    found = []
+    for entry in root.iterdir():
+        match = pattern.match(entry.name)
+        if match is None or not entry.is_dir() or entry.is_symlink():
+            continue
+        uid, pid = int(match.group(1)), int(match.group(2))
+        if uid == os.getuid() and pid != os.getpid() and not pid_alive(pid):
+            found.append(entry)
+    return sorted(found)
+
+
+def sweep_dead_run_dirs(root: str | Path) -> list[Path]:
+    """Remove :func:`dead_run_dirs` of ``root``; returns what was removed (logged)."""
+    removed = []
+    for path in dead_run_dirs(root):
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            removed.append(path)
+            log.info("removed %s (%.1f MB) left by a dead run of this host", path, size / 1e6)
+    return removed

@@ -1,0 +1,45 @@
+"""Shared-memory segments a test session leaves behind in /dev/shm.
+
+vLLM's message queues are ``psm_*`` segments (``multiprocessing.shared_memory``); an engine
+killed with SIGKILL (the kill-and-resume tests do that on purpose) cannot unlink them. Their
+names carry no owner, so only segments that appeared during this session and that no live process
+has mapped are removed: another job's live segment is never touched."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+SHM = Path("/dev/shm")
+
+
+def segments() -> set[str]:
+    """Names of the psm_* segments now in /dev/shm."""
+    return {p.name for p in SHM.glob("psm_*")} if SHM.is_dir() else set()
+
+
+def mapped_segments() -> set[str]:
+    """psm_* names some live process has mapped (read from /proc/<pid>/maps; unreadable ones skipped)."""
+    names: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            at = line.find("/dev/shm/psm_")
+            if at >= 0:
+                names.add(line[at + len("/dev/shm/"):].split()[0])
+    return names
+
+
+def remove_unmapped(new: set[str]) -> list[str]:
+    """Unlink the segments of ``new`` that no process maps; returns their names."""
+    removed = []
+    in_use = mapped_segments()
+    for name in sorted(new - in_use):
+        try:
+            os.unlink(SHM / name)
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+    return removed

@@ -1,0 +1,31 @@
+"""The session's /dev/shm clean-up removes unmapped new segments and never a mapped one."""
+from __future__ import annotations
+
+from multiprocessing import shared_memory
+
+import pytest
+
+from tests.helpers import shm
+
+
+@pytest.mark.skipif(not shm.SHM.is_dir(), reason="no /dev/shm on this machine")
+def test_only_unmapped_segments_are_removed():
+    before = shm.segments()
+    live = shared_memory.SharedMemory(create=True, size=4096)
+    orphan = shared_memory.SharedMemory(create=True, size=4096)
+    orphan_name = orphan.name.lstrip("/")
+    orphan.close()  # unmapped, not unlinked: what a SIGKILLed engine leaves
+    try:
+        new = shm.segments() - before
+        assert {live.name.lstrip("/"), orphan_name} <= new
+        assert live.name.lstrip("/") in shm.mapped_segments()
+        removed = shm.remove_unmapped(new)
+        assert orphan_name in removed and live.name.lstrip("/") not in removed
+        assert orphan_name not in shm.segments() and live.name.lstrip("/") in shm.segments()
+    finally:
+        live.close()
+        live.unlink()
+        try:
+            shared_memory.SharedMemory(name=orphan_name).unlink()
+        except FileNotFoundError:
+            pass
