@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
+import string
 import threading
 import time
 from contextlib import contextmanager
@@ -67,6 +69,13 @@ def _read_kept_lines(path: Path, start_step: float) -> list[str]:
         if step < start_step:
             kept.append(line)
     return kept
+
+
+def new_wandb_run_id() -> str:
+    """A fresh W&B run id: 8 characters of [a-z0-9], the shape W&B generates itself (its
+    ``wandb.util.generate_id`` helper was removed in wandb 0.2x, so the id is made here)."""
+    alphabet = string.ascii_lowercase + string.digits
+    return "".join(secrets.choice(alphabet) for _ in range(8))
 
 
 class MetricsLogger:
@@ -130,8 +139,11 @@ class MetricsLogger:
             ) from exc
         # Persist the run id so a resumed run continues the same W&B run.
         id_file = self.run_dir / "wandb_run_id.txt"
-        run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
-        id_file.write_text(run_id)
+        run_id = id_file.read_text().strip() if id_file.is_file() else new_wandb_run_id()
+        if not id_file.is_file():
+            tmp = id_file.with_suffix(".tmp")
+            tmp.write_text(run_id)
+            os.replace(tmp, id_file)  # a kill here leaves the old id or the new one, never half
         return wandb.init(
             project=self.cfg.wandb_project,
             mode=self.cfg.wandb_mode,

@@ -89,8 +89,8 @@ class Trainer:
     async def run(self) -> list[dict]:
         cfg = self.cfg
         self._resume_if_asked()
-        metrics_log = MetricsLogger(cfg.trainer.run_dir, cfg.trainer, start_step=self.start_step,
-                                    total_steps=cfg.trainer.steps)
+        metrics_log = MetricsLogger(cfg.trainer.run_dir, cfg.trainer, config_dict=dataclasses.asdict(cfg),
+                                    start_step=self.start_step, total_steps=cfg.trainer.steps)
         history = []
         try:
             await self._warm_up_engine()

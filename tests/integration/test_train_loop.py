@@ -20,6 +20,7 @@ import pytest
 
 from megatron_rl.checkpoint import CheckpointManager
 from megatron_rl.data.cursor import PromptCursor
+from tests.helpers.wandb_offline import offline_runs
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -103,7 +104,12 @@ def test_sigkill_mid_step_then_resume_loses_and_repeats_no_prompt(tiny_model_dir
     proc = _run_train(args + ["trainer.resume=true"], tmp_path / "log2.txt")
     rc = proc.wait(timeout=600)
     assert rc == 0, (tmp_path / "log2.txt").read_text()[-4000:]
-    assert "resumed from" in (tmp_path / "log2.txt").read_text()
+    log2 = (tmp_path / "log2.txt").read_text()
+    assert "resumed from" in log2
+    killed_sync_dir = Path(re.search(r"weights for the engines go to (\S+)",
+                                     (tmp_path / "log1.txt").read_text()).group(1))
+    assert not killed_sync_dir.parent.exists(), "the resumed run's start-up did not sweep the killed run's weights"
+    assert f"removed {killed_sync_dir.parent}" in log2
     trained = _read_jsonl(run_dir / "trained_prompts.jsonl")
     assert [r["step"] for r in trained] == list(range(steps))
     got = [pid for r in trained for pid in r["prompt_ids"]]
@@ -123,9 +129,12 @@ def test_sigkill_mid_step_then_resume_loses_and_repeats_no_prompt(tiny_model_dir
 
 
 def test_sigterm_finishes_the_step_checkpoints_and_resumes(tiny_model_dir, tmp_path):
+    """Also logs to W&B (offline, the real wandb package): both attempts write to the same run."""
     run_dir = tmp_path / "run"
     steps = 5
-    args = _overrides(tiny_model_dir, run_dir, steps, ["trainer.save_every=0"])  # no periodic checkpoints
+    args = _overrides(tiny_model_dir, run_dir, steps, ["trainer.save_every=0",  # no periodic checkpoints
+                                                       "trainer.wandb_project=rollpacker-test",
+                                                       "trainer.wandb_mode=offline"])
     proc = _run_train(args, tmp_path / "log1.txt")
     deadline = time.monotonic() + 600
     metrics_file = run_dir / "metrics.jsonl"
@@ -151,3 +160,13 @@ def test_sigterm_finishes_the_step_checkpoints_and_resumes(tiny_model_dir, tmp_p
     trained = [pid for r in _read_jsonl(run_dir / "trained_prompts.jsonl") for pid in r["prompt_ids"]]
     expected = [f"arith:{i}" for i in PromptCursor(64, seed=1234, shuffle=True).take(steps * P0)]
     assert trained == expected  # baseline: every prompt once, in the uninterrupted order
+    runs = offline_runs(run_dir)
+    assert len(runs) == 2, "one offline W&B run per attempt"
+    assert runs[0]["run_id"] == runs[1]["run_id"] == (run_dir / "wandb_run_id.txt").read_text()
+    logged = [row["_step"] for run in runs for row in run["history"]]
+    assert logged == list(range(steps))
+    rows = _read_jsonl(metrics_file)
+    for run in runs:
+        for row in run["history"]:
+            assert row["reward/mean"] == pytest.approx(rows[row["_step"]]["reward/mean"])
+            assert "train/loss" in row and "time/step" in row

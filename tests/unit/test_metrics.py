@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 
@@ -83,6 +84,32 @@ def test_wandb_missing_gives_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
     with pytest.raises(ImportError, match=r"trainer\.wandb_project='demo' needs the 'wandb' package"):
         MetricsLogger(tmp_path, _cfg(wandb_project="demo"))
+
+
+def test_wandb_offline_run_records_metrics_and_resumes_the_same_run(tmp_path):
+    """The real wandb package, offline: metrics reach the run file, config too, and a resumed
+    logger (start_step > 0) continues the same run id."""
+    pytest.importorskip("wandb", reason="wandb is in requirements-cpu.txt; this venv lacks it")
+    from megatron_rl.metrics import new_wandb_run_id
+    from tests.helpers.wandb_offline import offline_runs
+
+    cfg = _cfg(wandb_project="demo", wandb_mode="offline")
+    with MetricsLogger(tmp_path, cfg, config_dict={"trainer": {"seed": 3}}) as logger:
+        for step in range(3):
+            logger.log(step, {"reward/mean": 0.25 * step, "time": {"step": 1.0 + step}})
+    run_id = (tmp_path / "wandb_run_id.txt").read_text()
+    with MetricsLogger(tmp_path, cfg, start_step=2) as logger:
+        logger.log(2, {"reward/mean": 0.75})  # the resumed attempt redoes step 2
+        logger.log(3, {"reward/mean": 1.0})
+    runs = offline_runs(tmp_path)
+    assert len(runs) == 2 and {r["run_id"] for r in runs} == {run_id}
+    assert all(r["project"] == "demo" for r in runs)
+    first = {row["_step"]: row for row in runs[0]["history"]}
+    assert sorted(first) == [0, 1, 2]
+    assert first[1]["reward/mean"] == 0.25 and first[2]["time/step"] == 3.0
+    assert [(row["_step"], row["reward/mean"]) for row in runs[1]["history"]] == [(2, 0.75), (3, 1.0)]
+    ids = {new_wandb_run_id() for _ in range(50)}
+    assert len(ids) == 50 and all(re.fullmatch(r"[a-z0-9]{8}", i) for i in ids)
 
 
 def test_progress_bar_postfix(tmp_path, capsys):
