@@ -14,12 +14,16 @@ auto      guessed from the first row's keys
 ========  =====================  ==================================================
 
 A custom prompt field may also hold a chat message list (veRL-style parquet), used as is.
-Every bad row (invalid JSON, missing or empty field, too long after templating) stops loading
-with one error naming ``file:line`` (jsonl, 1-based) or ``file:row N`` (parquet, 0-based).
+Every bad row (bytes that are not UTF-8, invalid JSON, a missing or empty field, too long after
+templating) stops loading with one error naming ``file:line`` (jsonl, 1-based) or ``file:row N``
+(parquet, 0-based). Too long prompts may instead be dropped (``data.filter_overlong_prompts``):
+counted, logged with examples, and refused when more than ``data.max_overlong_fraction`` of the
+set would go.
 """
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -32,6 +36,7 @@ BUILTIN_SPLITS = {"builtin:arithmetic": "train", "builtin:arithmetic-test": "tes
 """Built-in dataset names and the arithmetic split each one reads."""
 BUILTIN_TASK_SEED = 0
 """Seed of the built-in problems. Fixed (not trainer.seed) so every run sees the same prompts."""
+log = logging.getLogger(__name__)
 FORMATS = ("auto", "gsm8k", "math", "deepmath", "kodcode", "custom", "builtin")
 
 
@@ -192,11 +197,17 @@ def guess_format(row: dict, where: str) -> str:
 def _read_jsonl(path: Path) -> Iterator[tuple[int, str, Any]]:
     """(row index, 'file:line', parsed row) for each non-blank line."""
     row = 0
-    with path.open("r", encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            where = f"{path}:{line_no}"
+            try:
+                # Decoded line by line so a bad byte is reported with its line; a UTF-8 BOM is fine.
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise DatasetError(f"{where}: not valid UTF-8 (byte {raw[e.start:e.start + 1]!r} at column "
+                                   f"{e.start + 1}); re-encode the file as UTF-8") from None
             if not line.strip():
                 continue
-            where = f"{path}:{line_no}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
@@ -235,6 +246,45 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, str, Any]]:
 # ---------------------------------------------------------------------------- loading
 
 
+class _Overlong:
+    """Prompts over data.max_prompt_tokens: an error at the first one, or (with
+    data.filter_overlong_prompts) dropped, counted, logged, and refused above a share."""
+
+    _EXAMPLES = 3
+
+    def __init__(self, source: str, cfg: DataConfig) -> None:
+        self.source, self.cfg = source, cfg
+        self.dropped: list[tuple[str, int]] = []
+
+    def drops(self, where: str, num_tokens: int) -> bool:
+        """Whether the prompt at ``where`` is dropped; raises when it is too long and not filtered."""
+        if num_tokens <= self.cfg.max_prompt_tokens:
+            return False
+        if not self.cfg.filter_overlong_prompts:
+            raise DatasetError(
+                f"{where}: prompt is {num_tokens} tokens after the chat template, more than "
+                f"data.max_prompt_tokens={self.cfg.max_prompt_tokens} (raise it, or set "
+                "data.filter_overlong_prompts=true to drop such prompts)")
+        self.dropped.append((where, num_tokens))
+        return True
+
+    def finish(self, kept: int) -> None:
+        """Log what was dropped; refuse when more than data.max_overlong_fraction of the rows were."""
+        if not self.dropped:
+            return
+        total = kept + len(self.dropped)
+        share = len(self.dropped) / total
+        examples = "; ".join(f"{where} ({n} tokens)" for where, n in self.dropped[:self._EXAMPLES])
+        summary = (f"{self.source}: {len(self.dropped)} of {total} prompts ({share:.1%}) are longer than "
+                   f"data.max_prompt_tokens={self.cfg.max_prompt_tokens} after the chat template, e.g. {examples}")
+        if share > self.cfg.max_overlong_fraction:
+            raise DatasetError(f"{summary}; that is more than data.max_overlong_fraction="
+                               f"{self.cfg.max_overlong_fraction}: raise data.max_prompt_tokens (longest: "
+                               f"{max(n for _, n in self.dropped)} tokens) or data.max_overlong_fraction")
+        log.warning("%s: dropped them (data.filter_overlong_prompts=true)", summary)
+
+
+
 def dataset_name(path: str | Path) -> str:
     """Id prefix for a file: '<parent dir>/<stem>', e.g. 'gsm8k/train' (stable across machines)."""
     p = Path(path)
@@ -253,8 +303,9 @@ def load_file_prompts(
         raise DatasetError(f"{path}: format {fmt!r} is not a file format; expected one of {sorted(MAPPERS) + ['auto']}")
     name = dataset_name(path)
     prompts: list[Prompt] = []
+    overlong = _Overlong(str(path), cfg)
     for row, where, record in read_rows(path):
-        if limit is not None and row >= limit:
+        if limit is not None and len(prompts) >= limit:
             break
         if not isinstance(record, dict):
             raise DatasetError(f"{where}: expected a JSON object, got {type(record).__name__}")
@@ -269,11 +320,8 @@ def load_file_prompts(
         except ValueError as e:
             raise DatasetError(f"{where}: {e}") from None
         token_ids = apply_chat_template(tokenizer, example.question, cfg.system_prompt)
-        if len(token_ids) > cfg.max_prompt_tokens:
-            raise DatasetError(
-                f"{where}: prompt is {len(token_ids)} tokens after the chat template, more than "
-                f"data.max_prompt_tokens={cfg.max_prompt_tokens}"
-            )
+        if overlong.drops(where, len(token_ids)):
+            continue
         text = example.question if isinstance(example.question, str) else example.question[-1].get("content", "")
         prompts.append(
             Prompt(
@@ -284,8 +332,9 @@ def load_file_prompts(
                 metadata={"format": row_fmt, **example.metadata},
             )
         )
-    if not prompts:
+    if not prompts and not overlong.dropped:
         raise DatasetError(f"{path}: no rows")
+    overlong.finish(len(prompts))
     return prompts
 
 
@@ -294,13 +343,11 @@ def load_builtin_prompts(name: str, tokenizer: Any, cfg: DataConfig, count: int)
     split = BUILTIN_SPLITS[name]
     id_prefix = "arith" if split == "train" else "arith-test"
     prompts = []
+    overlong = _Overlong(name, cfg)
     for problem in arithmetic.make_problems(count, seed=BUILTIN_TASK_SEED, split=split):
         token_ids = apply_chat_template(tokenizer, problem.question, cfg.system_prompt)
-        if len(token_ids) > cfg.max_prompt_tokens:
-            raise DatasetError(
-                f"{name}: problem {problem.index} is {len(token_ids)} tokens after the chat template, "
-                f"more than data.max_prompt_tokens={cfg.max_prompt_tokens}"
-            )
+        if overlong.drops(f"{name}: problem {problem.index}", len(token_ids)):
+            continue
         prompts.append(
             Prompt(
                 prompt_id=f"{id_prefix}:{problem.index}",
@@ -310,6 +357,7 @@ def load_builtin_prompts(name: str, tokenizer: Any, cfg: DataConfig, count: int)
                 metadata={"format": "builtin", "num_steps": problem.num_steps},
             )
         )
+    overlong.finish(len(prompts))
     return prompts
 
 

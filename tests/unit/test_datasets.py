@@ -222,3 +222,72 @@ def test_real_gsm8k(gsm8k_dir, tokenizer):
     all_prompts = load_prompts(cfg, tokenizer, "train")
     assert len(all_prompts) == 1319
     assert all(p.answer.lstrip("-").replace(".", "").isdigit() for p in all_prompts)
+
+
+def test_non_utf8_bytes_name_file_line_and_column(tmp_path, tokenizer):
+    path = tmp_path / "latin1.jsonl"
+    good = json.dumps({"question": "q", "answer": "#### 1"}).encode()
+    bad = '{"question": "caf\u00e9 price?", "answer": "#### 2"}'.encode("latin-1")
+    path.write_bytes(b"\xef\xbb\xbf" + good + b"\n" + good + b"\n" + bad + b"\n")  # BOM on line 1 is fine
+    with pytest.raises(DatasetError) as err:
+        load_prompts(DataConfig(train_path=str(path)), tokenizer)
+    assert f"{path}:3: not valid UTF-8" in str(err.value)
+    column = bad.index(bytes([0xE9])) + 1
+    assert f"column {column}" in str(err.value)
+    path.write_bytes(b"\xef\xbb\xbf" + good + b"\n")
+    assert [p.answer for p in load_prompts(DataConfig(train_path=str(path)), tokenizer)] == ["1"]
+
+
+def _mixed_lengths(tmp_path, num_long: int, num_short: int = 20) -> Path:
+    rows = [{"question": f"short {i}?", "answer": f"#### {i}"} for i in range(num_short)]
+    for j in range(num_long):  # every 5th row is long, so long rows are spread through the file
+        rows.insert(5 * j + 2, {"question": "long " + "y" * (300 + j), "answer": "#### 9"})
+    return write_jsonl(tmp_path / "g" / "train.jsonl", rows)
+
+
+def test_overlong_prompts_stop_loading_with_the_option_named(tmp_path, tokenizer):
+    path = _mixed_lengths(tmp_path, num_long=2)
+    with pytest.raises(DatasetError, match=rf"{path}:3: prompt is \d+ tokens .* data.filter_overlong_prompts=true"):
+        load_prompts(DataConfig(train_path=str(path)), tokenizer)
+
+
+def test_overlong_prompts_are_dropped_counted_and_logged(tmp_path, tokenizer, caplog):
+    path = _mixed_lengths(tmp_path, num_long=2)
+    cfg = DataConfig(train_path=str(path), eval_path=str(path), eval_num_prompts=4, filter_overlong_prompts=True)
+    with caplog.at_level("WARNING"):
+        train = load_prompts(cfg, tokenizer, "train")
+    assert len(train) == 20 and all(len(p.token_ids) <= cfg.max_prompt_tokens for p in train)
+    assert "g/train:2" not in {p.prompt_id for p in train} and train[2].prompt_id == "g/train:3"
+    message = caplog.text
+    assert "2 of 22 prompts (9.1%) are longer than data.max_prompt_tokens=256" in message
+    assert f"{path}:3 (" in message and f"{path}:8 (" in message
+    # Eval takes the first N prompts that fit (the share counts the rows read: 1 of 5 here).
+    cfg.max_overlong_fraction = 0.25
+    evals = load_prompts(cfg, tokenizer, "eval")
+    assert [p.prompt_id for p in evals] == ["g/train:0", "g/train:1", "g/train:3", "g/train:4"]
+
+
+def test_dropping_more_than_the_stated_share_is_refused(tmp_path, tokenizer):
+    path = _mixed_lengths(tmp_path, num_long=4)  # 4 of 24 = 16.7% > 10%
+    cfg = DataConfig(train_path=str(path), filter_overlong_prompts=True)
+    with pytest.raises(DatasetError, match=r"4 of 24 prompts \(16.7%\).*more than data.max_overlong_fraction=0.1"):
+        load_prompts(cfg, tokenizer)
+    cfg.max_overlong_fraction = 0.2
+    assert len(load_prompts(cfg, tokenizer)) == 20
+    # The built-in task obeys the same rule.
+    with pytest.raises(DatasetError, match="builtin:arithmetic: .* of 50 prompts"):
+        load_prompts(DataConfig(max_prompt_tokens=60, builtin_num_prompts=50, filter_overlong_prompts=True), tokenizer)
+
+
+def test_real_gsm8k_with_overlong_filter(gsm8k_dir, tokenizer):
+    """The GSM8K train file has prompts over 256 byte-level tokens (row 3: 279): with the filter
+    they are dropped and counted, and every kept prompt fits."""
+    cfg = DataConfig(train_path=str(gsm8k_dir / "train.jsonl"), max_prompt_tokens=256)
+    with pytest.raises(DatasetError, match=r"train.jsonl:3: prompt is 279 tokens"):
+        load_prompts(cfg, tokenizer)
+    cfg = DataConfig(train_path=str(gsm8k_dir / "train.jsonl"), max_prompt_tokens=512,
+                     filter_overlong_prompts=True)
+    kept = load_prompts(cfg, tokenizer)
+    rows = sum(1 for line in (gsm8k_dir / "train.jsonl").open() if line.strip())
+    assert 0.9 * rows < len(kept) < rows
+    assert all(len(p.token_ids) <= 512 for p in kept)
