@@ -122,7 +122,16 @@ class DataConfig:
     responses_per_prompt: int = 4
     """R0: responses sampled per prompt (group size)."""
     max_prompt_tokens: int = 256
-    """Prompts longer than this (after the chat template) are rejected with their row."""
+    """Prompts longer than this (after the chat template) are rejected with their row, or dropped
+    with ``filter_overlong_prompts``."""
+    filter_overlong_prompts: bool = False
+    """Drop prompts longer than ``max_prompt_tokens`` from the train and eval sets (veRL's
+    ``filter_overlong_prompts``) instead of stopping at the first one; how many were dropped and
+    a few examples are logged."""
+    max_overlong_fraction: float = 0.1
+    """With ``filter_overlong_prompts``: refuse to start when more than this share of a set's rows
+    would be dropped (a too small ``max_prompt_tokens`` or a wrong chat template, not a few long
+    rows)."""
     shuffle: bool = True
     """Shuffle prompts every epoch (seeded by trainer.seed and the epoch)."""
     builtin_num_prompts: int = 4096
@@ -276,6 +285,13 @@ class AlgorithmConfig:
     """Largest overlong penalty (reached at max_new_tokens)."""
     filter_zero_variance: bool = False
     """Drop groups whose rewards all match (DAPO dynamic sampling) before training."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip PPO (veRL's ``clip_ratio_c``): for negative advantages the token loss is also
+    capped at -A x c, so a token whose ratio ran far above 1 cannot dominate a step; must be > 1,
+    0 disables it. Only matters with ppo_mini_batches > 1 (otherwise every ratio is 1)."""
+    log_ratio_clamp: float = 20.0
+    """The log-ratio log(pi / pi_old) is clamped to [-this, this] before exp() (as veRL does), so
+    one token with a huge log-ratio gives a finite loss; 0 disables the clamp."""
     tis_cap: float = 0.0
     """Truncated importance sampling: weight tokens by min(pi_old/pi_engine, cap) to correct
     engine/trainer numeric mismatch; 0 disables it."""

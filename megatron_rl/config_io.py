@@ -186,12 +186,18 @@ def validate(cfg: RunConfig, arch: dict | None = None, device: str | None = None
     for key in ("prompts_per_step", "responses_per_prompt", "max_prompt_tokens"):
         _positive(getattr(cfg.data, key), f"data.{key}")
     _positive(cfg.data.eval_every, "data.eval_every", allow_zero=True)
+    if not 0 <= cfg.data.max_overlong_fraction <= 1:
+        raise ConfigError(f"data.max_overlong_fraction: must be in [0, 1], got {cfg.data.max_overlong_fraction}")
     _positive(cfg.reward.timeout_s, "reward.timeout_s")
     _positive(cfg.reward.num_workers, "reward.num_workers")
     _positive(cfg.algorithm.clip_low, "algorithm.clip_low", allow_zero=True)
     _positive(cfg.algorithm.clip_high, "algorithm.clip_high", allow_zero=True)
     _positive(cfg.algorithm.kl_coef, "algorithm.kl_coef", allow_zero=True)
     _positive(cfg.algorithm.tis_cap, "algorithm.tis_cap", allow_zero=True)
+    if cfg.algorithm.clip_ratio_c and cfg.algorithm.clip_ratio_c <= 1.0:
+        raise ConfigError(f"algorithm.clip_ratio_c: the dual-clip bound must be > 1 (or 0 to disable), "
+                          f"got {cfg.algorithm.clip_ratio_c}")
+    _positive(cfg.algorithm.log_ratio_clamp, "algorithm.log_ratio_clamp", allow_zero=True)
     _positive(cfg.algorithm.ppo_mini_batches, "algorithm.ppo_mini_batches")
     if cfg.algorithm.overlong_buffer_tokens >= cfg.rollout.max_new_tokens:
         raise ConfigError("algorithm.overlong_buffer_tokens must be smaller than rollout.max_new_tokens")

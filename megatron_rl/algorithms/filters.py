@@ -1,8 +1,8 @@
 """Group filters applied between reward and training.
 
-DAPO's dynamic sampling drops groups whose responses all received the same reward: with
-group-normalised advantages every token of such a group has advantage 0, so the group costs a
-forward/backward pass and contributes no gradient (it only dilutes the token-mean loss).
+DAPO's dynamic sampling drops groups whose responses are all right or all wrong (the rule reward
+has zero variance): such a group carries no signal about correctness, costs a forward/backward
+pass and only dilutes the token-mean loss.
 """
 from __future__ import annotations
 
@@ -32,18 +32,25 @@ class FilterResult:
 
 
 def is_zero_variance(group: list[Sample], atol: float = 1e-9) -> bool:
-    """True when every response of ``group`` has the same reward (within ``atol``).
+    """True when every response of ``group`` has the same rule reward (within ``atol``).
+
+    The rule reward (``raw_reward``: correct or not, before DAPO's overlong shaping) is what
+    DAPO's dynamic sampling filters on (its accuracy metric): an all-wrong group whose shaped
+    rewards differ only by the overlong penalty carries no signal about correctness, and training
+    on it would teach length alone. Samples without a ``raw_reward`` (scorers that do no
+    shaping) are compared by ``reward``.
 
     Raises ValueError naming the response if a reward is missing (not yet scored).
     """
     rewards = []
     for sample in group:
-        if sample.reward is None:
+        value = sample.raw_reward if sample.raw_reward is not None else sample.reward
+        if value is None:
             raise ValueError(
                 f"sample {sample.prompt.prompt_id}#{sample.response_index} has no reward yet; "
                 "score every response of a group before filtering it"
             )
-        rewards.append(sample.reward)
+        rewards.append(value)
     # A group of one carries no comparison signal either: it is zero-variance by definition.
     return max(rewards) - min(rewards) <= atol
 

@@ -2,8 +2,9 @@
 
 Per response token t (A is the response's advantage, r the ratio pi / pi_old)::
 
-    r      = exp(logp - old_logp)
+    r      = exp(clamp(logp - old_logp, -log_ratio_clamp, log_ratio_clamp))
     pg     = max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high))       (DAPO's clip-higher)
+    pg     = min(pg, -A * clip_ratio_c)   for A < 0                         (dual-clip PPO)
     pg    *= w,  w = min(exp(old_logp - engine_logp), tis_cap), detached   (only if tis_cap > 0)
     kl     = logp - ref_logp                                   (kl_type 'k1')
            | exp(ref_logp - logp) - (ref_logp - logp) - 1       (kl_type 'k3', >= 0)
@@ -27,7 +28,7 @@ Both sequence aggregations need ``seq_ids`` and every sequence whole inside one 
 Metrics are floats already divided by the batch totals, so the caller combines microbatches (and
 data-parallel ranks, with an all-reduce SUM) by adding them:
 
-* token metrics (``clip_frac_low``, ``clip_frac_high``, ``approx_kl_old``, ``kl_ref``,
+* token metrics (``clip_frac_low``, ``clip_frac_high``, ``clip_frac_dual``, ``approx_kl_old``, ``kl_ref``,
   ``tis_weight_mean``, ``entropy_proxy``, ``ratio_mean``): sum over this microbatch's response
   tokens / ``num_tokens_total`` -> the batch token mean after summing;
 * ``pg_loss`` and ``kl_loss``: the two parts of ``loss``, aggregated exactly like it;
@@ -129,7 +130,8 @@ def compute_policy_loss(
         advantages: per-token advantages (the response's scalar repeated over its tokens).
         mask: 1 for response tokens that count, 0 for prompt/padding (bool or float). Values
             at masked-out positions may be anything, even inf/nan: they are never used.
-        cfg: ``clip_low``, ``clip_high``, ``loss_agg``, ``kl_coef``, ``kl_type``, ``tis_cap``.
+        cfg: ``clip_low``, ``clip_high``, ``clip_ratio_c``, ``log_ratio_clamp``, ``loss_agg``,
+            ``kl_coef``, ``kl_type``, ``tis_cap``.
         ref_logprobs: reference-model logprobs; required when ``cfg.kl_coef > 0``.
         engine_logprobs: rollout-engine logprobs; required when ``cfg.tis_cap > 0``.
         seq_ids: each token's sequence index (any integers, equal within a sequence);
@@ -157,11 +159,20 @@ def compute_policy_loss(
     adv = torch.where(valid, advantages.detach().to(logprobs.dtype), zero)
 
     log_ratio = logp - old
+    if cfg.log_ratio_clamp > 0:  # exp() of a huge log-ratio is inf: one token would own the step
+        log_ratio = log_ratio.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
     ratio = torch.exp(log_ratio)
     clipped_ratio = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     pg_unclipped = -adv * ratio
     pg_clipped = -adv * clipped_ratio
     pg = torch.maximum(pg_unclipped, pg_clipped)
+    dual_clipped = None
+    if cfg.clip_ratio_c > 0:
+        # For A < 0 the max above grows with r without bound; the dual clip caps it at -A * c
+        # (zero gradient there), as in veRL's compute_policy_loss.
+        dual_bound = -adv * cfg.clip_ratio_c
+        dual_clipped = (adv < 0) & (pg > dual_bound)
+        pg = torch.where(dual_clipped, dual_bound, pg)
 
     tis_weight = None
     if cfg.tis_cap > 0:
@@ -196,6 +207,8 @@ def compute_policy_loss(
         ratio.detach(), log_ratio.detach(), adv, logp.detach(), maskf, cfg,
         kl.detach() if kl is not None else None, tis_weight, num_tokens_total,
     )
+    if dual_clipped is not None:
+        metrics["clip_frac_dual"] = float((dual_clipped.to(maskf.dtype) * maskf).sum()) / num_tokens_total
     metrics["pg_loss"] = float(pg_loss.detach())
     metrics["kl_loss"] = float(kl_loss.detach())
     if seq_index is not None:

@@ -208,3 +208,48 @@ def test_clear_errors() -> None:
         compute_policy_loss(logp, old, adv, mask, cfg=_cfg(), num_tokens_total=0, num_seqs_total=1)
     with pytest.raises(ValueError, match="kl_type='k2'"):
         kl_penalty(logp, old, "k2")
+
+
+def test_dual_clip_caps_negative_advantage_tokens_with_a_huge_ratio() -> None:
+    # clip_ratio_c = 3:
+    # t0: A=-1, r=5   -> max(5, 1.28) = 5 > 3  -> dual-clipped to 3, grad 0
+    # t1: A=-2, r=2   -> max(4, 2.56) = 4 < 6  -> unclipped, grad 2 * 2 / 4 = 1.0
+    # t2: A= 1, r=5   -> max(-5, -1.28) = -1.28 (clip-high; the dual clip is for A < 0 only)
+    # t3: A=-1, r=0.5 -> max(0.5, 0.8) = 0.8   (clip-low)
+    logp, old, adv, mask = _inputs([5.0, 2.0, 5.0, 0.5], [-1.0, -2.0, 1.0, -1.0])
+    loss, metrics = compute_policy_loss(logp, old, adv, mask, cfg=_cfg(clip_ratio_c=3.0),
+                                        num_tokens_total=4, num_seqs_total=1)
+    assert loss.item() == pytest.approx((3.0 + 4.0 - 1.28 + 0.8) / 4)
+    assert metrics["clip_frac_dual"] == pytest.approx(0.25)
+    loss.backward()
+    assert logp.grad.tolist() == pytest.approx([0.0, 1.0, 0.0, 0.0])
+    # Without the dual clip t0 contributes its full 5 and a gradient of 1 * 5 / 4.
+    logp, old, adv, mask = _inputs([5.0, 2.0, 5.0, 0.5], [-1.0, -2.0, 1.0, -1.0])
+    loss, metrics = compute_policy_loss(logp, old, adv, mask, cfg=_cfg(clip_ratio_c=0.0),
+                                        num_tokens_total=4, num_seqs_total=1)
+    assert loss.item() == pytest.approx((5.0 + 4.0 - 1.28 + 0.8) / 4) and "clip_frac_dual" not in metrics
+    loss.backward()
+    assert logp.grad.tolist() == pytest.approx([1.25, 1.0, 0.0, 0.0])
+
+
+def test_log_ratio_clamp_keeps_a_huge_log_ratio_finite() -> None:
+    """One token 1000 nats above its old logprob (possible with ppo_mini_batches > 1 after a big
+    update, or a corrupted old logprob): without the clamp exp() is inf and the step is lost."""
+    logp = torch.tensor([1000.0, 0.1], dtype=torch.float64, requires_grad=True)
+    old = torch.zeros(2, dtype=torch.float64)
+    adv = torch.tensor([-1.0, 1.0], dtype=torch.float64)
+    mask = torch.ones(2, dtype=torch.bool)
+    loss, metrics = compute_policy_loss(logp, old, adv, mask, cfg=_cfg(clip_ratio_c=0.0),
+                                        num_tokens_total=2, num_seqs_total=1)
+    assert math.isfinite(loss.item()) and all(math.isfinite(v) for v in metrics.values())
+    assert loss.item() == pytest.approx((math.exp(20.0) - math.exp(0.1)) / 2)
+    loss.backward()
+    assert logp.grad.tolist() == pytest.approx([0.0, -math.exp(0.1) / 2])  # clamped side: no gradient
+    logp = torch.tensor([1000.0, 0.1], dtype=torch.float64, requires_grad=True)
+    loss, _ = compute_policy_loss(logp, old, adv, mask, cfg=_cfg(clip_ratio_c=0.0, log_ratio_clamp=0.0),
+                                  num_tokens_total=2, num_seqs_total=1)
+    assert math.isinf(loss.item())
+    # Both together (the defaults): the token is capped at -A * c = 3.
+    logp = torch.tensor([1000.0, 0.1], dtype=torch.float64, requires_grad=True)
+    loss, _ = compute_policy_loss(logp, old, adv, mask, cfg=AlgorithmConfig(), num_tokens_total=2, num_seqs_total=1)
+    assert loss.item() == pytest.approx((3.0 - math.exp(0.1)) / 2)

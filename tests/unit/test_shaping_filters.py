@@ -59,6 +59,22 @@ def test_filter_zero_variance_splits_groups_in_order() -> None:
     assert result.num_kept == 2
 
 
+def test_zero_variance_looks_at_the_rule_reward_not_the_shaped_one() -> None:
+    """DAPO filters on accuracy: an all-wrong group whose lengths differ inside the overlong
+    buffer has shaped rewards with spread but nothing to learn about correctness."""
+    all_wrong = _group("w", [-0.1, -0.6, 0.0])
+    for sample in all_wrong:
+        sample.raw_reward = 0.0
+    mixed = _group("m", [1.0, -0.6])
+    mixed[0].raw_reward, mixed[1].raw_reward = 1.0, 0.0
+    all_right_shaped = _group("r", [1.0, 0.7])  # right, one of them punished for length
+    for sample in all_right_shaped:
+        sample.raw_reward = 1.0
+    result = filter_zero_variance([all_wrong, mixed, all_right_shaped])
+    assert [g[0].prompt.prompt_id for g in result.kept] == ["m"]
+    assert [g[0].prompt.prompt_id for g in result.filtered] == ["w", "r"]
+
+
 def test_zero_variance_tolerance_and_missing_reward() -> None:
     assert is_zero_variance(_group("a", [1.0, 1.0 + 1e-12]))
     assert not is_zero_variance(_group("a", [1.0, 1.0 + 1e-3]))
