@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from megatron_rl.hooks import RolloutBatch, RolloutContext, RolloutScheduler
-from megatron_rl.rollout.generate import InFlight, accept_completion, submit_prompt
+from megatron_rl.sampling import InFlight, accept_completion, submit_prompt
 from megatron_rl.sample import Sample
 
 

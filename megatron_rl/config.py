@@ -1,12 +1,14 @@
 """Typed run configuration: one dataclass per concern, a docstring under every field.
 
-Recipes are YAML files whose top-level keys are the sections of :class:`RunConfig`;
+Recipes are YAML files whose top-level keys are the sections of :class:`RunConfig` (the core
+ones below, and sections that plug-in packages register with :func:`register_section`);
 ``megatron_rl.config_io`` loads them, applies dotted ``key=value`` overrides and validates
 everything before any process starts.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 
 @dataclass
@@ -151,8 +153,9 @@ class DataConfig:
 @dataclass
 class SchedulerConfig:
     name: str = "baseline"
-    """Rollout scheduler: 'baseline' (veRL-style: P0 prompts x R0 responses, wait for all) or
-    'tail_batching' (RollPacker: speculative short rounds, a long-prompt queue, long rounds)."""
+    """Rollout scheduler: 'baseline' (veRL-style: P0 prompts x R0 responses, wait for all),
+    'tail_batching' (RollPacker: speculative short rounds, a long-prompt queue, long rounds), or
+    an import path 'package.module:Class' of your own RolloutScheduler."""
     eta_prompts: float = 1.25
     """eta_P (tail batching): a short round launches ceil(eta_P x P0) prompts; the first P0 that
     complete form the batch. 1.0 disables prompt over-provisioning."""
@@ -162,55 +165,6 @@ class SchedulerConfig:
     max_refills: int = 4
     """DAPO mode (algorithm.filter_zero_variance): most extra launches per step to replace filtered
     groups before the step fails with a clear error."""
-
-
-@dataclass
-class StreamConfig:
-    enabled: bool = False
-    """Stream trainer (RollPacker): in the rounds named by ``rounds``, compute gradients on
-    completed groups while the rest still generate, and take the single optimizer step after the
-    last group. The update equals the ordinary one. Needs algorithm.ppo_mini_batches = 1."""
-    rounds: str = "long"
-    """Comma-separated round types that stream: 'long' (tail batching's long rounds), 'short',
-    'baseline' (every baseline step), or any mix."""
-    start_fraction_min: float = 0.2
-    """Earliest start: the fraction of the round's prompts complete at the first check."""
-    start_fraction_max: float = 0.5
-    """Latest start: streaming starts at this completed fraction whatever the engine load."""
-    check_interval: float = 0.05
-    """Start checks happen each time another this-much of the prompts has completed (5 % steps)."""
-    min_new_groups: int = 2
-    """After the start, a chunk goes to the trainer only once this many more groups completed
-    (small chunks cost a pipeline fill and a Ray round trip each)."""
-    release_engines: int = 0
-    """Engines to release when streaming starts: their running requests migrate (recompute:
-    prompt + generated tokens, budget reduced) to the other engines and they sleep until the
-    round ends. Streaming starts early only once the running requests fit on the engines left.
-    0 keeps every engine generating. Needs rollout.num_engines > release_engines."""
-    train_threads: int = 0
-    """CPU only: torch threads per trainer rank while engines are released (the freed cores go to
-    training); 0 leaves the thread count alone."""
-
-
-@dataclass
-class PlannerConfig:
-    enabled: bool = False
-    """Elastic rollout parallelism (RollPacker): each round type runs at its own rollout TP and the
-    engines are rebuilt between rounds when it changes, on the same devices
-    (rollout.tensor_parallel_size x rollout.num_engines of them)."""
-    initial_tp: str = ""
-    """Starting TP per round type, e.g. 'short:1,long:2'; wins over ``profile``. Round types
-    named in neither start at rollout.tensor_parallel_size."""
-    profile: str = ""
-    """JSON file of measured rollout seconds per round type and TP (tools/rollout_profile.py
-    builds it from earlier runs); each round type starts at its fastest legal profiled TP."""
-    growth: float = 1.05
-    """Online rule: preemptions of a round above this multiple of the previous round's (same type,
-    same TP) double that round type's TP."""
-    quiet_rounds: int = 4
-    """Online rule: this many consecutive rounds of a type without preemption halve its TP."""
-    max_tp: int = 0
-    """Largest rollout TP to consider; 0 means one node's GPUs (on CPU: the rollout devices)."""
 
 
 @dataclass
@@ -349,6 +303,10 @@ class TrainerConfig:
     released, the optimizer state (and, on GPUs, the weights) move to host memory, all coming
     back before the next logprob or training call (MegatronWorker.offload_for_rollout /
     reload_for_training). Costs a host round trip of the trainer state per step."""
+    plugins: str = ""
+    """Extra trainer plug-ins: comma-separated import paths 'package.module:factory' of functions
+    taking a ``megatron_rl.hooks.PluginSetup`` and returning a ``PluginSet`` (RollPacker's own
+    are always loaded and configured by their sections)."""
 
 
 @dataclass
@@ -363,10 +321,6 @@ class RunConfig:
     """Generation engines."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     """Which rollout scheduler fills each step's batch (baseline or RollPacker tail batching)."""
-    stream: StreamConfig = field(default_factory=StreamConfig)
-    """Stream trainer: gradients on completed groups while a round still generates."""
-    planner: PlannerConfig = field(default_factory=PlannerConfig)
-    """Elastic rollout TP per round type, switched between rounds."""
     data: DataConfig = field(default_factory=DataConfig)
     """Prompts for training and validation."""
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -377,3 +331,42 @@ class RunConfig:
     """Optimizer and microbatching."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Loop length, outputs, checkpoints, logging."""
+    extensions: dict[str, Any] = field(default_factory=lambda: {name: cls() for name, (cls, _) in _SECTIONS.items()})
+    """Sections registered by plug-in packages (:func:`register_section`; RollPacker's ``stream``
+    and ``planner``), keyed by section name and reached as ``cfg.<name>`` like the core ones."""
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called when ordinary lookup fails: a plug-in section. __dict__ is used directly so
+        # unpickling (no attributes yet) and copying never recurse here.
+        extensions = self.__dict__.get("extensions")
+        if extensions is None or name.startswith("__"):
+            raise AttributeError(name)
+        if name not in extensions and name in _SECTIONS:
+            extensions[name] = _SECTIONS[name][0]()  # registered after this config was made
+        if name in extensions:
+            return extensions[name]
+        raise AttributeError(f"RunConfig has no section {name!r} (plug-in sections registered: "
+                             f"{sorted(_SECTIONS) or 'none'})")
+
+
+_SECTIONS: dict[str, tuple[type, str]] = {}
+"""Plug-in sections: name -> (dataclass, one-line description)."""
+
+
+def register_section(name: str, cls: type, description: str) -> None:
+    """Add the config section ``name`` of a plug-in package (a dataclass with a docstring under
+    every field, like the core sections). Recipes and overrides then accept ``name.field``, the
+    config reference lists it, and every :class:`RunConfig` made afterwards carries its
+    defaults. Registering the same class twice is a no-op; a clash with a core section or
+    another class is an error."""
+    if name in {f.name for f in fields(RunConfig)}:
+        raise ValueError(f"config section {name!r} is a core section of RunConfig")
+    known = _SECTIONS.get(name)
+    if known is not None and known[0] is not cls:
+        raise ValueError(f"config section {name!r} is already registered by {known[0].__module__}")
+    _SECTIONS[name] = (cls, description)
+
+
+def plugin_sections() -> dict[str, tuple[type, str]]:
+    """The registered plug-in sections, name -> (dataclass, description)."""
+    return dict(_SECTIONS)

@@ -10,11 +10,12 @@ import json
 import os
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
-from megatron_rl.config import RunConfig
+from megatron_rl.config import RunConfig, plugin_sections
+from megatron_rl.plugins import PluginError, scheduler_path
 
 
 class ConfigError(ValueError):
@@ -57,9 +58,25 @@ def _coerce(value: Any, typ: Any, key: str, from_string: bool) -> Any:
     raise ConfigError(f"{key}: expected {typ.__name__}, got {type(value).__name__} {value!r}")
 
 
+def section_names(cfg: RunConfig) -> list[str]:
+    """Every section a recipe may set: the core ones, then the registered plug-in sections."""
+    core = [f.name for f in dataclasses.fields(RunConfig) if f.name != "extensions"]
+    return core + sorted(plugin_sections())
+
+
+def _section(cfg: RunConfig, name: str, where: str) -> Any:
+    if name not in section_names(cfg):
+        raise ConfigError(f"unknown section '{name}' in {where} (sections: {', '.join(section_names(cfg))})")
+    return getattr(cfg, name)
+
+
 def _apply_mapping(obj: Any, mapping: dict, prefix: str, source: str) -> None:
     if not isinstance(mapping, dict):
         raise ConfigError(f"{prefix or 'top level'} in {source}: expected a mapping, got {mapping!r}")
+    if isinstance(obj, RunConfig):
+        for name, value in mapping.items():
+            _apply_mapping(_section(obj, str(name), source), value, str(name), source)
+        return
     types = _field_types(type(obj))
     for name, value in mapping.items():
         key = f"{prefix}.{name}" if prefix else str(name)
@@ -79,8 +96,10 @@ def apply_override(cfg: RunConfig, assignment: str) -> None:
         raise ConfigError(f"override {assignment!r} must look like section.field=value")
     dotted, raw = assignment.split("=", 1)
     parts = dotted.strip().split(".")
-    obj: Any = cfg
-    for i, part in enumerate(parts):
+    if len(parts) < 2:
+        raise ConfigError(f"override {assignment!r} must look like section.field=value")
+    obj: Any = _section(cfg, parts[0], "command-line override")
+    for i, part in enumerate(parts[1:], start=1):
         key = ".".join(parts[: i + 1])
         types = _field_types(type(obj))
         if part not in types:
@@ -114,7 +133,11 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Ru
 
 
 def config_to_dict(cfg: RunConfig) -> dict:
-    return dataclasses.asdict(cfg)
+    """The configuration as plain data, every section (core and plug-in) at the top level: what
+    run_dir/config.json, checkpoint manifests and W&B get, and what :func:`load_config` reads."""
+    data = dataclasses.asdict(cfg)
+    data.update(data.pop("extensions"))
+    return data
 
 
 def _choice(value: str, allowed: tuple[str, ...], key: str) -> None:
@@ -157,15 +180,11 @@ def validate(cfg: RunConfig, arch: dict | None = None, device: str | None = None
     if cfg.reward.kind == "judge" and not cfg.reward.judge_model:
         raise ConfigError("reward.judge_model is required when reward.kind is 'judge'")
     _validate_reward_scaling(cfg)
-    _choice(cfg.scheduler.name, ("baseline", "tail_batching"), "scheduler.name")
-    for key in ("eta_prompts", "eta_responses"):
-        if getattr(cfg.scheduler, key) < 1.0:
-            raise ConfigError(f"scheduler.{key}: must be >= 1.0 (over-provisioning factor), "
-                              f"got {getattr(cfg.scheduler, key)}")
-    _positive(cfg.scheduler.max_refills, "scheduler.max_refills", allow_zero=True)
-    _validate_stream(cfg)
+    try:
+        scheduler_path(cfg.scheduler.name)
+    except PluginError as exc:
+        raise ConfigError(str(exc)) from None
     _choice(cfg.rollout.weight_sync_format, ("hf", "sharded"), "rollout.weight_sync_format")
-    _validate_planner(cfg)
     _choice(cfg.algorithm.advantage, ("grpo", "drgrpo"), "algorithm.advantage")
     _choice(cfg.algorithm.loss_agg, ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"), "algorithm.loss_agg")
     _choice(cfg.algorithm.kl_type, ("k1", "k3"), "algorithm.kl_type")
@@ -252,8 +271,20 @@ def validate(cfg: RunConfig, arch: dict | None = None, device: str | None = None
         if cfg.rollout.tensor_parallel_size > cfg.cluster.gpus_per_node:
             raise ConfigError("rollout.tensor_parallel_size: a TP group must fit in one node "
                               f"({cfg.cluster.gpus_per_node} GPUs)")
+    for check in _VALIDATORS:  # plug-in packages' sections (e.g. RollPacker's stream, planner)
+        check(cfg)
     if arch is not None:
         validate_against_architecture(cfg, arch)
+
+
+_VALIDATORS: list[Callable[[RunConfig], None]] = []
+
+
+def register_validator(check: Callable[[RunConfig], None]) -> None:
+    """Run ``check(cfg)`` as part of :func:`validate` (plug-in packages check their own sections
+    this way; raise ConfigError naming the key). Idempotent."""
+    if check not in _VALIDATORS:
+        _VALIDATORS.append(check)
 
 
 def _validate_reward_scaling(cfg: RunConfig) -> None:
@@ -269,7 +300,6 @@ def _validate_reward_scaling(cfg: RunConfig) -> None:
         raise ConfigError("reward.code_timeout_max_s must be >= reward.code_timeout_min_s")
 
 
-ROUND_TYPES = ("long", "short", "baseline")
 # parallel.recompute_granularity values; megatron_rl.model.qwen2 maps them to TransformerConfig.
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 
@@ -277,64 +307,6 @@ RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 def comma_list(spec: str) -> list[str]:
     """A comma-separated config value (e.g. stream.rounds 'long,short') as a list of stripped items."""
     return [r.strip() for r in spec.split(",") if r.strip()]
-
-
-def parse_initial_tp(spec: str) -> dict[str, int]:
-    """``planner.initial_tp`` ('short:1,long:2') -> {'short': 1, 'long': 2}; errors name the key."""
-    out: dict[str, int] = {}
-    for part in comma_list(spec):
-        kind, sep, value = part.partition(":")
-        if not sep or not value.strip().isdigit() or int(value) < 1:
-            raise ConfigError(f"planner.initial_tp: expected 'round:tp' pairs like 'short:1,long:2', got {part!r}")
-        out[kind.strip()] = int(value)
-    return out
-
-
-def _validate_stream(cfg: RunConfig) -> None:
-    st = cfg.stream
-    rounds = comma_list(st.rounds)
-    if not rounds or any(r not in ROUND_TYPES for r in rounds):
-        raise ConfigError(f"stream.rounds: expected a comma-separated subset of {ROUND_TYPES}, got {st.rounds!r}")
-    if not 0 < st.start_fraction_min <= st.start_fraction_max <= 1:
-        raise ConfigError("stream.start_fraction_min and stream.start_fraction_max must satisfy "
-                          f"0 < min <= max <= 1, got {st.start_fraction_min} and {st.start_fraction_max}")
-    if not 0 < st.check_interval <= 1:
-        raise ConfigError(f"stream.check_interval: must be in (0, 1], got {st.check_interval}")
-    _positive(st.min_new_groups, "stream.min_new_groups")
-    _positive(st.release_engines, "stream.release_engines", allow_zero=True)
-    _positive(st.train_threads, "stream.train_threads", allow_zero=True)
-    if not st.enabled:
-        return
-    if cfg.algorithm.ppo_mini_batches != 1:
-        raise ConfigError("stream.enabled needs algorithm.ppo_mini_batches = 1: streamed gradients add up to "
-                          f"one optimizer step (got {cfg.algorithm.ppo_mini_batches})")
-    if st.release_engines >= cfg.rollout.num_engines:
-        raise ConfigError(f"stream.release_engines={st.release_engines} must leave an engine generating "
-                          f"(rollout.num_engines={cfg.rollout.num_engines})")
-
-
-def _validate_planner(cfg: RunConfig) -> None:
-    pl = cfg.planner
-    if pl.growth < 1.0:
-        raise ConfigError(f"planner.growth: must be >= 1.0, got {pl.growth}")
-    _positive(pl.quiet_rounds, "planner.quiet_rounds")
-    _positive(pl.max_tp, "planner.max_tp", allow_zero=True)
-    devices = cfg.rollout.tensor_parallel_size * cfg.rollout.num_engines
-    if pl.profile:
-        from rollpacker.tp_profile import ProfileError, load_profile
-
-        try:
-            unknown = sorted(set(load_profile(pl.profile)) - set(ROUND_TYPES))
-        except ProfileError as exc:
-            raise ConfigError(f"planner.profile: {exc}") from None
-        if unknown:
-            raise ConfigError(f"planner.profile: {pl.profile}: unknown round types {unknown} (one of {ROUND_TYPES})")
-    for kind, value in parse_initial_tp(pl.initial_tp).items():
-        if kind not in ROUND_TYPES:
-            raise ConfigError(f"planner.initial_tp: unknown round type {kind!r} (one of {ROUND_TYPES})")
-        if devices % value:
-            raise ConfigError(f"planner.initial_tp: TP {value} does not divide the {devices} rollout devices "
-                              "(rollout.tensor_parallel_size x rollout.num_engines)")
 
 
 def _world_size(cfg: RunConfig) -> int:

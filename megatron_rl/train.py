@@ -1,7 +1,10 @@
 """Entry point: ``python -m megatron_rl.train --config recipe.yaml [section.key=value ...]``.
 
 Validates the whole configuration before any process starts, then places the trainer ranks,
-rollout engines and reward workers with Ray and runs the loop.
+rollout engines and reward workers with Ray, builds the scheduler and the plug-ins the config
+names, and runs the loop. This is the one module of ``megatron_rl`` that names RollPacker: it
+imports ``rollpacker.plugins``, which registers RollPacker's scheduler, config sections and
+plug-in factory with the core's registries.
 """
 from __future__ import annotations
 
@@ -14,10 +17,14 @@ import os
 import sys
 from pathlib import Path
 
+import rollpacker.plugins  # noqa: F401  (registers RollPacker's scheduler, config sections and plug-ins)
 from megatron_rl.config import RunConfig
 from megatron_rl.config_io import (ConfigError, config_to_dict, load_config, read_hf_architecture, resolve_device,
                                    validate)
 from megatron_rl.graceful_stop import GracefulStop
+from megatron_rl.hooks import PluginSetup, TrainerPlugin
+from megatron_rl.plugins import PluginError, make_scheduler, plugin_factories
+from megatron_rl.rollout.engine import RolloutEngine
 
 log = logging.getLogger("megatron_rl")
 
@@ -30,22 +37,11 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     return load_config(args.config, args.overrides)
 
 
-def make_scheduler(cfg: RunConfig):
-    """The rollout scheduler named by scheduler.name (RollPacker's is imported only when chosen)."""
-    if cfg.scheduler.name == "tail_batching":
-        from rollpacker.tail_batching import TailBatchingScheduler
-
-        return TailBatchingScheduler()
-    from megatron_rl.baseline import BaselineScheduler
-
-    return BaselineScheduler()
-
-
-def _elastic_rollout(cfg: RunConfig, engine, device: str):
-    """Wrap the engines for the elastic-TP planner: ``tp`` -> ``devices / tp`` engines of TP ``tp``."""
+def _engine_factory(cfg: RunConfig, device: str):
+    """``factory(tp, weights_dir)``: the run's engines rebuilt at rollout TP ``tp`` on the same
+    rollout devices (``devices // tp`` engines), for plug-ins such as RollPacker's elastic TP."""
     from megatron_rl.distributed.cluster import engine_actor_options
     from megatron_rl.rollout.ray_engine import create_engine_client
-    from rollpacker.elastic_tp import build_elastic_tp
 
     devices = cfg.rollout.tensor_parallel_size * cfg.rollout.num_engines
 
@@ -55,7 +51,29 @@ def _elastic_rollout(cfg: RunConfig, engine, device: str):
         # Engine start-up blocks on ray.get: keep the event loop (reward tasks) running meanwhile.
         return await asyncio.to_thread(create_engine_client, at_tp, model_dir, engine_actor_options(at_tp, device))
 
-    return build_elastic_tp(cfg, engine, factory, on_gpu=device == "cuda")
+    return factory
+
+
+def build_plugins(setup: PluginSetup) -> tuple[RolloutEngine, list[TrainerPlugin]]:
+    """Every plug-in factory in turn (registered ones, then trainer.plugins); each may wrap the
+    engine the next one and the loop get."""
+    plugins: list[TrainerPlugin] = []
+    for factory in plugin_factories(setup.cfg):
+        built = factory(setup)
+        setup = dataclasses.replace(setup, engine=built.engine)
+        plugins.extend(built.plugins)
+    return setup.engine, plugins
+
+
+def _fan_out_from(source: str):
+    """Multi-node runs: copy a weights directory rank 0 (on node ``source``) wrote to the same
+    path on every other node, where engines read it."""
+    from megatron_rl.rollout.weight_fanout import fan_out, other_nodes
+
+    async def fan_out_dir(directory: str) -> dict[str, float]:
+        return await fan_out(directory, source, other_nodes(source))
+
+    return fan_out_dir
 
 
 def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict]:
@@ -88,6 +106,7 @@ def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict
     train_prompts = load_prompts(cfg.data, tokenizer, split="train")
     eval_prompts = load_prompts(cfg.data, tokenizer, split="eval") if cfg.data.eval_every else []
     log.info("data: %d train prompts, %d eval prompts", len(train_prompts), len(eval_prompts))
+    scheduler = make_scheduler(cfg)
 
     start_ray(cfg, run_dir, device)
     if stop is not None:
@@ -101,29 +120,27 @@ def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict
         policy = PolicyGroup(cfg, device, trainer_actor_options(cfg, device), port)
         if cfg.trainer.offload_during_rollout:
             # Load the trainer before vLLM claims its share of the GPU, then move it out of the way.
-            policy.load_hf(cfg.model.hf_path)
-            policy.offload_for_rollout()
+            asyncio.run(policy.load_hf(cfg.model.hf_path))
+            asyncio.run(policy.offload_for_rollout())
         engine = create_engine_client(cfg, cfg.model.hf_path, engine_actor_options(cfg, device))
-        elastic = None
-        if cfg.planner.enabled:
-            elastic = _elastic_rollout(cfg, engine, device)
-            engine = elastic.rollout
+        engine, plugins = build_plugins(PluginSetup(cfg, device, engine, _engine_factory(cfg, device)))
         rewards = RewardPool.from_run_config(cfg)
         if not cfg.trainer.offload_during_rollout:
-            policy.load_hf(cfg.model.hf_path)
-        fanout_source = policy.rank0_node_id() if cfg.cluster.num_nodes > 1 else ""
+            asyncio.run(policy.load_hf(cfg.model.hf_path))
+        fanout_source = asyncio.run(policy.rank0_node_id()) if cfg.cluster.num_nodes > 1 else ""
         log.info("weights for the engines go to %s", sync_dir)
         parts = TrainerParts(cfg=cfg, policy=policy, engine=engine, rewards=rewards, train_prompts=train_prompts,
-                             eval_prompts=eval_prompts, scheduler=make_scheduler(cfg),
-                             weight_sync_dir=str(sync_dir), elastic=elastic,
-                             fanout_source=fanout_source, stop=stop)
+                             eval_prompts=eval_prompts, scheduler=scheduler, plugins=plugins,
+                             weight_sync_dir=str(sync_dir),
+                             fan_out=_fan_out_from(fanout_source) if fanout_source else None,
+                             stop=stop, on_cpu=device == "cpu")
         return run_trainer(parts)
     finally:
         for part in (rewards, engine, policy):
             if part is not None:
                 try:
                     result = part.shutdown()
-                    if asyncio.iscoroutine(result):  # the engine contract's shutdown is async
+                    if asyncio.iscoroutine(result):  # the engine and policy shut down asynchronously
                         asyncio.run(result)
                 except Exception as exc:  # teardown must not hide the real error
                     log.warning("shutdown of %s failed: %s", type(part).__name__, exc)
@@ -159,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except DatasetError as exc:
         print(f"data error: {exc}", file=sys.stderr)
+        return 2
+    except PluginError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
         return 2
     return stop.exit_code  # 0, or 143 after a SIGTERM stop (checkpointed; resume to go on)
 

@@ -1,16 +1,17 @@
 """The elastic-TP planner wired to real engines: one TP per round type, switched between rounds.
 
-Before each round the loop asks :meth:`ElasticTP.before_round` with the round type the scheduler
-will run next; when the planner wants another TP for that type, the engines are rebuilt at it
+A trainer plug-in: before each round (``before_rollout``, with the round type the scheduler will
+run next), when the planner wants another TP for that type, the engines are rebuilt at it
 (:class:`megatron_rl.rollout.elastic.ElasticRollout`) and loaded with the current weights. After
-the round :meth:`ElasticTP.after_round` feeds the round's preemption count to the planner's online
+the round ``after_rollout`` feeds the round's preemption count to the planner's online
 rule (preemptions up > growth -> double TP; quiet rounds -> halve TP). The planner's state is
 training state and goes into the checkpoint.
 
 How weights reach engines of the new TP: the old engines are shut down, the trainer ranks move
 their Megatron shards straight into vLLM's TP layout for the new size with the resharding
 executor (``megatron_rl.resharding``: point to point, size-bounded buckets, every byte once) and
-write one file per engine rank (vLLM's ``sharded_state`` format) into the weight-sync directory;
+write one file per engine rank (vLLM's ``sharded_state`` format) into the weight-sync directory
+(``WeightSync.write_for_new_engines``, with the trainer made resident for it when offloaded);
 the new engines start from it, each rank loading only its own file, tagged with the current
 policy version. Later syncs of those engines go through the same directory
 (``rollout.weight_sync_format``).
@@ -18,61 +19,69 @@ policy version. Later syncs of those engines go through the same directory
 from __future__ import annotations
 
 import logging
-from typing import Awaitable, Callable
+import time
+from typing import Callable
 
 from megatron_rl.config import RunConfig
-from megatron_rl.config_io import parse_initial_tp
+from megatron_rl.hooks import LoopServices, RolloutBatch, TrainerPlugin
 from megatron_rl.rollout.elastic import ElasticRollout
+from rollpacker.config import parse_initial_tp
 from rollpacker.planner import ElasticTPPlanner
 from rollpacker.tp_profile import fastest_tp, load_profile
 
 log = logging.getLogger(__name__)
 
-ShardWriter = Callable[[int], Awaitable[tuple[str, dict[str, float]]]]
-"""``write_shards(tp)``: the trainer writes its weights as rollout shards for TP ``tp`` (in the
-engines' dtype); returns the directory and the resharder's figures (bytes_sent, bytes_local,
-seconds, rounds)."""
 
+class ElasticTP(TrainerPlugin):
+    """Trainer plug-in: planner + elastic engines, switched before each round (module docstring)."""
 
-class ElasticTP:
-    """Planner + elastic engines; called by the trainer around each round."""
+    name = "planner"
+    """Checkpoint key (the same as before the plug-in seam, so older checkpoints resume)."""
 
-    def __init__(self, cfg: RunConfig, planner: ElasticTPPlanner, rollout: ElasticRollout) -> None:
+    def __init__(self, cfg: RunConfig, planner: ElasticTPPlanner, rollout: ElasticRollout,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.planner = planner
         self.rollout = rollout
+        self.clock = clock
+        self.loop: LoopServices | None = None
         self._preemptions_at_start = 0
         self._switch_metrics: dict[str, float] = {}
+        self._switch_s = 0.0
 
-    async def before_round(self, round_type: str, write_shards: ShardWriter) -> None:
-        """Rebuild the engines when the planner wants another TP for ``round_type``, from the
-        shards ``write_shards(tp)`` writes (see the module docstring)."""
+    def attach(self, loop: LoopServices) -> None:
+        self.loop = loop
+
+    async def before_rollout(self, step: int, round_type: str) -> dict[str, float]:
+        """Rebuild the engines when the planner wants another TP for ``round_type``, from the rank
+        files the weight sync writes for it (see the module docstring)."""
+        start = self.clock()
         tp = self.planner.tp_for(round_type)
         self._switch_metrics = {}
         if tp != self.rollout.tp:
             async def write(new_tp: int) -> tuple[str, dict[str, float]]:
-                directory, stats = await write_shards(new_tp)
-                moved = stats["bytes_sent"] + stats["bytes_local"]
-                return directory, {"reshard_mb": moved / 1e6, "reshard_s": stats["seconds"],
-                                   "reshard_rounds": stats["rounds"]}
+                return await self.loop.weight_sync.write_for_new_engines(new_tp, self.loop.version)
 
             self._switch_metrics = await self.rollout.switch(tp, write)
         self._preemptions_at_start = (await self.rollout.stats()).preemptions
+        self._switch_s = self.clock() - start
+        return {}
 
-    async def after_round(self, round_type: str) -> dict[str, float]:
+    async def after_rollout(self, step: int, batch: RolloutBatch) -> dict[str, float]:
         """Feed the round's preemptions to the online rule; metrics under planner/*."""
         preemptions = (await self.rollout.stats()).preemptions - self._preemptions_at_start
-        decision = self.planner.observe(round_type, preemptions)
+        decision = self.planner.observe(batch.round_type, preemptions)
         if decision.changed:
-            log.info("planner: %s rounds go from TP %d to TP %d (%s, %d preemptions)", round_type,
+            log.info("planner: %s rounds go from TP %d to TP %d (%s, %d preemptions)", batch.round_type,
                      decision.old_tp, decision.new_tp, decision.reason, preemptions)
         m = {
+            "time/engine_switch": self._switch_s,
             "planner/rollout_tp": float(self.rollout.tp),
             "planner/preemptions": float(preemptions),
             "planner/next_tp": float(decision.new_tp),
             "planner/switched": float(bool(self._switch_metrics)),
         }
-        for key in ("switch_s", "reshard_mb", "reshard_s", "reshard_rounds"):
+        for key in ("switch_s", "reshard_mb", "reshard_s", "reshard_rounds", "fanout_mb", "fanout_nodes", "fanout_s"):
             if key in self._switch_metrics:
                 m[f"planner/{key}"] = self._switch_metrics[key]
         return m

@@ -16,8 +16,12 @@ and, on CPU, the trainer ranks get ``stream.train_threads`` threads. Everything 
 when the round's training is done, before the weight sync (if the pool sleeps through training,
 the released engines rejoin it asleep and the sync's wake_up wakes them with the rest).
 
-The trainer's own work is passed in as callables (``train_chunk``, ``apply_update``), so this
-module holds only the policy and is tested on a fake engine as well as in the real loop.
+It is a trainer plug-in (``megatron_rl.hooks.TrainerPlugin``): it sees groups complete through
+the rollout hooks, takes over the training of the steps it streams (``takes_over_training`` /
+``train``, which checks that exactly the step's prepared samples were trained, each once), and
+reaches the loop only through its services: ``train_groups`` / ``apply_gradients`` for the
+trainer's work, ``colocation.lend_engines`` / ``return_engines`` for the handoff. So this module
+holds only the policy and is tested on a fake loop and engine as well as in the real loop.
 """
 from __future__ import annotations
 
@@ -26,21 +30,15 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
+from typing import Callable
 
-from megatron_rl.config import RunConfig, StreamConfig
+from megatron_rl.config import RunConfig
 from megatron_rl.config_io import comma_list
-from megatron_rl.hooks import StepHook
-from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.hooks import LoopServices, RolloutBatch, TrainerPlugin, TrainResult
 from megatron_rl.sample import Sample
+from rollpacker.config import StreamConfig
 
 log = logging.getLogger(__name__)
-
-TrainChunk = Callable[[list[list[Sample]]], Awaitable[list[Sample]]]
-"""Prepares groups (filter, advantages, old logprobs) and accumulates their gradients; returns
-the samples that were trained (zero-variance groups may be dropped)."""
-ApplyUpdate = Callable[[list[Sample]], Awaitable[dict]]
-"""Takes the optimizer step over everything accumulated; gets all trained samples (totals)."""
 
 
 class StartRule:
@@ -101,33 +99,21 @@ class _Round:
     task: asyncio.Task | None = None
 
 
-@dataclass
-class StreamResult:
-    """What :meth:`StreamTrainer.finish` hands back to the loop."""
+class StreamTrainer(TrainerPlugin):
+    """Trainer plug-in that streams completed groups into the trainer (see the module docstring)."""
 
-    train_metrics: dict
-    """The optimizer step's metrics (as ``PolicyGroup.train_step`` reports them)."""
-    metrics: dict[str, float]
-    """stream/* metrics: start, chunks, training hidden under rollout, engine release."""
-    trained: list[Sample]
-    """Every sample whose gradient went into the step, in the order it was trained."""
+    name = "stream"
 
-
-class StreamTrainer(StepHook):
-    """StepHook that streams completed groups into the trainer; the Trainer calls :meth:`finish`."""
-
-    def __init__(self, cfg: RunConfig, engine: RolloutEngine, train_chunk: TrainChunk, apply_update: ApplyUpdate,
-                 set_train_threads: Callable[[int], Awaitable[None]] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, cfg: RunConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.scfg = cfg.stream
         self.rounds = set(comma_list(self.scfg.rounds))
-        self.engine = engine
-        self.train_chunk = train_chunk
-        self.apply_update = apply_update
-        self.set_train_threads = set_train_threads
         self.clock = clock
         self.round: _Round | None = None
+        self.loop: LoopServices | None = None
+
+    def attach(self, loop: LoopServices) -> None:
+        self.loop = loop
 
     # ------------------------------------------------------------------ hook side (rollout)
     def on_round_start(self, step: int, round_type: str, num_groups: int) -> None:
@@ -171,10 +157,10 @@ class StreamTrainer(StepHook):
         """Do the running requests fit on the engines left after the release?"""
         if self.scfg.release_engines == 0:
             return True
-        staying = self.engine.active_engines - self.scfg.release_engines
+        staying = self.loop.engine.active_engines - self.scfg.release_engines
         if staying < 1:
             return True  # nothing will be released (see _start): no reason to wait
-        stats = await self.engine.stats()
+        stats = await self.loop.engine.stats()
         return stats.running + stats.waiting <= staying * self.cfg.rollout.max_num_seqs
 
     async def _start(self, r: _Round, mark: float) -> None:
@@ -182,27 +168,41 @@ class StreamTrainer(StepHook):
         # Groups can complete in a burst, so the completed fraction may lie past the mark.
         r.start_fraction, r.start_mark = len(r.completed) / r.total_groups, mark
         if self.scfg.release_engines > 0:
-            active = self.engine.active_engines
+            active = self.loop.engine.active_engines
             if active <= self.scfg.release_engines:
                 # E.g. the elastic planner runs this round as one large-TP engine: stream without
                 # a handoff rather than stop the only engine (a TP group is never split).
                 log.info("step %d: %d engine(s) active, none released for streaming", r.step, active)
                 r.release = {"released_engines": 0.0}
             else:
-                r.release = dict(await self.engine.release_engines(self.scfg.release_engines))
-                if self.scfg.train_threads and self.set_train_threads is not None:
-                    await self.set_train_threads(self.scfg.train_threads)
+                r.release = await self.loop.colocation.lend_engines(self.scfg.release_engines,
+                                                                    self.scfg.train_threads)
         log.info("step %d: streaming %s round at %.0f%% of prompts complete", r.step, r.round_type,
                  100 * r.start_fraction)
 
     async def _train(self, r: _Round, groups: list[list[Sample]]) -> None:
         start = self.clock()
-        trained = await self.train_chunk(groups)
+        trained = await self.loop.train_groups(groups)
         r.trained.extend(trained)
         r.chunks.append(_Chunk(len(groups), len(trained), start, self.clock()))
 
     # ------------------------------------------------------------------ trainer side
-    async def finish(self, step: int, batch_groups: list[list[Sample]]) -> StreamResult:
+    def takes_over_training(self, step: int) -> bool:
+        return self.streaming(step)
+
+    async def train(self, step: int, batch: RolloutBatch, samples: list[Sample]) -> TrainResult:
+        """Finish the streamed step and check it covered exactly ``samples``, each once (a
+        streamed gradient cannot be taken back, so a gap or a duplicate is an error)."""
+        result = await self.finish(step, batch.groups)
+        expected, got = {s.request_id for s in samples}, [s.request_id for s in result.trained]
+        if len(got) != len(set(got)) or set(got) != expected:
+            missing, extra = expected - set(got), set(got) - expected
+            raise RuntimeError(f"stream trainer trained {len(got)} samples, expected {len(expected)} "
+                               f"(missing {sorted(missing)[:3]}, unexpected {sorted(extra)[:3]}, "
+                               f"duplicates {len(got) - len(set(got))})")
+        return result
+
+    async def finish(self, step: int, batch_groups: list[list[Sample]]) -> TrainResult:
         """Train what was not streamed yet, take the optimizer step, give resources back.
 
         ``batch_groups`` is the scheduler's batch;
@@ -227,11 +227,11 @@ class StreamTrainer(StepHook):
             remaining = [g for g in batch_groups if g[0].prompt.prompt_id not in sent]
             if remaining:
                 await self._train(r, remaining)
-            train_metrics = await self.apply_update(r.trained) if r.trained else {}
+            train_metrics = await self.loop.apply_gradients(r.trained) if r.trained else {}
         finally:
             await self._give_back(r)
             self.round = None
-        return StreamResult(train_metrics, self._metrics(r, rollout_end), list(r.trained))
+        return TrainResult(train_metrics, self._metrics(r, rollout_end), list(r.trained))
 
     async def _give_back(self, r: _Round) -> None:
         if r.task is not None and not r.task.done():
@@ -239,9 +239,7 @@ class StreamTrainer(StepHook):
         if r.release.get("released_engines"):
             # If the whole pool sleeps through training (rollout.sleep_during_train), the pool
             # keeps the restored engines asleep until the weight sync's wake_up.
-            await self.engine.restore_engines()
-            if self.scfg.train_threads and self.set_train_threads is not None:
-                await self.set_train_threads(1)
+            await self.loop.colocation.return_engines()
 
     def _metrics(self, r: _Round, rollout_end: float) -> dict[str, float]:
         total = max(1, len(r.trained))

@@ -38,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import rollpacker.plugins  # noqa: E402,F401  (RollPacker's config sections, as megatron_rl.train registers them)
 from megatron_rl.config import RunConfig  # noqa: E402
 from megatron_rl.config_io import apply_override, load_config  # noqa: E402
 

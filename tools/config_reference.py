@@ -1,5 +1,6 @@
 """Print the configuration reference (every section and field with its default and docstring)
-as Markdown, straight from megatron_rl/config.py, so the README cannot drift from the code.
+as Markdown, straight from the config dataclasses (megatron_rl/config.py, then the sections
+plug-in packages register, e.g. rollpacker/config.py), so the README cannot drift from the code.
 
     python tools/config_reference.py            # print
     python tools/config_reference.py --check README.md   # exit 1 if README's copy is stale
@@ -16,14 +17,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import megatron_rl.config as config_module  # noqa: E402
-from megatron_rl.config import RunConfig  # noqa: E402
+import rollpacker.plugins  # noqa: E402,F401  (registers RollPacker's sections, as megatron_rl.train does)
+from megatron_rl.config import RunConfig, plugin_sections  # noqa: E402
 
 BEGIN, END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
 
 
-def field_docs() -> dict[str, dict[str, str]]:
-    """{class name: {field: docstring}} read from the source (dataclass fields keep no docs)."""
-    tree = ast.parse(inspect.getsource(config_module))
+def field_docs(module=config_module) -> dict[str, dict[str, str]]:
+    """{class name: {field: docstring}} read from a module's source (dataclass fields keep no docs)."""
+    tree = ast.parse(inspect.getsource(module))
     docs: dict[str, dict[str, str]] = {}
     for node in tree.body:
         if isinstance(node, ast.ClassDef):
@@ -36,19 +38,27 @@ def field_docs() -> dict[str, dict[str, str]]:
     return docs
 
 
+def _sections() -> list[tuple[str, str, type, dict[str, str]]]:
+    """(name, description, dataclass, field docs) of the core sections, then the plug-in ones."""
+    core_docs = field_docs()
+    out = [(f.name, core_docs["RunConfig"][f.name], type(getattr(RunConfig(), f.name)), core_docs)
+           for f in dataclasses.fields(RunConfig) if f.name != "extensions"]
+    for name, (cls, description) in sorted(plugin_sections().items()):
+        out.append((name, f"{description} (registered by `{cls.__module__}`)", cls,
+                    field_docs(sys.modules[cls.__module__])))
+    return out
+
+
 def render() -> str:
-    docs = field_docs()
-    root = RunConfig()
     lines = []
-    for section in dataclasses.fields(RunConfig):
-        obj = getattr(root, section.name)
-        cls = type(obj)
-        lines += [f"**`{section.name}`**: {docs['RunConfig'][section.name]}", "",
+    for name, description, cls, docs in _sections():
+        obj = cls()
+        lines += [f"**`{name}`**: {description}", "",
                   "| key | default | meaning |", "| --- | --- | --- |"]
         for f in dataclasses.fields(cls):
             default = getattr(obj, f.name)
             text = docs[cls.__name__][f.name].replace("|", "\\|")
-            lines.append(f"| `{section.name}.{f.name}` | `{default!r}` | {text} |")
+            lines.append(f"| `{name}.{f.name}` | `{default!r}` | {text} |")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 

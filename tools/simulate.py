@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import rollpacker.plugins  # noqa: E402,F401  (RollPacker's config sections, as megatron_rl.train registers them)
 from megatron_rl.config_io import ConfigError, load_config  # noqa: E402
 from megatron_rl.planning.architectures import resolve_shape  # noqa: E402
 from megatron_rl.planning.memory import GPUS  # noqa: E402

@@ -46,6 +46,11 @@ class ElasticRollout(RolloutEngine):
         self.switches = 0
 
     @property
+    def tensor_parallel_size(self) -> int:
+        """The current engines' TP (changes with :meth:`switch`)."""
+        return self.tp
+
+    @property
     def engine(self) -> RolloutEngine:
         """The engines of the current TP (a single engine or a pool)."""
         return self._engine

@@ -100,6 +100,12 @@ class RolloutEngine(abc.ABC):
         weights it had (reload afterwards to move to newer ones). No-op when awake."""
 
     @property
+    @abc.abstractmethod
+    def tensor_parallel_size(self) -> int:
+        """The TP size of this engine's model shards (every engine of a pool has the same): the
+        layout weights must be written in for it."""
+
+    @property
     def active_engines(self) -> int:
         """Engines now generating: 1 for a single engine; a pool counts those not released."""
         return 1

@@ -129,6 +129,10 @@ class EnginePool(RolloutEngine):
 
     # ------------------------------------------------------------------ requests
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.engines[0].tensor_parallel_size
+
     async def submit(self, request: GenerationRequest) -> None:
         """Route to the least-loaded active engine."""
         rid = request.request_id

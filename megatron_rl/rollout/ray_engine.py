@@ -105,8 +105,10 @@ class RayEngineClient(RolloutEngine):
     ``asyncio.gather`` to hide the round trip.
     """
 
-    def __init__(self, actor: Any, poll_wait_s: float = 0.5, call_timeout_s: float = 600.0) -> None:
+    def __init__(self, actor: Any, poll_wait_s: float = 0.5, call_timeout_s: float = 600.0,
+                 tensor_parallel_size: int = 1) -> None:
         self.actor = actor
+        self._tp = tensor_parallel_size
         self.poll_wait_s = poll_wait_s
         self.call_timeout_s = call_timeout_s
         self._closed = False
@@ -142,7 +144,11 @@ class RayEngineClient(RolloutEngine):
         actor = ray.remote(EngineActor).options(**options).remote(model_path, cfg, seed, max_model_len)
         if start_timeout_s is not None:
             ray.get(actor.ready.remote(), timeout=start_timeout_s)
-        return cls(actor)
+        return cls(actor, tensor_parallel_size=cfg.tensor_parallel_size)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self._tp
 
     async def _call(self, method: str, *args: Any) -> Any:
         ref = getattr(self.actor, method).remote(*args)

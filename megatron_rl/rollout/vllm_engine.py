@@ -266,6 +266,10 @@ class VLLMEngine(RolloutEngine):
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.cfg.tensor_parallel_size
+
     async def submit(self, request: GenerationRequest) -> None:
         """Queue one request; its Completion appears in :meth:`completions`."""
         if self._closed:

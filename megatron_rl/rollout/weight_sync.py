@@ -18,6 +18,7 @@ from typing import Mapping
 import torch
 
 from megatron_rl.distributed.local_state import run_dir_name, sweep_dead_run_dirs
+from megatron_rl.files import replace_dir
 
 EMBED_KEY = "model.embed_tokens.weight"
 LM_HEAD_KEY = "lm_head.weight"
@@ -133,22 +134,6 @@ def write_hf_weights(
         raise
     replace_dir(tmp, target)
     return target
-
-
-def replace_dir(tmp: str | Path, target: str | Path) -> None:
-    """Put the finished directory ``tmp`` in place of ``target`` and delete the old one.
-
-    Two renames (old -> trash, tmp -> target): only the short gap between them lacks a
-    directory, and readers (engines) read only after the writer returns, so none sees half a
-    directory."""
-    tmp, target = Path(tmp), Path(target)
-    trash = None
-    if target.exists():
-        trash = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(target, trash)
-    os.rename(tmp, target)
-    if trash is not None:
-        shutil.rmtree(trash, ignore_errors=True)
 
 
 def remove_sync_dir(directory: str | Path) -> None:

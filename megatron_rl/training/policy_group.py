@@ -1,9 +1,11 @@
 """Driver-side handle on the trainer ranks (Megatron workers hosted in Ray actors).
 
 Every call goes to all ranks (SPMD: a collective called on only some ranks of a gloo group hangs)
-and every ray.get has a timeout, so a dead rank is an error rather than a silent hang. The
-``*_async`` variants await the ranks' ObjectRefs instead, so a driver running the rollout in an
-asyncio loop keeps generating while the trainer works (RollPacker's stream trainer).
+through one forwarder, :meth:`TrainerRank.call`, which runs the named ``MegatronWorker`` method
+inside the CPU device mode where needed. :class:`PolicyGroup` is async only: it awaits the ranks'
+ObjectRefs, so the driver's event loop keeps generating and scoring while the trainer works
+(RollPacker's stream trainer relies on it), and every call has a timeout, so a dead rank is an
+error rather than a silent hang. Set-up code outside a loop uses ``asyncio.run``.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from megatron_rl.config import RunConfig
 from megatron_rl.sample import Sample
 
 CALL_TIMEOUT_S = float(os.environ.get("MEGATRON_RL_CALL_TIMEOUT_S", "1800"))
+_TAKES_LOSS_FN = ("train_step", "accumulate_gradients")
+"""Worker methods that get the run's policy loss (built rank-side: it is not picklable cheaply)."""
 
 
 class TrainerRank:
@@ -37,43 +41,25 @@ class TrainerRank:
         self.device = device
         self.worker = MegatronWorker(cfg, rank, world_size, master_addr, master_port)
 
-    def _call(self, name: str, *args, **kwargs):
+    def call(self, name: str, *args: Any) -> Any:
+        """Run ``MegatronWorker.<name>(*args)`` (or one of this class's rank-side helpers) here."""
+        helper = _RANK_HELPERS.get(name)
+        if helper is not None:
+            return helper(self, *args)
+        if name in _TAKES_LOSS_FN:
+            args = (*args, self._loss_fn())
         if self.device == "cpu":
             from megatron_rl.distributed.cpu_shim import cpu_device_mode
 
             # The device-rewriting mode is thread-local: enter it in the thread running the call.
             with cpu_device_mode():
-                return getattr(self.worker, name)(*args, **kwargs)
-        return getattr(self.worker, name)(*args, **kwargs)
-
-    def load_hf(self, hf_path: str) -> None:
-        return self._call("load_hf", hf_path)
-
-    def compute_logprobs(self, samples: list[Sample], which: str) -> list[list[float]] | None:
-        return self._call("compute_logprobs", samples, which)
+                return getattr(self.worker, name)(*args)
+        return getattr(self.worker, name)(*args)
 
     def _loss_fn(self):
         from megatron_rl.algorithms.losses import compute_policy_loss
 
         return functools.partial(compute_policy_loss, cfg=self.cfg.algorithm)
-
-    def train_step(self, samples: list[Sample]) -> dict:
-        return self._call("train_step", samples, self._loss_fn())
-
-    def accumulate_gradients(self, samples: list[Sample]) -> dict:
-        return self._call("accumulate_gradients", samples, self._loss_fn())
-
-    def apply_accumulated_gradients(self, num_tokens_total: int, num_seqs_total: int) -> dict:
-        return self._call("apply_accumulated_gradients", num_tokens_total, num_seqs_total)
-
-    def discard_accumulated_gradients(self) -> None:
-        return self._call("discard_accumulated_gradients")
-
-    def offload_for_rollout(self) -> dict:
-        return self._call("offload_for_rollout")
-
-    def reload_for_training(self) -> dict:
-        return self._call("reload_for_training")
 
     def set_num_threads(self, n: int) -> None:
         import torch
@@ -83,7 +69,7 @@ class TrainerRank:
 
     def write_hf_weights(self, directory: str) -> bool:
         """Gather the HF-named weights; rank 0 writes them as safetensors for the engine."""
-        state = self._call("export_hf_state_dict")
+        state = self.call("export_hf_state_dict")
         if state is None:
             return False
         from megatron_rl.rollout.weight_sync import write_hf_weights
@@ -91,24 +77,18 @@ class TrainerRank:
         write_hf_weights(state, directory)
         return True
 
-    def write_rollout_shards(self, rollout_tp: int, directory: str, version: int, dtype: str) -> dict:
-        return self._call("write_rollout_shards", rollout_tp, directory, version, dtype)
-
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def save_checkpoint(self, directory: str) -> None:
-        return self._call("save_checkpoint", directory)
 
-    def load_checkpoint(self, directory: str) -> None:
-        return self._call("load_checkpoint", directory)
-
-    def shutdown(self) -> None:
-        return self._call("shutdown")
+_RANK_HELPERS = {"set_num_threads": TrainerRank.set_num_threads, "write_hf_weights": TrainerRank.write_hf_weights,
+                 "node_id": TrainerRank.node_id}
+"""Calls answered by the rank itself rather than its MegatronWorker."""
 
 
 class PolicyGroup:
-    """All trainer ranks of the run; methods mirror MegatronWorker's and return rank 0's result."""
+    """All trainer ranks of the run. Methods mirror MegatronWorker's and return rank 0's result
+    (every rank computes the same for these; see ``training.policy.Policy`` for the contract)."""
 
     def __init__(self, cfg: RunConfig, device: str, actor_options: dict, master_port: int):
         p = cfg.parallel
@@ -122,96 +102,88 @@ class PolicyGroup:
             for rank in range(self.world_size)
         ]
 
-    def _all(self, method: str, *args) -> list[Any]:
-        refs = [getattr(a, method).remote(*args) for a in self.actors]
-        return ray.get(refs, timeout=CALL_TIMEOUT_S)
-
-    async def _all_async(self, method: str, *args) -> list[Any]:
-        refs = [getattr(a, method).remote(*args) for a in self.actors]
+    async def _all(self, name: str, *args: Any) -> list[Any]:
+        """``name(*args)`` on every rank at once; each rank's result, in rank order."""
+        refs = [a.call.remote(name, *args) for a in self.actors]
         try:
             return await asyncio.wait_for(asyncio.gather(*refs), timeout=CALL_TIMEOUT_S)
-        except asyncio.TimeoutError as exc:  # same failure as ray.get's timeout in _all
-            raise TimeoutError(f"trainer ranks did not finish {method} within {CALL_TIMEOUT_S:.0f}s") from exc
+        except asyncio.TimeoutError as exc:
+            raise TimeoutError(f"trainer ranks did not finish {name} within {CALL_TIMEOUT_S:.0f}s") from exc
 
-    def load_hf(self, hf_path: str) -> None:
-        self._all("load_hf", hf_path)
+    async def _first(self, name: str, *args: Any) -> Any:
+        return (await self._all(name, *args))[0]
 
-    def compute_logprobs(self, samples: list[Sample], which: str = "policy") -> list[list[float]]:
-        return self._all("compute_logprobs", samples, which)[0]
+    async def load_hf(self, hf_path: str) -> None:
+        """Build the policy (+ optimizer, + reference model) from an HF checkpoint on every rank."""
+        await self._all("load_hf", hf_path)
 
-    async def compute_logprobs_async(self, samples: list[Sample], which: str = "policy") -> list[list[float]]:
-        """:meth:`compute_logprobs` without blocking the caller's event loop."""
-        return (await self._all_async("compute_logprobs", samples, which))[0]
+    async def compute_logprobs(self, samples: list[Sample], which: str = "policy") -> list[list[float]]:
+        """Per-token logprobs of each sample's response under ``which`` ('policy' / 'reference')."""
+        return await self._first("compute_logprobs", samples, which)
 
-    def train_step(self, samples: list[Sample]) -> dict:
-        return self._all("train_step", samples)[0]
+    async def train_step(self, samples: list[Sample]) -> dict:
+        """One training step (``algorithm.ppo_mini_batches`` optimizer steps) over ``samples``."""
+        return await self._first("train_step", samples)
 
-    def accumulate_gradients(self, samples: list[Sample]) -> dict:
-        """Forward+backward of ``samples`` added to the pending step's gradient, no optimizer
-        step (MegatronWorker.accumulate_gradients); returns the chunk's raw summed metrics."""
-        return self._all("accumulate_gradients", samples)[0]
+    async def accumulate_gradients(self, samples: list[Sample]) -> dict:
+        """Forward+backward of ``samples`` added to the pending step's gradient, no optimizer step."""
+        return await self._first("accumulate_gradients", samples)
 
-    async def accumulate_gradients_async(self, samples: list[Sample]) -> dict:
-        """:meth:`accumulate_gradients` without blocking the caller's event loop."""
-        return (await self._all_async("accumulate_gradients", samples))[0]
-
-    def apply_accumulated_gradients(self, num_tokens_total: int, num_seqs_total: int) -> dict:
+    async def apply_accumulated_gradients(self, num_tokens_total: int, num_seqs_total: int) -> dict:
         """The one optimizer step over everything accumulated, normalised by the full batch's
         response tokens and sequences; metrics as :meth:`train_step` returns them."""
-        return self._all("apply_accumulated_gradients", num_tokens_total, num_seqs_total)[0]
+        return await self._first("apply_accumulated_gradients", num_tokens_total, num_seqs_total)
 
-    async def apply_accumulated_gradients_async(self, num_tokens_total: int, num_seqs_total: int) -> dict:
-        """:meth:`apply_accumulated_gradients` without blocking the caller's event loop."""
-        return (await self._all_async("apply_accumulated_gradients", num_tokens_total, num_seqs_total))[0]
-
-    def discard_accumulated_gradients(self) -> None:
+    async def discard_accumulated_gradients(self) -> None:
         """Drop pending accumulated gradients (e.g. after a failed chunk) without a step."""
-        self._all("discard_accumulated_gradients")
+        await self._all("discard_accumulated_gradients")
 
-    def offload_for_rollout(self) -> dict:
-        """``trainer.offload_during_rollout``: every rank frees its grad buffers and (GPU) moves
-        optimizer state and weights to host memory (MegatronWorker.offload_for_rollout). Call
-        after the weight sync; returns rank 0's bytes freed/moved per kind."""
-        return self._all("offload_for_rollout")[0]
+    async def offload_for_rollout(self) -> dict:
+        """Every rank frees its grad buffers and (GPU) moves optimizer state and weights to host
+        memory; returns rank 0's bytes freed/moved per kind. Only ``Colocation`` calls this."""
+        return await self._first("offload_for_rollout")
 
-    def reload_for_training(self) -> dict:
-        """Bring back what :meth:`offload_for_rollout` moved; call before the logprob pass."""
-        return self._all("reload_for_training")[0]
+    async def reload_for_training(self) -> dict:
+        """Bring back what :meth:`offload_for_rollout` moved. Only ``Colocation`` calls this."""
+        return await self._first("reload_for_training")
 
-    def set_num_threads(self, n: int) -> None:
+    async def set_num_threads(self, n: int) -> None:
         """torch intra-op threads on every rank (hand cores freed by the rollout to training)."""
         if n < 1:
             raise ValueError(f"set_num_threads: n must be >= 1, got {n}")
-        self._all("set_num_threads", n)
+        await self._all("set_num_threads", n)
 
-    def write_hf_weights(self, directory: str) -> None:
-        if not any(self._all("write_hf_weights", directory)):
+    async def write_hf_weights(self, directory: str) -> None:
+        """The policy as HF safetensors in ``directory`` (rank 0 writes after a gather)."""
+        if not any(await self._all("write_hf_weights", directory)):
             raise RuntimeError("no trainer rank wrote the HF weights for the engine")
 
-    async def write_rollout_shards_async(self, rollout_tp: int, directory: str, version: int,
-                                         dtype: str = "float32") -> dict[str, float]:
+    async def write_rollout_shards(self, rollout_tp: int, directory: str, version: int,
+                                   dtype: str = "float32") -> dict[str, float]:
         """The policy as per-rank shards for vLLM engines of TP ``rollout_tp`` in ``directory``,
-        moved by the resharder (MegatronWorker.write_rollout_shards; the engines' node must be
-        rank 0's). Returns bytes sent/received/copied summed over ranks and the slowest rank's
-        seconds."""
-        per_rank = await self._all_async("write_rollout_shards", rollout_tp, directory, version, dtype)
+        moved by the resharder (the engines' node must be rank 0's). Returns bytes
+        sent/received/copied summed over ranks and the slowest rank's seconds and rounds."""
+        per_rank = await self._all("write_rollout_shards", rollout_tp, directory, version, dtype)
         total = {k: sum(r[k] for r in per_rank) for k in ("bytes_sent", "bytes_received", "bytes_local")}
         total.update(seconds=max(r["seconds"] for r in per_rank), rounds=max(r["rounds"] for r in per_rank))
         return total
 
-    def rank0_node_id(self) -> str:
+    async def rank0_node_id(self) -> str:
         """Ray node id of global rank 0 (where the weight directories are written)."""
-        return ray.get(self.actors[0].node_id.remote(), timeout=CALL_TIMEOUT_S)
+        return (await self._all("node_id"))[0]
 
-    def save_checkpoint(self, directory: str) -> None:
-        self._all("save_checkpoint", directory)
+    async def save_checkpoint(self, directory: str) -> None:
+        """Every rank writes its part of a checkpoint into ``directory``."""
+        await self._all("save_checkpoint", directory)
 
-    def load_checkpoint(self, directory: str) -> None:
-        self._all("load_checkpoint", directory)
+    async def load_checkpoint(self, directory: str) -> None:
+        """Every rank restores its part of the checkpoint in ``directory``."""
+        await self._all("load_checkpoint", directory)
 
-    def shutdown(self) -> None:
+    async def shutdown(self) -> None:
+        """Tear the workers down and kill the actors (also when a rank fails)."""
         try:
-            self._all("shutdown")
+            await self._all("shutdown")
         finally:
             for a in self.actors:
                 ray.kill(a)

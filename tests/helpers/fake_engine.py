@@ -31,6 +31,9 @@ class FakeEngine(RolloutEngine):
         self.wake_calls = 0
         self._task: asyncio.Task | None = None
 
+    tensor_parallel_size = 1
+    """A fake engine holds no model shards; it stands for one TP-1 engine."""
+
     async def submit(self, request: GenerationRequest) -> None:
         if self.asleep:
             raise RuntimeError(f"FakeEngine is asleep: request {request.request_id!r} refused; wake_up() first")

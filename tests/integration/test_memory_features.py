@@ -18,6 +18,8 @@ to the next call's automatic one.
 """
 from __future__ import annotations
 
+import asyncio
+
 import dataclasses
 
 import pytest
@@ -294,8 +296,14 @@ def test_driver_handles_forward_offload_and_reload_to_every_rank():
     from megatron_rl.training.policy_group import PolicyGroup, TrainerRank
 
     group, sent = object.__new__(PolicyGroup), []  # no Ray: only the call plumbing
-    group._all = lambda method, *args: sent.append((method, args)) or [{"rank": 0}, {"rank": 1}]
-    assert group.offload_for_rollout() == {"rank": 0} and group.reload_for_training() == {"rank": 0}
+
+    async def _all(method, *args):
+        sent.append((method, args))
+        return [{"rank": 0}, {"rank": 1}]
+
+    group._all = _all
+    assert asyncio.run(group.offload_for_rollout()) == {"rank": 0}
+    assert asyncio.run(group.reload_for_training()) == {"rank": 0}
     assert sent == [("offload_for_rollout", ()), ("reload_for_training", ())]
 
     class _Worker:
@@ -307,5 +315,5 @@ def test_driver_handles_forward_offload_and_reload_to_every_rank():
 
     rank = object.__new__(TrainerRank)
     rank.device, rank.worker = "cpu", _Worker()
-    assert rank.offload_for_rollout() == {"grad_buffers_freed": 1}
-    assert rank.reload_for_training() == {"grad_buffers": 1}
+    assert rank.call("offload_for_rollout") == {"grad_buffers_freed": 1}
+    assert rank.call("reload_for_training") == {"grad_buffers": 1}

@@ -282,7 +282,7 @@ def _fake_group(delay_s: float | None):
     return group, calls
 
 
-def test_policy_group_async_calls_reach_every_rank_without_blocking_the_loop():
+def test_policy_group_calls_reach_every_rank_through_one_forwarder_without_blocking_the_loop():
     async def main():
         group, calls = _fake_group(delay_s=0.05)
         ticks = 0
@@ -294,37 +294,51 @@ def test_policy_group_async_calls_reach_every_rank_without_blocking_the_loop():
                 await asyncio.sleep(0.005)
 
         task = asyncio.create_task(ticker())
-        results = [await group.accumulate_gradients_async(["s"]),
-                   await group.compute_logprobs_async(["s"], which="reference"),
-                   await group.apply_accumulated_gradients_async(7, 3)]
+        results = [await group.accumulate_gradients(["s"]),
+                   await group.compute_logprobs(["s"], which="reference"),
+                   await group.apply_accumulated_gradients(7, 3)]
         task.cancel()
         return results, calls, ticks
 
     results, calls, ticks = asyncio.run(main())
-    assert results == [(0, "accumulate_gradients"), (0, "compute_logprobs"), (0, "apply_accumulated_gradients")]
-    sent = [("accumulate_gradients", (["s"],)), ("compute_logprobs", (["s"], "reference")),
-            ("apply_accumulated_gradients", (7, 3))]
-    assert calls == [(rank, method, args) for method, args in sent for rank in (0, 1)]
+    assert results == [(0, "call")] * 3  # rank 0's answer
+    sent = [("accumulate_gradients", ["s"]), ("compute_logprobs", ["s"], "reference"),
+            ("apply_accumulated_gradients", 7, 3)]
+    assert calls == [(rank, "call", args) for args in sent for rank in (0, 1)]
     assert ticks >= 5  # the loop kept running while the ranks worked
 
 
-def test_policy_group_async_call_times_out(monkeypatch):
+def test_policy_group_call_times_out(monkeypatch):
     from megatron_rl.training import policy_group
 
     monkeypatch.setattr(policy_group, "CALL_TIMEOUT_S", 0.05)
     group, _ = _fake_group(delay_s=None)
     with pytest.raises(TimeoutError, match="accumulate_gradients"):
-        asyncio.run(group.accumulate_gradients_async([]))
+        asyncio.run(group.accumulate_gradients([]))
 
 
-def test_trainer_rank_set_num_threads():
+def test_trainer_rank_forwards_to_the_worker_or_answers_itself():
+    from megatron_rl.config import RunConfig
     from megatron_rl.training.policy_group import TrainerRank
 
-    rank = object.__new__(TrainerRank)  # set_num_threads needs no worker
+    class _Worker:
+        def compute_logprobs(self, samples, which):
+            return ("logprobs", samples, which)
+
+        def train_step(self, samples, loss_fn):
+            return ("trained", samples, loss_fn.keywords["cfg"].clip_high)
+
+    rank = object.__new__(TrainerRank)  # no Megatron: only the dispatch
+    rank.cfg, rank.device, rank.worker = RunConfig(), "cpu", _Worker()
+    rank.cfg.algorithm.clip_high = 0.28
+    assert rank.call("compute_logprobs", ["s"], "policy") == ("logprobs", ["s"], "policy")
+    assert rank.call("train_step", ["s"]) == ("trained", ["s"], 0.28)  # the run's loss, built here
     before = torch.get_num_threads()
     try:
-        assert rank.set_num_threads(2) is None and torch.get_num_threads() == 2
+        assert rank.call("set_num_threads", 2) is None and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+    with pytest.raises(AttributeError):
+        rank.call("no_such_method")
     with pytest.raises(ValueError):
-        _fake_group(0.0)[0].set_num_threads(0)
+        asyncio.run(_fake_group(0.0)[0].set_num_threads(0))

@@ -10,9 +10,13 @@ import asyncio
 import pytest
 
 from megatron_rl.config import RunConfig
+from megatron_rl.hooks import RolloutBatch
 from megatron_rl.rollout.elastic import ElasticRollout
 from megatron_rl.rollout.engine import EngineStats, GenerationRequest
-from rollpacker.elastic_tp import ElasticTP, parse_initial_tp
+from megatron_rl.rollout.weight_push import ShardedFiles, WeightSync
+from megatron_rl.training.colocation import Colocation
+from rollpacker.config import parse_initial_tp
+from rollpacker.elastic_tp import ElasticTP
 from rollpacker.planner import ElasticTPPlanner
 from tests.helpers.fake_engine import FakeEngine
 
@@ -57,6 +61,32 @@ class FakeTrainer:
     async def write(self, tp: int) -> tuple[str, dict[str, float]]:
         directory, stats = await self.write_shards(tp)
         return directory, {"reshard_mb": (stats["bytes_sent"] + stats["bytes_local"]) / 1e6}
+
+    # The trainer ranks as the weight sync and the colocation owner see them (PolicyGroup's API).
+    async def write_rollout_shards(self, tp: int, directory: str, version: int, dtype: str) -> dict:
+        self.version = version
+        self.written[directory] = version
+        self.calls.append(tp)
+        return {"bytes_sent": 3e6, "bytes_local": 1e6, "seconds": 0.5, "rounds": 2.0}
+
+    async def offload_for_rollout(self) -> dict:
+        self.calls.append("offload")
+        return {}
+
+    async def reload_for_training(self) -> dict:
+        self.calls.append("reload")
+        return {}
+
+
+class PlannerLoop:
+    """The loop's services as the planner plug-in uses them: the real weight sync and colocation
+    over the fake trainer (rank files go to one directory, like the run's /dev/shm dir)."""
+
+    def __init__(self, cfg: RunConfig, rollout: ElasticRollout, trainer: FakeTrainer, version: int) -> None:
+        self.cfg, self.engine, self.version = cfg, rollout, version
+        self.colocation = Colocation(cfg, trainer, rollout, on_cpu=True)
+        self.weight_sync = WeightSync(ShardedFiles(trainer, "/shm/weights", "float32"), trainer, rollout,
+                                      self.colocation)
 
 
 def make_rollout(tp: int = 1, trainer: FakeTrainer | None = None):
@@ -138,33 +168,59 @@ def test_an_engine_failure_reaches_the_consumer_and_a_new_pump_starts_after_it()
     asyncio.run(main())
 
 
-def test_planner_hook_switches_per_round_type_and_applies_the_online_rule():
+def test_planner_plugin_switches_per_round_type_and_applies_the_online_rule():
     cfg = RunConfig()
     planner = ElasticTPPlanner(sizes=[1, 2], initial={"short": 1, "long": 2}, quiet_rounds=2)
-    trainer = FakeTrainer(version=3)
+    trainer = FakeTrainer()
+
+    def batch(round_type: str) -> RolloutBatch:
+        return RolloutBatch(groups=[], round_type=round_type)
 
     async def main():
         rollout, first, built = make_rollout(1, trainer)
         hook = ElasticTP(cfg, planner, rollout)
-        await hook.before_round("short", trainer.write_shards)
+        loop = PlannerLoop(cfg, rollout, trainer, version=3)
+        hook.attach(loop)
+        assert await hook.before_rollout(0, "short") == {}
         assert rollout.tp == 1 and not built and not trainer.calls
         await generate(rollout, ["s1"])
         first.preemptions = 4
-        m = await hook.after_round("short")
-        assert m["planner/preemptions"] == 4.0 and m["planner/switched"] == 0.0
-        trainer.version = 4
-        await hook.before_round("long", trainer.write_shards)
-        assert rollout.tp == 2 and trainer.calls == [2] and built[0].version == 4
-        m = await hook.after_round("long")
+        m = await hook.after_rollout(0, batch("short"))
+        assert m["planner/preemptions"] == 4.0 and m["planner/switched"] == 0.0 and m["time/engine_switch"] >= 0
+        loop.version = 4
+        await hook.before_rollout(1, "long")
+        # Rank files for TP 2 of version 4 in the sync dir; the new engine started from them.
+        assert rollout.tp == 2 and trainer.calls == [2] and built[0].model_dir == "/shm/weights"
+        assert built[0].version == 4
+        m = await hook.after_rollout(1, batch("long"))
         assert m["planner/switched"] == 1.0 and m["planner/rollout_tp"] == 2.0 and m["planner/preemptions"] == 0.0
         # The resharder's figures: (3 MB sent + 1 MB copied locally), its seconds and rounds.
         assert m["planner/reshard_mb"] == 4.0 and m["planner/reshard_s"] == 0.5 and m["planner/reshard_rounds"] == 2.0
         # Two quiet long rounds halve long-round TP (quiet_rounds=2).
-        await hook.before_round("long", trainer.write_shards)
-        m = await hook.after_round("long")
+        await hook.before_rollout(2, "long")
+        m = await hook.after_rollout(2, batch("long"))
         assert m["planner/next_tp"] == 1.0 and "planner/reshard_mb" not in m
-        await hook.before_round("long", trainer.write_shards)
+        await hook.before_rollout(3, "long")
         assert rollout.tp == 1 and len(built) == 2 and trainer.calls[-1] == 1
+        assert hook.state_dict() == planner.state_dict()
+
+    asyncio.run(main())
+
+
+def test_an_offloaded_trainer_is_made_resident_for_the_switch_export_and_offloaded_again():
+    cfg = RunConfig()
+    cfg.trainer.offload_during_rollout = True
+    planner = ElasticTPPlanner(sizes=[1, 2], initial={"short": 1, "long": 2})
+    trainer = FakeTrainer()
+
+    async def main():
+        rollout, _, _ = make_rollout(1, trainer)
+        hook = ElasticTP(cfg, planner, rollout)
+        loop = PlannerLoop(cfg, rollout, trainer, version=1)
+        hook.attach(loop)
+        await hook.before_rollout(0, "long")
+        assert trainer.calls == ["reload", 2, "offload"]
+        assert loop.colocation.log == ["trainer.reload", "trainer.offload"]
 
     asyncio.run(main())
 

@@ -33,6 +33,9 @@ class FakeEngine(RolloutEngine):
         self.sleeps = self.wakes = 0
         self.version = 0
 
+    tensor_parallel_size = 1
+    """A fake engine holds no model shards; it stands for one TP-1 engine."""
+
     async def submit(self, request):
         if request.request_id == "bad":
             raise ValueError("rejected")

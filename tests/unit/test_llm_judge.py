@@ -20,6 +20,9 @@ class ScriptedJudgeEngine(RolloutEngine):
         self.queue: asyncio.Queue = asyncio.Queue()
         self.requests: list[GenerationRequest] = []
 
+    tensor_parallel_size = 1
+    """A fake engine holds no model shards; it stands for one TP-1 engine."""
+
     async def submit(self, request: GenerationRequest) -> None:
         self.requests.append(request)
         text = self.tok.decode(request.prompt_ids)

@@ -1,8 +1,9 @@
 """Stream trainer policy: when streaming starts, chunking, exactly-once coverage, engine release.
 
-The trainer side is replaced by recording callables here; the real Megatron accumulation is
-checked in tests/integration/test_stream_accumulation.py and the whole loop in
-tests/integration/test_train_loop.py.
+The loop is replaced by a recording stand-in of its services (``LoopServices``) with the real
+device-memory owner (``Colocation``) in it; the real Megatron accumulation is checked in
+tests/integration/test_stream_accumulation.py, the loop's calls in tests/unit/test_trainer.py and
+the whole loop in tests/integration/test_rollpacker_loop.py.
 """
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import asyncio
 import pytest
 
 from megatron_rl.config import RunConfig
+from megatron_rl.hooks import RolloutBatch
 from megatron_rl.rollout.engine import EngineStats
 from megatron_rl.sample import Prompt, Sample
+from megatron_rl.training.colocation import Colocation
 from rollpacker.stream_trainer import StartRule, StreamTrainer
 
 
@@ -31,24 +34,46 @@ def stream_cfg(**stream) -> RunConfig:
 
 
 class Recorder:
-    """Stands in for the Trainer: records chunks and the final update."""
+    """Stands in for the loop's services and the trainer ranks: records chunks, the final update
+    and the thread counts the colocation owner sets."""
 
     def __init__(self) -> None:
         self.chunks: list[list[str]] = []
         self.applied: list[list[str]] = []
         self.threads: list[int] = []
 
-    async def train_chunk(self, groups):
+    async def train_groups(self, groups):
         await asyncio.sleep(0)
         self.chunks.append([g[0].prompt.prompt_id for g in groups])
         return [s for g in groups for s in g]
 
-    async def apply(self, samples):
+    async def apply_gradients(self, samples):
         self.applied.append([s.request_id for s in samples])
         return {"loss": 1.0}
 
-    async def set_threads(self, n: int) -> None:
+    async def set_num_threads(self, n: int) -> None:
         self.threads.append(n)
+
+    async def offload_for_rollout(self) -> dict:
+        return {}
+
+    async def reload_for_training(self) -> dict:
+        return {}
+
+
+class FakeLoop:
+    """LoopServices for the stream trainer: the recorder's training, the real Colocation."""
+
+    def __init__(self, cfg: RunConfig, engine, rec: Recorder) -> None:
+        self.cfg, self.engine, self.version, self.weight_sync = cfg, engine, 0, None
+        self.colocation = Colocation(cfg, rec, engine, on_cpu=True)
+        self.train_groups, self.apply_gradients = rec.train_groups, rec.apply_gradients
+
+
+def make_stream(cfg: RunConfig, pool, rec: Recorder) -> StreamTrainer:
+    stream = StreamTrainer(cfg)
+    stream.attach(FakeLoop(cfg, pool, rec))
+    return stream
 
 
 class PoolStub:
@@ -80,10 +105,10 @@ async def feed(stream: StreamTrainer, step: int, groups: list[list[Sample]], bef
 
 
 def run_long_round(cfg: RunConfig, pool: PoolStub, rec: Recorder, groups: list[list[Sample]], before_each=None):
-    """One long round of ``groups`` through a StreamTrainer; returns its StreamResult."""
+    """One long round of ``groups`` through a StreamTrainer; returns its TrainResult."""
 
     async def main():
-        stream = StreamTrainer(cfg, pool, rec.train_chunk, rec.apply, set_train_threads=rec.set_threads)
+        stream = make_stream(cfg, pool, rec)
         stream.on_round_start(0, "long", len(groups))
         await feed(stream, 0, groups, before_each=before_each)
         return await stream.finish(0, groups)
@@ -110,7 +135,7 @@ def test_long_round_streams_chunks_after_the_start_and_trains_every_group_once()
     groups = [make_group(i) for i in range(10)]
 
     async def main():
-        stream = StreamTrainer(cfg, PoolStub(0), rec.train_chunk, rec.apply)
+        stream = make_stream(cfg, PoolStub(0), rec)
         stream.on_round_start(0, "long", 10)
         assert stream.streaming(0)
         await feed(stream, 0, groups)
@@ -129,12 +154,33 @@ def test_long_round_streams_chunks_after_the_start_and_trains_every_group_once()
     assert result.train_metrics == {"loss": 1.0}
 
 
+def test_train_checks_the_streamed_update_covers_exactly_the_prepared_samples():
+    """As a plug-in it takes over the step and checks coverage itself: a prepared sample that
+    was never streamed (or one too many) is an error, not a silently different update."""
+    cfg = stream_cfg(min_new_groups=1)
+    groups = [make_group(i) for i in range(4)]
+
+    async def one_round(prepared):
+        rec = Recorder()
+        stream = make_stream(cfg, PoolStub(0), rec)
+        stream.on_round_start(0, "long", 4)
+        assert stream.takes_over_training(0) and not stream.takes_over_training(1)
+        await feed(stream, 0, groups)
+        return await stream.train(0, RolloutBatch(groups=groups, round_type="long"), prepared)
+
+    everything = [s for g in groups for s in g]
+    result = asyncio.run(one_round(everything))
+    assert sorted(s.request_id for s in result.trained) == sorted(s.request_id for s in everything)
+    with pytest.raises(RuntimeError, match=r"trained 8 samples, expected 6 .*unexpected \['p3-0', 'p3-1'\]"):
+        asyncio.run(one_round(everything[:6]))  # e.g. the loop's filter dropped p3 but streaming trained it
+
+
 def test_other_round_types_do_not_stream():
     cfg = stream_cfg(rounds="long")
     rec = Recorder()
 
     async def main():
-        stream = StreamTrainer(cfg, PoolStub(0), rec.train_chunk, rec.apply)
+        stream = make_stream(cfg, PoolStub(0), rec)
         stream.on_round_start(3, "short", 4)
         await feed(stream, 3, [make_group(i) for i in range(4)])
         return stream.streaming(3)
@@ -149,7 +195,7 @@ def test_groups_finishing_after_rollout_are_trained_in_finish_and_fraction_is_re
     groups = [make_group(i) for i in range(10)]
 
     async def main():
-        stream = StreamTrainer(cfg, PoolStub(0), rec.train_chunk, rec.apply)
+        stream = make_stream(cfg, PoolStub(0), rec)
         stream.on_round_start(1, "long", 10)
         await feed(stream, 1, groups[:5])
         # The scheduler's batch holds all 10; 5 arrive with the batch (e.g. in one burst).
@@ -167,7 +213,7 @@ def test_a_streamed_group_missing_from_the_batch_is_an_error():
     groups = [make_group(i) for i in range(4)]
 
     async def main():
-        stream = StreamTrainer(cfg, PoolStub(0), rec.train_chunk, rec.apply)
+        stream = make_stream(cfg, PoolStub(0), rec)
         stream.on_round_start(0, "long", 4)
         await feed(stream, 0, groups)
         await stream.finish(0, groups[1:])

@@ -1,0 +1,80 @@
+"""The per-step record of the loop: time split, reward, lengths, occupancy, engine parity.
+
+Pure functions of a step's batch and timings, so the loop stays short and this stays testable.
+"""
+from __future__ import annotations
+
+from megatron_rl.config import RunConfig
+from megatron_rl.hooks import RolloutBatch
+from megatron_rl.metrics import length_stats, occupancy
+from megatron_rl.sample import Sample
+
+
+def parity_metrics(trained: list[Sample], train_metrics: dict) -> dict[str, float]:
+    """Trainer vs engine logprobs of the same tokens (catches stale or mis-mapped weight syncs):
+    from the scoring pass's old logprobs or, with algorithm.recompute_old_logprobs=false, from
+    the training forward (its ``logprob_abs_diff_*`` sums, taken out of ``train_metrics``)."""
+    if "logprob_abs_diff_sum" in train_metrics:
+        diff_sum = train_metrics.pop("logprob_abs_diff_sum")
+        return {"rollout/logprob_abs_diff_max": train_metrics.pop("logprob_abs_diff_max", 0.0),
+                "rollout/logprob_abs_diff_mean": diff_sum / max(1.0, train_metrics.get("num_tokens", 0.0))}
+    diffs = [abs(a - b) for s in trained if s.engine_logprobs for a, b in zip(s.old_logprobs, s.engine_logprobs)]
+    if not diffs:
+        return {}
+    return {"rollout/logprob_abs_diff_max": max(diffs), "rollout/logprob_abs_diff_mean": sum(diffs) / len(diffs)}
+
+
+def step_metrics(cfg: RunConfig, step: int, version: int, batch: RolloutBatch, trained: list[Sample],
+                 phases: dict[str, float], elapsed: float) -> dict:
+    """The step's core record. ``phases`` are the timed phases (rollout, logprob, train,
+    weight_sync, ...); the rollout's reward tail is split out as ``time/reward``."""
+    samples = batch.samples
+    lengths = [len(s.response_ids) for s in samples]
+    rewards = [s.reward for s in samples]
+    last_finish = max((s.timings.get("finished", 0.0) for s in samples), default=batch.rollout_window[1])
+    phases = dict(phases)
+    # Rewards are computed while generation runs; only the wait after the last response counts.
+    reward_tail = max(0.0, batch.rollout_window[1] - last_finish) if samples else 0.0
+    phases["rollout"] = max(0.0, phases.get("rollout", 0.0) - reward_tail)
+    phases["reward"] = reward_tail
+    capacity = cfg.rollout.max_num_seqs * cfg.rollout.num_engines
+    m = {
+        "step": step,
+        "policy_version": version,
+        "round_type": batch.round_type,
+        "time/step": elapsed,
+        **{f"time/{k}": v for k, v in phases.items()},
+        "reward/mean": sum(rewards) / max(1, len(rewards)),
+        "reward/accuracy": sum(bool(s.correct) for s in samples) / max(1, len(samples)),
+        "rollout/tokens_per_s": sum(lengths) / max(1e-9, phases["rollout"]),
+        "rollout/engine_occupancy": occupancy([(s, e) for s, e, _ in batch.requests], capacity, batch.rollout_window),
+        "rollout/truncated_fraction": sum(s.finish_reason == "length" for s in samples) / max(1, len(samples)),
+        "batch/samples_trained": float(len(trained)),
+    }
+    stats = length_stats(lengths)
+    m.update({f"response_length/{k}": v for k, v in stats.items()})
+    # Short and long rounds are bimodal: also report step time and lengths per round type.
+    rt = batch.round_type
+    m[f"round/{rt}/time_step"] = elapsed
+    m[f"round/{rt}/time_rollout"] = phases["rollout"]
+    m.update({f"round/{rt}/response_length_{k}": v for k, v in stats.items()})
+    m.update(batch.metrics)
+    return m
+
+
+def trained_prompt_record(batch: RolloutBatch, trained: list[Sample]) -> dict[str, list[str]]:
+    """Which prompts the step trained, and which it dropped on purpose (DAPO refill filter or the
+    loop's zero-variance filter): the audit trail of trained_prompts.jsonl."""
+    prompt_ids = list(dict.fromkeys(s.prompt.prompt_id for s in trained))
+    kept = set(prompt_ids)
+    filtered = list(batch.filtered_prompt_ids) + [g[0].prompt.prompt_id for g in batch.groups
+                                                  if g[0].prompt.prompt_id not in kept]
+    return {"prompt_ids": prompt_ids, "filtered_ids": filtered}
+
+
+def timeline_record(batch: RolloutBatch, t0: float) -> dict:
+    """Every request of the round with times relative to the trainer's start, so steps line up on
+    one axis in tools/plot_timeline.py."""
+    return {"round_type": batch.round_type, "window": [t - t0 for t in batch.rollout_window],
+            "requests": [[s - t0, e - t0, reason] for s, e, reason in batch.requests],
+            "response_lengths": [len(s.response_ids) for s in batch.samples]}

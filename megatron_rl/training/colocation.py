@@ -1,0 +1,170 @@
+"""The one owner of device memory shared by the trainer and the rollout engines.
+
+On a colocated GPU the trainer's state and the engines' weights + KV cache do not fit at once, so
+every phase of a step moves memory in a fixed order. This module is the only place that order is
+written down; the loop, the weight sync and plug-ins ask for named transitions:
+
+* :meth:`Colocation.to_training` (after the rollout): engines sleep (``rollout.sleep_during_train``)
+  *then* the trainer comes back (``trainer.offload_during_rollout``).
+* :meth:`Colocation.to_rollout` (after the new weights left the trainer): the trainer is offloaded
+  *then* the engines wake up. :meth:`offload_trainer` and :meth:`wake_engines` are its two halves,
+  for a weight transport that streams from trainer memory into awake engines.
+* :meth:`Colocation.trainer_resident` (context): the trainer state is needed while the engines are
+  not generating, e.g. to export weights for new engines of another TP (the old ones are shut down).
+* :meth:`Colocation.training_side` (context): like ``to_training`` and back again afterwards, for
+  a checkpoint save between steps.
+* :meth:`Colocation.lend_engines` / :meth:`return_engines`: during a round, hand whole engines to
+  the trainer (the stream trainer trains on completed groups meanwhile): the engines' requests
+  migrate, they sleep, the trainer becomes resident and, on CPU, gets the freed cores as threads.
+
+It tracks whether the trainer is resident, so repeated requests (every streamed chunk) cost
+nothing, and records every transition it made (``log``) for tests and debugging. With neither
+option set, every transition is free and does nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import AsyncIterator, Awaitable, Callable, Protocol
+
+from megatron_rl.config import RunConfig
+from megatron_rl.rollout.engine import RolloutEngine
+
+
+class MovablePolicy(Protocol):
+    """The trainer ranks as far as device memory goes (``PolicyGroup`` implements it)."""
+
+    async def offload_for_rollout(self) -> dict: ...
+    async def reload_for_training(self) -> dict: ...
+    async def set_num_threads(self, n: int) -> None: ...
+
+
+class Colocation:
+    """Named memory transitions between trainer and engines (see the module docstring)."""
+
+    def __init__(self, cfg: RunConfig, policy: MovablePolicy, engine: RolloutEngine, on_cpu: bool,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.offload = cfg.trainer.offload_during_rollout
+        self.sleep = cfg.rollout.sleep_during_train
+        self.policy = policy
+        self.engine = engine
+        self.on_cpu = on_cpu
+        self.clock = clock
+        self.trainer_is_resident = not self.offload
+        """train.py offloads the freshly loaded trainer when offload_during_rollout is set."""
+        self.engines_awake = True
+        self.lent_threads = 0
+        self.log: list[str] = []
+        """Every memory move made, in order ('engine.sleep', 'trainer.reload', ...)."""
+
+    # ------------------------------------------------------------------ the two halves of a step
+    async def to_training(self) -> dict[str, float]:
+        """After the rollout: engines sleep, then the trainer comes back. Returns timings."""
+        timings: dict[str, float] = {}
+        if self.sleep:
+            timings["time/engine_sleep"] = await self._timed(self._sleep_engines)
+        if self.offload:
+            timings["time/trainer_reload"] = await self._timed(lambda: self._set_trainer(True))
+        return timings
+
+    async def to_rollout(self) -> None:
+        """The new weights are out of the trainer: offload it, then wake the engines."""
+        await self.offload_trainer()
+        await self.wake_engines()
+
+    async def offload_trainer(self) -> None:
+        """First half of :meth:`to_rollout`: move the trainer state out (when configured)."""
+        if self.offload:
+            await self._set_trainer(False)
+
+    async def wake_engines(self) -> None:
+        """Second half of :meth:`to_rollout`: the engines get their memory back (when asleep)."""
+        if self.sleep and not self.engines_awake:
+            self.log.append("engine.wake_up")
+            await self.engine.wake_up()
+            self.engines_awake = True
+
+    # ------------------------------------------------------------------ between steps
+    @contextlib.asynccontextmanager
+    async def trainer_resident(self) -> AsyncIterator[None]:
+        """The trainer state in device memory for the duration, as it was afterwards (the
+        engines must not be generating: e.g. an elastic-TP export with the old engines shut down)."""
+        was = self.trainer_is_resident
+        await self._set_trainer(True)
+        try:
+            yield
+        finally:
+            await self._set_trainer(was)
+
+    @contextlib.asynccontextmanager
+    async def training_side(self) -> AsyncIterator[None]:
+        """Trainer resident for the duration (a checkpoint save), the engines asleep first when it
+        has to come back; then the state before restored in the reverse order. Free when the
+        trainer never leaves (no ``trainer.offload_during_rollout``)."""
+        if self.trainer_is_resident:
+            yield
+            return
+        was_resident, was_awake = self.trainer_is_resident, self.engines_awake
+        await self.to_training()
+        try:
+            yield
+        finally:
+            await self._set_trainer(was_resident)
+            if was_awake:
+                await self.wake_engines()
+
+    def trainer_loaded(self) -> None:
+        """The trainer state was just (re)loaded into device memory, e.g. from a checkpoint."""
+        self.trainer_is_resident = True
+
+    # ------------------------------------------------------------------ during a round
+    async def lend_engines(self, count: int, train_threads: int = 0) -> dict[str, float]:
+        """Hand ``count`` engines to the trainer mid-round: their requests migrate to the others
+        and they sleep (``RolloutEngine.release_engines``); the trainer becomes resident; on CPU
+        it gets ``train_threads`` torch threads (the freed cores). Returns the release figures."""
+        figures = dict(await self.engine.release_engines(count))
+        self.log.append(f"engine.release({count})")
+        await self._set_trainer(True)
+        if self.on_cpu and train_threads:
+            await self.policy.set_num_threads(train_threads)
+            self.log.append(f"trainer.threads({train_threads})")
+            self.lent_threads = train_threads
+        return figures
+
+    async def return_engines(self) -> None:
+        """Undo :meth:`lend_engines`: the trainer's threads back to one, the engines routed to
+        again (asleep while the whole pool sleeps through training, see ``engine_pool``)."""
+        await self.engine.restore_engines()
+        self.log.append("engine.restore")
+        if self.lent_threads:
+            await self.policy.set_num_threads(1)
+            self.log.append("trainer.threads(1)")
+            self.lent_threads = 0
+
+    async def make_trainer_resident(self) -> None:
+        """The trainer is about to compute during a round (streamed chunks): bring it back if it
+        was offloaded; free when it already is."""
+        await self._set_trainer(True)
+
+    # ------------------------------------------------------------------ the moves themselves
+    async def _sleep_engines(self) -> None:
+        if self.engines_awake:
+            self.log.append("engine.sleep")
+            await self.engine.sleep()
+            self.engines_awake = False
+
+    async def _set_trainer(self, resident: bool) -> None:
+        if resident == self.trainer_is_resident:
+            return
+        if resident:
+            self.log.append("trainer.reload")
+            await self.policy.reload_for_training()
+        else:
+            self.log.append("trainer.offload")
+            await self.policy.offload_for_rollout()
+        self.trainer_is_resident = resident
+
+    async def _timed(self, move: Callable[[], Awaitable[None]]) -> float:
+        start = self.clock()
+        await move()
+        return self.clock() - start

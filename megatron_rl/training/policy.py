@@ -1,0 +1,65 @@
+"""What the loop needs of the trainer ranks: the :class:`Policy` contract.
+
+``PolicyGroup`` (Megatron workers in Ray actors) implements it for real runs; the loop's fast
+test (tests/unit/test_trainer.py) gives the trainer a fake that keeps the same promises. Every
+method is a coroutine, so the driver's event loop keeps generating and scoring meanwhile.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+from megatron_rl.sample import Sample
+
+
+class Policy(Protocol):
+    """The policy being trained, as the loop, the weight sync and the colocation owner see it."""
+
+    async def compute_logprobs(self, samples: list[Sample], which: str = "policy") -> list[list[float]]:
+        """Per-token logprobs of each sample's response under the current weights (``'policy'``)
+        or the frozen reference model (``'reference'``); one list per sample, one value per
+        response token."""
+        ...
+
+    async def train_step(self, samples: list[Sample]) -> dict:
+        """One training step over ``samples`` (advantages and old logprobs set); returns metrics
+        (``loss``, ``grad_norm``, ... and the trainer/engine ``logprob_abs_diff_*`` sums when the
+        training forward scored the batch)."""
+        ...
+
+    async def accumulate_gradients(self, samples: list[Sample]) -> dict:
+        """Forward+backward of ``samples`` added to the pending step's gradient; no optimizer step."""
+        ...
+
+    async def apply_accumulated_gradients(self, num_tokens_total: int, num_seqs_total: int) -> dict:
+        """The single optimizer step over everything accumulated, normalised by these totals."""
+        ...
+
+    async def offload_for_rollout(self) -> dict:
+        """Move the trainer state out of device memory (``trainer.offload_during_rollout``)."""
+        ...
+
+    async def reload_for_training(self) -> dict:
+        """Bring back what :meth:`offload_for_rollout` moved."""
+        ...
+
+    async def set_num_threads(self, n: int) -> None:
+        """torch intra-op threads on every rank (CPU: cores lent by released engines)."""
+        ...
+
+    async def write_hf_weights(self, directory: str) -> None:
+        """The policy as HF-named safetensors in ``directory`` (replaced atomically)."""
+        ...
+
+    async def write_rollout_shards(self, rollout_tp: int, directory: str, version: int,
+                                   dtype: str) -> dict[str, float]:
+        """The policy as one vLLM rank file per engine rank of TP ``rollout_tp``; returns the
+        resharder's figures (bytes_sent, bytes_local, seconds, rounds)."""
+        ...
+
+    async def save_checkpoint(self, directory: str) -> None:
+        """Write the trainer state (weights, optimizer, RNG) into ``directory``."""
+        ...
+
+    async def load_checkpoint(self, directory: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote; the state is then in device memory."""
+        ...

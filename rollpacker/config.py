@@ -1,0 +1,150 @@
+"""RollPacker's config sections (``stream``, ``planner``) and the checks of its settings.
+
+The sections are registered with the core config (``megatron_rl.config.register_section``) and
+the checks with its validation (``megatron_rl.config_io.register_validator``) when this module is
+imported, so recipes set ``stream.*`` / ``planner.*`` like any core key, the config reference lists
+them, and a bad value is refused before any process starts. ``scheduler.eta_prompts``,
+``scheduler.eta_responses`` and ``scheduler.max_refills`` are read only by tail batching and
+checked here too; they stay in the core ``scheduler`` section, whose ``name`` picks the plug-in.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_rl.config import RunConfig, register_section
+from megatron_rl.config_io import ConfigError, comma_list, register_validator
+
+ROUND_TYPES = ("long", "short", "baseline")
+"""Round types a scheduler reports: tail batching's short and long rounds, the baseline's."""
+
+
+@dataclass
+class StreamConfig:
+    enabled: bool = False
+    """Stream trainer (RollPacker): in the rounds named by ``rounds``, compute gradients on
+    completed groups while the rest still generate, and take the single optimizer step after the
+    last group. The update equals the ordinary one. Needs algorithm.ppo_mini_batches = 1."""
+    rounds: str = "long"
+    """Comma-separated round types that stream: 'long' (tail batching's long rounds), 'short',
+    'baseline' (every baseline step), or any mix."""
+    start_fraction_min: float = 0.2
+    """Earliest start: the fraction of the round's prompts complete at the first check."""
+    start_fraction_max: float = 0.5
+    """Latest start: streaming starts at this completed fraction whatever the engine load."""
+    check_interval: float = 0.05
+    """Start checks happen each time another this-much of the prompts has completed (5 % steps)."""
+    min_new_groups: int = 2
+    """After the start, a chunk goes to the trainer only once this many more groups completed
+    (small chunks cost a pipeline fill and a Ray round trip each)."""
+    release_engines: int = 0
+    """Engines to release when streaming starts: their running requests migrate (recompute:
+    prompt + generated tokens, budget reduced) to the other engines and they sleep until the
+    round ends. Streaming starts early only once the running requests fit on the engines left.
+    0 keeps every engine generating. Needs rollout.num_engines > release_engines."""
+    train_threads: int = 0
+    """CPU only: torch threads per trainer rank while engines are released (the freed cores go to
+    training); 0 leaves the thread count alone."""
+
+
+@dataclass
+class PlannerConfig:
+    enabled: bool = False
+    """Elastic rollout parallelism (RollPacker): each round type runs at its own rollout TP and the
+    engines are rebuilt between rounds when it changes, on the same devices
+    (rollout.tensor_parallel_size x rollout.num_engines of them)."""
+    initial_tp: str = ""
+    """Starting TP per round type, e.g. 'short:1,long:2'; wins over ``profile``. Round types
+    named in neither start at rollout.tensor_parallel_size."""
+    profile: str = ""
+    """JSON file of measured rollout seconds per round type and TP (tools/rollout_profile.py
+    builds it from earlier runs); each round type starts at its fastest legal profiled TP."""
+    growth: float = 1.05
+    """Online rule: preemptions of a round above this multiple of the previous round's (same type,
+    same TP) double that round type's TP."""
+    quiet_rounds: int = 4
+    """Online rule: this many consecutive rounds of a type without preemption halve its TP."""
+    max_tp: int = 0
+    """Largest rollout TP to consider; 0 means one node's GPUs (on CPU: the rollout devices)."""
+
+
+register_section("stream", StreamConfig, "Stream trainer: gradients on completed groups while a round still generates.")
+register_section("planner", PlannerConfig, "Elastic rollout TP per round type, switched between rounds.")
+
+
+def _positive(value: float, key: str, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{key}: must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def parse_initial_tp(spec: str) -> dict[str, int]:
+    """``planner.initial_tp`` ('short:1,long:2') -> {'short': 1, 'long': 2}; errors name the key."""
+    out: dict[str, int] = {}
+    for part in comma_list(spec):
+        kind, sep, value = part.partition(":")
+        if not sep or not value.strip().isdigit() or int(value) < 1:
+            raise ConfigError(f"planner.initial_tp: expected 'round:tp' pairs like 'short:1,long:2', got {part!r}")
+        out[kind.strip()] = int(value)
+    return out
+
+
+def validate_scheduler(cfg: RunConfig) -> None:
+    """Tail batching's over-provisioning factors and the DAPO refill budget."""
+    for key in ("eta_prompts", "eta_responses"):
+        if getattr(cfg.scheduler, key) < 1.0:
+            raise ConfigError(f"scheduler.{key}: must be >= 1.0 (over-provisioning factor), "
+                              f"got {getattr(cfg.scheduler, key)}")
+    _positive(cfg.scheduler.max_refills, "scheduler.max_refills", allow_zero=True)
+
+
+def validate_stream(cfg: RunConfig) -> None:
+    """``stream.*``: round types, start fractions, and what streaming needs of the rest."""
+    st = cfg.stream
+    rounds = comma_list(st.rounds)
+    if not rounds or any(r not in ROUND_TYPES for r in rounds):
+        raise ConfigError(f"stream.rounds: expected a comma-separated subset of {ROUND_TYPES}, got {st.rounds!r}")
+    if not 0 < st.start_fraction_min <= st.start_fraction_max <= 1:
+        raise ConfigError("stream.start_fraction_min and stream.start_fraction_max must satisfy "
+                          f"0 < min <= max <= 1, got {st.start_fraction_min} and {st.start_fraction_max}")
+    if not 0 < st.check_interval <= 1:
+        raise ConfigError(f"stream.check_interval: must be in (0, 1], got {st.check_interval}")
+    _positive(st.min_new_groups, "stream.min_new_groups")
+    _positive(st.release_engines, "stream.release_engines", allow_zero=True)
+    _positive(st.train_threads, "stream.train_threads", allow_zero=True)
+    if not st.enabled:
+        return
+    if cfg.algorithm.ppo_mini_batches != 1:
+        raise ConfigError("stream.enabled needs algorithm.ppo_mini_batches = 1: streamed gradients add up to "
+                          f"one optimizer step (got {cfg.algorithm.ppo_mini_batches})")
+    if st.release_engines >= cfg.rollout.num_engines:
+        raise ConfigError(f"stream.release_engines={st.release_engines} must leave an engine generating "
+                          f"(rollout.num_engines={cfg.rollout.num_engines})")
+
+
+def validate_planner(cfg: RunConfig) -> None:
+    """``planner.*``: the online rule's settings, the profile file, the initial TPs."""
+    pl = cfg.planner
+    if pl.growth < 1.0:
+        raise ConfigError(f"planner.growth: must be >= 1.0, got {pl.growth}")
+    _positive(pl.quiet_rounds, "planner.quiet_rounds")
+    _positive(pl.max_tp, "planner.max_tp", allow_zero=True)
+    devices = cfg.rollout.tensor_parallel_size * cfg.rollout.num_engines
+    if pl.profile:
+        from rollpacker.tp_profile import ProfileError, load_profile
+
+        try:
+            unknown = sorted(set(load_profile(pl.profile)) - set(ROUND_TYPES))
+        except ProfileError as exc:
+            raise ConfigError(f"planner.profile: {exc}") from None
+        if unknown:
+            raise ConfigError(f"planner.profile: {pl.profile}: unknown round types {unknown} (one of {ROUND_TYPES})")
+    for kind, value in parse_initial_tp(pl.initial_tp).items():
+        if kind not in ROUND_TYPES:
+            raise ConfigError(f"planner.initial_tp: unknown round type {kind!r} (one of {ROUND_TYPES})")
+        if devices % value:
+            raise ConfigError(f"planner.initial_tp: TP {value} does not divide the {devices} rollout devices "
+                              "(rollout.tensor_parallel_size x rollout.num_engines)")
+
+
+register_validator(validate_scheduler)
+register_validator(validate_stream)
+register_validator(validate_planner)

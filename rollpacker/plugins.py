@@ -1,0 +1,38 @@
+"""RollPacker, plugged into the loop: importing this module registers everything.
+
+* the ``tail_batching`` scheduler (``scheduler.name=tail_batching``);
+* the ``stream`` and ``planner`` config sections and the checks of RollPacker's settings
+  (``rollpacker.config``);
+* the plug-in factory :func:`build`, which turns those sections into trainer plug-ins:
+  the stream trainer when ``stream.enabled``, the elastic-TP planner (wrapping the engines so it
+  can rebuild them at another TP) when ``planner.enabled``.
+
+``megatron_rl.train`` imports this module; nothing else in ``megatron_rl`` knows RollPacker.
+"""
+from __future__ import annotations
+
+from megatron_rl.hooks import PluginSet, PluginSetup, TrainerPlugin
+from megatron_rl.plugins import register_plugin_factory, register_scheduler
+from rollpacker import config as _config  # noqa: F401  (registers the sections and their checks)
+
+
+def build(setup: PluginSetup) -> PluginSet:
+    """RollPacker's plug-ins for this run, in call order: the stream trainer first (it sees each
+    group the moment it completes), then the planner."""
+    cfg, engine = setup.cfg, setup.engine
+    plugins: list[TrainerPlugin] = []
+    if cfg.stream.enabled:
+        from rollpacker.stream_trainer import StreamTrainer
+
+        plugins.append(StreamTrainer(cfg))
+    if cfg.planner.enabled:
+        from rollpacker.elastic_tp import build_elastic_tp
+
+        elastic = build_elastic_tp(cfg, engine, setup.engine_factory, on_gpu=setup.device == "cuda")
+        engine = elastic.rollout  # the loop generates through the elastic wrapper
+        plugins.append(elastic)
+    return PluginSet(engine=engine, plugins=plugins)
+
+
+register_scheduler("tail_batching", "rollpacker.tail_batching:TailBatchingScheduler")
+register_plugin_factory("rollpacker.plugins:build")

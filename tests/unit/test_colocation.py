@@ -1,0 +1,181 @@
+"""The device-memory owner: the order of engine sleep/wake and trainer offload/reload in every
+named transition, with fakes that record what was asked of them (the real moves are checked on
+Megatron in tests/integration/test_memory_features.py and on vLLM in test_vllm_engine.py)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from megatron_rl.config import RunConfig
+from megatron_rl.rollout.weight_push import WeightSync, WeightTransport
+from megatron_rl.training.colocation import Colocation
+
+
+class Moves:
+    """Fake trainer ranks and engine sharing one record of calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.active_engines = 2
+
+    async def offload_for_rollout(self):
+        self.calls.append("trainer.offload")
+
+    async def reload_for_training(self):
+        self.calls.append("trainer.reload")
+
+    async def set_num_threads(self, n):
+        self.calls.append(f"trainer.threads({n})")
+
+    async def sleep(self):
+        self.calls.append("engine.sleep")
+
+    async def wake_up(self):
+        self.calls.append("engine.wake_up")
+
+    async def release_engines(self, count):
+        self.calls.append(f"engine.release({count})")
+        return {"released_engines": float(count)}
+
+    async def restore_engines(self):
+        self.calls.append("engine.restore")
+        return {}
+
+
+def colocation(offload: bool, sleep: bool, on_cpu: bool = True) -> tuple[Colocation, Moves]:
+    cfg = RunConfig()
+    cfg.trainer.offload_during_rollout, cfg.rollout.sleep_during_train = offload, sleep
+    moves = Moves()
+    return Colocation(cfg, moves, moves, on_cpu=on_cpu), moves
+
+
+def test_a_step_sleeps_the_engines_before_the_trainer_returns_and_offloads_before_they_wake():
+    async def main():
+        col, moves = colocation(offload=True, sleep=True)
+        timings = await col.to_training()
+        assert set(timings) == {"time/engine_sleep", "time/trainer_reload"}
+        assert moves.calls == ["engine.sleep", "trainer.reload"]
+        await col.to_training()  # idempotent: nothing moves twice
+        await col.to_rollout()
+        assert moves.calls == ["engine.sleep", "trainer.reload", "trainer.offload", "engine.wake_up"]
+        assert col.log == moves.calls
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("offload, sleep, expected", [
+    (False, False, []),
+    (False, True, ["engine.sleep", "engine.wake_up"]),
+    (True, False, ["trainer.reload", "trainer.offload"]),
+])
+def test_each_option_alone_moves_only_its_part(offload, sleep, expected):
+    async def main():
+        col, moves = colocation(offload, sleep)
+        await col.to_training()
+        await col.to_rollout()
+        return moves.calls
+
+    assert asyncio.run(main()) == expected
+
+
+def test_a_checkpoint_save_brings_the_trainer_back_and_restores_the_rollout_side():
+    async def main():
+        col, moves = colocation(offload=True, sleep=True)
+        async with col.training_side():
+            moves.calls.append("save")
+        assert moves.calls == ["engine.sleep", "trainer.reload", "save", "trainer.offload", "engine.wake_up"]
+        # Without offload the trainer never left: a save moves nothing (also with sleep).
+        col, moves = colocation(offload=False, sleep=True)
+        async with col.training_side():
+            moves.calls.append("save")
+        assert moves.calls == ["save"]
+
+    asyncio.run(main())
+
+
+def test_an_export_for_new_engines_makes_the_trainer_resident_only_for_its_duration():
+    async def main():
+        col, moves = colocation(offload=True, sleep=True)
+        async with col.trainer_resident():
+            moves.calls.append("export")
+        assert moves.calls == ["trainer.reload", "export", "trainer.offload"]
+        await col.to_training()  # the step after: the trainer comes back as usual
+        async with col.trainer_resident():  # already resident: nothing moves
+            moves.calls.append("export")
+        assert moves.calls[-3:] == ["engine.sleep", "trainer.reload", "export"]
+
+    asyncio.run(main())
+
+
+def test_lending_engines_to_a_stream_and_giving_them_back():
+    async def main():
+        col, moves = colocation(offload=True, sleep=False, on_cpu=True)
+        figures = await col.lend_engines(1, train_threads=2)
+        assert figures == {"released_engines": 1.0}
+        await col.make_trainer_resident()  # every streamed chunk asks: free after the first
+        await col.return_engines()
+        await col.to_training()  # rollout over: the trainer is already resident
+        assert moves.calls == ["engine.release(1)", "trainer.reload", "trainer.threads(2)", "engine.restore",
+                               "trainer.threads(1)"]
+        # On a GPU the lent devices are the engines' memory, not cores: no thread change.
+        col, moves = colocation(offload=False, sleep=False, on_cpu=False)
+        await col.lend_engines(1, train_threads=2)
+        await col.return_engines()
+        assert moves.calls == ["engine.release(1)", "engine.restore"]
+
+    asyncio.run(main())
+
+
+def test_a_loaded_checkpoint_counts_as_resident():
+    async def main():
+        col, moves = colocation(offload=True, sleep=False)
+        col.trainer_loaded()
+        await col.to_training()
+        assert moves.calls == []
+        await col.to_rollout()
+        assert moves.calls == ["trainer.offload"]
+
+    asyncio.run(main())
+
+
+class _RecordingTransport(WeightTransport):
+    def __init__(self, moves: Moves, streams: bool, writes: bool) -> None:
+        super().__init__(moves, "/shm/w", "float32")
+        self.moves, self.streams_from_trainer, self.writes_directory = moves, streams, writes
+
+    async def stage(self, version, tp):
+        self.moves.calls.append(f"stage(v{version},tp{tp})")
+        return {"staged": 1.0}
+
+    async def load(self, engine, version):
+        self.moves.calls.append(f"load(v{version})")
+        return {"loaded": 1.0}
+
+
+@pytest.mark.parametrize("streams, expected", [
+    (False, ["stage(v3,tp2)", "fan_out(/shm/w)", "trainer.offload", "engine.wake_up", "load(v3)"]),
+    # A tensor transport reads trainer memory while the engines receive: wake, load, then offload.
+    (True, ["stage(v3,tp2)", "engine.wake_up", "load(v3)", "trainer.offload"]),
+])
+def test_weight_sync_orders_memory_around_its_transport(streams, expected):
+    async def main():
+        col, moves = colocation(offload=True, sleep=True)
+        await col.to_training()
+        moves.calls.clear()
+
+        class Engine:
+            tensor_parallel_size = 2
+
+        async def fan_out(directory):
+            moves.calls.append(f"fan_out({directory})")
+            return {"fanout_mb": 5.0}
+
+        sync = WeightSync(_RecordingTransport(moves, streams, writes=not streams), moves, Engine(), col, fan_out)
+        metrics = await sync.push(3)
+        return moves.calls, metrics
+
+    calls, metrics = asyncio.run(main())
+    assert calls == expected
+    assert metrics["weight_sync/staged"] == 1.0 and metrics["weight_sync/loaded"] == 1.0
+    assert ("weight_sync/fanout_mb" in metrics) == (not streams)
