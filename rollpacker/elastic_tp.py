@@ -25,9 +25,7 @@ from typing import Callable
 from megatron_rl.config import RunConfig
 from megatron_rl.hooks import LoopServices, RolloutBatch, TrainerPlugin
 from megatron_rl.rollout.elastic import ElasticRollout
-from rollpacker.config import parse_initial_tp
 from rollpacker.planner import ElasticTPPlanner
-from rollpacker.tp_profile import fastest_tp, load_profile
 
 log = logging.getLogger(__name__)
 
@@ -98,20 +96,10 @@ def build_elastic_tp(cfg: RunConfig, engine, factory, on_gpu: bool) -> ElasticTP
     rollout.tensor_parallel_size) so ``factory(tp)`` can rebuild it. Returns the hook; its
     ``rollout`` is the engine the loop must use."""
     from megatron_rl.model.arch import read_qwen2_arch
-    from rollpacker.planner import legal_tp_sizes
+    from rollpacker.planner import legal_tp_sizes, planner_for_run
 
     devices = cfg.rollout.tensor_parallel_size * cfg.rollout.num_engines
     per_node = cfg.cluster.gpus_per_node if on_gpu else devices
-    arch = read_qwen2_arch(cfg.model.hf_path)
-    sizes = legal_tp_sizes(arch, per_node, devices, cfg.planner.max_tp)
-    initial = {kind: cfg.rollout.tensor_parallel_size for kind in ("short", "long", "baseline")}
-    if cfg.planner.profile:
-        initial.update(fastest_tp(load_profile(cfg.planner.profile), sizes))
-    initial.update(parse_initial_tp(cfg.planner.initial_tp))
-    illegal = {kind: tp for kind, tp in initial.items() if tp not in sizes}
-    if illegal:
-        raise ValueError(f"planner.initial_tp / rollout.tensor_parallel_size: {illegal} not among the legal rollout "
-                         f"TP sizes {sizes} for this model on {devices} devices")
-    planner = ElasticTPPlanner(sizes=sizes, initial=initial, growth=cfg.planner.growth,
-                               quiet_rounds=cfg.planner.quiet_rounds)
+    sizes = legal_tp_sizes(read_qwen2_arch(cfg.model.hf_path), per_node, devices, cfg.planner.max_tp)
+    planner = planner_for_run(cfg, sizes)
     return ElasticTP(cfg, planner, ElasticRollout(engine, cfg.rollout.tensor_parallel_size, factory))

@@ -16,13 +16,19 @@ group never crosses a node) and dividing the rollout GPU count (every GPU serves
 
 The planner is pure logic; ``rollpacker.elastic_tp`` carries out its decisions (engines rebuilt
 at the new TP from shards the resharder moves, ``megatron_rl.resharding.rollout_shards``).
+:func:`planner_for_run` builds the planner of a run's ``planner`` config; the RL loop
+(``elastic_tp.build_elastic_tp``) and the what-if simulator (``rollpacker.simulator``) both use
+it, so the simulator's TP decisions are the loop's.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megatron_rl.config import RunConfig
+from rollpacker.config import parse_initial_tp
 from megatron_rl.model.qwen2 import Qwen2Arch
 from megatron_rl.resharding.layouts import VLLMLayout
+from rollpacker.tp_profile import fastest_tp, load_profile
 
 
 def legal_tp_sizes(arch: Qwen2Arch, gpus_per_node: int, num_gpus: int, max_tp: int = 0) -> list[int]:
@@ -135,3 +141,24 @@ class ElasticTPPlanner:
             fitting = [t for t in self.sizes if t <= s["tp"]]
             tp = fitting[-1] if fitting else self.sizes[0]
             self._state[kind] = _RoundState(tp, s["last_preemptions"] if tp == s["tp"] else None, s["quiet"])
+
+
+def planner_for_run(cfg: RunConfig, sizes: list[int]) -> ElasticTPPlanner:
+    """The planner a run of ``cfg`` uses over the legal TP ``sizes`` (see :func:`legal_tp_sizes`).
+
+    A round type starts at its ``planner.initial_tp`` entry, else at its fastest legal TP in
+    ``planner.profile``, else at ``rollout.tensor_parallel_size``; growth and quiet rounds come
+    from ``planner.growth`` / ``planner.quiet_rounds``. Raises ValueError naming the options when
+    a starting TP is not among ``sizes``.
+    """
+    initial = {kind: cfg.rollout.tensor_parallel_size for kind in ("short", "long", "baseline")}
+    if cfg.planner.profile:
+        initial.update(fastest_tp(load_profile(cfg.planner.profile), sizes))
+    initial.update(parse_initial_tp(cfg.planner.initial_tp))
+    illegal = {kind: tp for kind, tp in initial.items() if tp not in sizes}
+    if illegal:
+        devices = cfg.rollout.tensor_parallel_size * cfg.rollout.num_engines
+        raise ValueError(f"planner.initial_tp / rollout.tensor_parallel_size: {illegal} not among the legal rollout "
+                         f"TP sizes {sizes} for this model on {devices} devices")
+    return ElasticTPPlanner(sizes=sizes, initial=initial, growth=cfg.planner.growth,
+                            quiet_rounds=cfg.planner.quiet_rounds)

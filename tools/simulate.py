@@ -97,10 +97,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"simulate: {exc}", file=sys.stderr)
         return 2
     e0 = cluster.engine_for_tp(cluster.base_tp)
+    planner = cluster.make_planner()
+    sizes = "/".join(map(str, planner.sizes))
     print(f"recipe: {args.recipe}")
     print("assumed inputs:")
     print(f"  model {shape.name} ({shape.total_params / 1e9:.2f}B); {cluster.rollout_gpus} rollout GPUs as "
-          f"{cluster.rollout_gpus // e0.gpus} engines x TP{cluster.base_tp} (planner max TP {cluster.max_tp}); "
+          f"{cluster.rollout_gpus // e0.gpus} engines x TP{cluster.base_tp} (planner TP {sizes}, growth "
+          f"{planner.growth:g}, quiet rounds {planner.quiet_rounds}); "
           f"P0={cluster.prompts_per_step} R0={cluster.responses_per_prompt}")
     source = f"measured constants {args.engine_constants}" if engine else (
         f"{gpu.name} roofline, HBM eff {eff.hbm}, decode MFU {eff.decode_mfu}, TP eff {eff.tp_efficiency}/doubling")

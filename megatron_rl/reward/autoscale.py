@@ -1,4 +1,5 @@
-"""Reward-pool autoscaling policy and reward-scheduler metrics (pure logic, no Ray).
+"""Reward-pool autoscaling policy (pure logic, no Ray; applied by
+:class:`~megatron_rl.reward.worker_set.WorkerSet`).
 
 The pool grows when responses queue up behind busy workers and shrinks when workers sit idle:
 
@@ -12,12 +13,7 @@ grading process) before it helps, and adding more meanwhile would overshoot.
 """
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
-
-from megatron_rl.sample import Sample
-
-_WAIT_EMA_ALPHA = 0.3
+from dataclasses import dataclass
 
 
 @dataclass
@@ -64,93 +60,3 @@ class ScalePolicy:
             if idle:
                 return -1, min(idle)[1]  # the one idle longest
         return 0, None
-
-
-@dataclass
-class RewardStats:
-    """Running reward-scheduler measurements; ``drain`` returns and resets one step's window."""
-
-    wait_ema: float = 0.0
-    """Exponential average of recent queue waits (drives autoscaling)."""
-    _waits: list[float] = field(default_factory=list)
-    _work_s: float = 0.0
-    _busy_area: float = 0.0
-    _busy_now: int = 0
-    _since: float = field(default_factory=time.monotonic)
-    _last: float = field(default_factory=time.monotonic)
-    scale_ups: int = 0
-    scale_downs: int = 0
-    retries: int = 0
-    """Reward tasks resubmitted because their worker lost them (actor died or dropped its queue)."""
-    cancelled: int = 0
-    """Responses whose reward work was cancelled (results dropped; not scored, not errors)."""
-    _timeouts: int = 0
-    _errors: int = 0
-
-    def set_busy(self, busy_workers: int, now: float | None = None) -> None:
-        """Record that ``busy_workers`` workers have work from now on (time-weighted mean)."""
-        now = time.monotonic() if now is None else now
-        self._busy_area += self._busy_now * max(0.0, now - self._last)
-        self._busy_now, self._last = busy_workers, now
-
-    def record(self, queue_wait_s: float, work_s: float, status: str = "ok") -> None:
-        """One collected result: how long it queued, how long the worker spent on it, and its
-        status ('timeout' and 'error' are counted: they score ``timeout_reward``, not the answer)."""
-        wait = max(0.0, queue_wait_s)
-        self._waits.append(wait)
-        self._work_s += max(0.0, work_s)
-        self._timeouts += status == "timeout"
-        self._errors += status == "error"
-        self.wait_ema = wait if len(self._waits) == 1 and not self.wait_ema else (
-            _WAIT_EMA_ALPHA * wait + (1 - _WAIT_EMA_ALPHA) * self.wait_ema)
-
-    def drain(self, num_workers: int, now: float | None = None) -> dict[str, float]:
-        """Metrics since the last drain: queue wait, busy workers, worker seconds, scaling events,
-        and how many results were timeouts or errors (scored ``timeout_reward``), were retried or
-        were cancelled."""
-        now = time.monotonic() if now is None else now
-        self.set_busy(self._busy_now, now)
-        window = max(1e-9, now - self._since)
-        waits = self._waits
-        out = {
-            "reward/queue_wait_mean": sum(waits) / len(waits) if waits else 0.0,
-            "reward/queue_wait_max": max(waits, default=0.0),
-            "reward/busy_workers_mean": self._busy_area / window,
-            "reward/workers": float(num_workers),
-            "reward/scored": float(len(waits)),
-            "reward/worker_time_s": self._work_s,
-            "reward/scale_ups": float(self.scale_ups),
-            "reward/scale_downs": float(self.scale_downs),
-            "reward/timeouts": float(self._timeouts),
-            "reward/errors": float(self._errors),
-            "reward/retries": float(self.retries),
-            "reward/cancelled": float(self.cancelled),
-        }
-        self._waits, self._work_s, self._busy_area = [], 0.0, 0.0
-        self._since = now
-        self.scale_ups = self.scale_downs = self.retries = self.cancelled = self._timeouts = self._errors = 0
-        return out
-
-
-def reward_overlap(samples: list[Sample]) -> dict[str, float]:
-    """How much reward time was hidden under rollout in one step.
-
-    Each response's reward latency runs from its ``finished`` stamp to ``reward_done``; the part
-    before the step's last response finished overlapped with generation. ``reward/tail_s`` is
-    what the step still waited for rewards after generation ended.
-    """
-    stamped = [s for s in samples if "finished" in s.timings and "reward_done" in s.timings]
-    if not stamped:
-        return {}
-    last_finish = max(s.timings["finished"] for s in stamped)
-    total = hidden = 0.0
-    for s in stamped:
-        start, end = s.timings["finished"], s.timings["reward_done"]
-        total += max(0.0, end - start)
-        hidden += max(0.0, min(end, last_finish) - start)
-    return {
-        "reward/latency_s": total,
-        "reward/hidden_s": hidden,
-        "reward/hidden_fraction": hidden / total if total > 0 else 1.0,
-        "reward/tail_s": max(0.0, max(s.timings["reward_done"] for s in stamped) - last_finish),
-    }

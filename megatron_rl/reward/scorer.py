@@ -1,8 +1,8 @@
 """The reward worker: decode a response, grade it with the rule its prompt needs, shape by length.
 
-Plain class; :class:`~megatron_rl.reward.workers.RewardPool` wraps it as a Ray actor or uses it
-in-process. Routing (``reward.kind``): 'math' and 'code' send every response to that rule;
-'mixed' sends prompts whose ``metadata['format']`` is a code format (see
+Plain class; the reward pool's :class:`~megatron_rl.reward.worker_set.WorkerSet` wraps it as a
+Ray actor or uses it in-process. Routing (``reward.kind``): 'math' and 'code' send every
+response to that rule; 'mixed' sends prompts whose ``metadata['format']`` is a code format (see
 ``code_reward.CODE_FORMATS``) to the code sandbox and the rest to math-verify; 'judge' is scored
 on the driver by the LLM judge (the pool never sends those here).
 
@@ -11,7 +11,7 @@ Cooperative cancellation: as a Ray actor the worker has a second concurrency gro
 time in submission order. :meth:`RewardWorker.skip` runs there, so it takes effect while scoring
 goes on: a listed task that has not started yet returns a 'cancelled' outcome at once when its
 turn comes, and a code-sandbox run in progress is killed. (``ray.cancel`` is not used on these
-ordered actor tasks: see :meth:`~megatron_rl.reward.workers.RewardPool.cancel`.)
+ordered actor tasks: see :mod:`~megatron_rl.reward.cancellation`.)
 """
 from __future__ import annotations
 

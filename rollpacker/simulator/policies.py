@@ -9,9 +9,11 @@ cumulative table):
   a long round trains P0 queued prompts x R0 with no over-provisioning when the queue holds P0;
 * reward scheduler: each response is scored as it finishes (the step waits only for the reward
   tail) with the adaptive timeout;
-* planner: per round type, double the rollout TP when preemptions rise > 1.05x, halve it after
-  4 rounds without preemption, between the recipe's TP (the floor: the layout it was planned
-  and memory-checked for) and one node; a TP change pays one more weight sync;
+* planner: the RL loop's own :class:`~rollpacker.planner.ElasticTPPlanner`, driven as
+  ``rollpacker.elastic_tp`` drives it: ``tp_for(round type)`` before a round, ``observe(round
+  type, the round's preemptions)`` after it (per round type: preemptions up > ``growth`` ->
+  next larger legal TP, ``quiet_rounds`` rounds without preemption -> next smaller); a TP change
+  pays one more weight sync;
 * stream trainer: in long rounds, once ``stream_start`` of the prompts are complete, half of the
   engines hand their running requests to the others (recompute: prompt + generated tokens are
   prefilled again) and their GPUs train on completed prompts while the rest still generate.
@@ -23,6 +25,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable
 
+from rollpacker.planner import ElasticTPPlanner
 from rollpacker.simulator.costs import RewardModel, TrainModel
 from rollpacker.simulator.engine_model import EngineModel
 from rollpacker.simulator.engine_sim import EngineRun, SimRequest, simulate_engine
@@ -58,6 +61,20 @@ class Cluster:
     prompts_per_step: int
     responses_per_prompt: int
     total_gpus: int
+    planner: Callable[[], ElasticTPPlanner] | None = None
+    """Makes the elastic-TP planner of one simulated run (a fresh one per run; ``build_cluster``
+    gives the one the RL loop builds for the recipe). None: an :class:`ElasticTPPlanner` over the
+    powers of two from ``base_tp`` to ``max_tp``, every round type starting at ``base_tp``."""
+
+    def make_planner(self) -> ElasticTPPlanner:
+        """A fresh planner (no rounds observed yet)."""
+        if self.planner is not None:
+            return self.planner()
+        sizes, tp = [], self.base_tp
+        while tp <= self.max_tp:
+            sizes.append(tp)
+            tp *= 2
+        return ElasticTPPlanner(sizes=sizes or [self.base_tp])
 
 
 @dataclass
@@ -89,13 +106,12 @@ class _Round:
 
 @dataclass
 class PolicyState:
-    """What carries over between steps: the long-prompt queue and the planner's history."""
+    """What carries over between steps: the long-prompt queue and the planner."""
 
     queue: list[PromptDraw] = field(default_factory=list)
     next_pid: int = 0
-    tp: dict[str, int] = field(default_factory=dict)
-    last_preemptions: dict[str, int] = field(default_factory=dict)
-    zero_streak: dict[str, int] = field(default_factory=dict)
+    planner: ElasticTPPlanner | None = None
+    """The run's planner (made by ``Cluster.make_planner`` on its first planned step)."""
     last_tp: int = 0
 
 
@@ -111,7 +127,12 @@ def simulate_step(cl: Cluster, feat: Features, state: PolicyState, rng: random.R
         prompts = [cl.lengths.new_prompt(state.next_pid + i, rng) for i in range(n)]
         state.next_pid += n
         need = p0
-    tp = state.tp.setdefault(kind, cl.base_tp) if feat.planner else cl.base_tp
+    if feat.planner:
+        if state.planner is None:
+            state.planner = cl.make_planner()
+        tp = state.planner.tp_for(kind)  # as ElasticTP.before_round
+    else:
+        tp = cl.base_tp
     engine = cl.engine_for_tp(tp)
     rnd = _run_round(cl, engine, prompts, per_prompt, need, r0, rng,
                      stream=feat.stream_trainer and kind == "long", stream_start=feat.stream_start)
@@ -128,23 +149,8 @@ def simulate_step(cl: Cluster, feat: Features, state: PolicyState, rng: random.R
     sync_s = cl.train.sync_s * (2 if state.last_tp and tp != state.last_tp else 1)
     state.last_tp = tp
     if feat.planner:
-        _plan_tp(cl, state, kind, rnd.preemptions)
+        state.planner.observe(kind, rnd.preemptions)  # as ElasticTP.after_round
     return StepResult(kind, rnd.end, reward_wait, train_s, sync_s, rnd.idle_gpu_s, rnd.preemptions, tp, sum(seqs))
-
-
-def _plan_tp(cl: Cluster, state: PolicyState, kind: str, preemptions: int) -> None:
-    """The paper's online rule, kept per round type."""
-    prev = state.last_preemptions.get(kind)
-    state.last_preemptions[kind] = preemptions
-    tp = state.tp[kind]
-    if prev is not None and preemptions > 1.05 * prev and preemptions > 0:
-        state.tp[kind] = min(tp * 2, cl.max_tp)
-        state.zero_streak[kind] = 0
-    elif preemptions == 0:
-        state.zero_streak[kind] = state.zero_streak.get(kind, 0) + 1
-        if state.zero_streak[kind] >= 4:
-            state.tp[kind] = max(cl.base_tp, tp // 2)
-            state.zero_streak[kind] = 0
 
 
 def _run_round(cl: Cluster, engine: EngineModel, prompts: list[PromptDraw], per_prompt: int, need: int,

@@ -8,11 +8,13 @@ the step waits for rewards) over GPU time.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from megatron_rl.config import RunConfig
 from megatron_rl.planning.architectures import ModelShape
 from megatron_rl.planning.memory import GpuSpec
+from rollpacker.planner import legal_tp_sizes, planner_for_run
 from rollpacker.simulator.costs import RewardModel, TrainModel
 from rollpacker.simulator.engine_model import EngineModel, GpuEfficiency
 from rollpacker.simulator.lengths import LengthModel
@@ -78,24 +80,36 @@ def build_cluster(cfg: RunConfig, shape: ModelShape, gpu: GpuSpec, lengths: Leng
     else:
         def engine_for_tp(tp: int) -> EngineModel:
             return engine if tp == engine.tp else engine.with_tp(tp)
-    max_tp = min(c.gpus_per_node, rollout_gpus)
-    heads, kv_heads = shape.arch.num_heads, shape.arch.num_kv_heads
-    while max_tp > 1 and (heads % max_tp or kv_heads % max_tp and max_tp % kv_heads):
-        max_tp //= 2
     longest = cfg.data.max_prompt_tokens + r.max_new_tokens
     base = engine_for_tp(r.tensor_parallel_size)
     if base.kv_capacity_tokens < longest:
         raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size}: an engine's KV cache holds "
                          f"{base.kv_capacity_tokens} tokens, less than one {longest}-token sequence "
                          "(see tools/plan_cluster.py)")
+    sizes = planner_tp_sizes(cfg, shape, engine_for_tp)
+    planner_for_run(cfg, sizes)  # a bad planner.initial_tp / profile fails here, not mid-simulation
     if reward is None:
         if cfg.reward.kind == "code":
             reward = RewardModel.code(cfg.reward.num_workers, getattr(cfg.reward, "code_timeout_max_s", 30.0))
         else:
             reward = RewardModel.math(cfg.reward.num_workers, cfg.reward.timeout_s)
-    return Cluster(rollout_gpus, c.gpus_per_node, engine_for_tp, r.tensor_parallel_size, max(max_tp, 1),
+    return Cluster(rollout_gpus, c.gpus_per_node, engine_for_tp, r.tensor_parallel_size, sizes[-1],
                    train or TrainModel.from_recipe(cfg, shape, gpu), reward, lengths, cfg.data.prompts_per_step,
-                   cfg.data.responses_per_prompt, max(rollout_gpus, c.num_nodes * c.gpus_per_node))
+                   cfg.data.responses_per_prompt, max(rollout_gpus, c.num_nodes * c.gpus_per_node),
+                   planner=lambda: planner_for_run(cfg, sizes))
+
+
+def planner_tp_sizes(cfg: RunConfig, shape: ModelShape, engine_for_tp: Callable[[int], EngineModel]) -> list[int]:
+    """The rollout TP sizes the simulated planner moves between: the RL loop's legal sizes
+    (:func:`~rollpacker.planner.legal_tp_sizes` over one node's GPUs, ``planner.max_tp``) whose
+    engine's KV cache holds one longest (prompt + response) sequence. The loop's planner does not
+    check memory: at a TP that cannot hold a sequence its engines would not start (vLLM refuses a
+    ``max_model_len`` beyond its KV cache), which the simulator cannot model, so it leaves those out."""
+    r = cfg.rollout
+    legal = legal_tp_sizes(shape.arch, cfg.cluster.gpus_per_node, r.tensor_parallel_size * r.num_engines,
+                           cfg.planner.max_tp)
+    longest = cfg.data.max_prompt_tokens + r.max_new_tokens
+    return [tp for tp in legal if engine_for_tp(tp).kv_capacity_tokens >= longest]
 
 
 def run_policy(cl: Cluster, feat: Features, steps: int, seed: int, name: str) -> Summary:

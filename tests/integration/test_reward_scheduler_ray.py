@@ -28,7 +28,7 @@ def cancel_stats(pool: RewardPool) -> dict[str, int]:
     import ray
 
     stats = ray.get([w.cancel_stats.options(concurrency_group=CONTROL_GROUP).remote()
-                     for w in pool._workers.values()], timeout=60)
+                     for w in pool._workers.actors.values()], timeout=60)
     return {key: sum(s[key] for s in stats) for key in stats[0]}
 
 

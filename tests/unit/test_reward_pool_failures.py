@@ -18,8 +18,8 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_rl.config import RewardConfig
-from megatron_rl.reward.autoscale import RewardStats
 from megatron_rl.reward.math_reward import CallTimeout, IsolatedCall
+from megatron_rl.reward.pool_metrics import RewardStats
 from megatron_rl.reward.scorer import CONTROL_GROUP, RewardOutcome, RewardWorker
 from megatron_rl.reward.workers import RewardHandle, RewardPool
 from megatron_rl.sample import Prompt, Sample
@@ -86,12 +86,13 @@ class FakeActor:
 def fake_ray_pool(tokenizer_dir: Path, monkeypatch, *actors: FakeActor, **cfg) -> RewardPool:
     pool = RewardPool(RewardConfig(num_workers=1, timeout_reward=-0.5, **cfg), str(tokenizer_dir), 64,
                       use_ray=False, dispatch="round_robin")
-    pool._use_ray = True
-    pool._workers = dict(enumerate(actors))
-    pool._in_flight = {i: set() for i in range(len(actors))}
-    pool._idle_since = {i: None for i in range(len(actors))}
-    monkeypatch.setattr(pool, "_loads", lambda: {w: sum(not r.done() for r in refs)
-                                                 for w, refs in pool._in_flight.items()})
+    workers = pool._workers
+    workers.remote = True
+    workers.actors = dict(enumerate(actors))
+    workers.in_flight = {i: set() for i in range(len(actors))}
+    workers.idle_since = {i: None for i in range(len(actors))}
+    monkeypatch.setattr(workers, "loads", lambda: {w: sum(not r.done() for r in refs)
+                                                   for w, refs in workers.in_flight.items()})
     return pool
 
 
@@ -116,7 +117,7 @@ def test_cancel_never_cancels_an_ordered_actor_task(tokenizer_dir: Path, monkeyp
     actor = FakeActor([])
     pool = fake_ray_pool(tokenizer_dir, monkeypatch, actor)
     ref = object()
-    pool._in_flight[0].add(ref)
+    pool._workers.in_flight[0].add(ref)
     handle = RewardHandle(sample(), 0, ref=ref, task_id=41)
     pool.cancel([handle])
     pool.cancel([handle])                                  # a second cancel sends nothing more
@@ -124,7 +125,7 @@ def test_cancel_never_cancels_an_ordered_actor_task(tokenizer_dir: Path, monkeyp
     assert calls == []
     assert actor.skips == [(CONTROL_GROUP, [41])]
     # Until the worker answers it keeps counting as that worker's load.
-    assert ref in pool._in_flight[0]
+    assert ref in pool._workers.in_flight[0]
     assert pool.step_metrics()["reward/cancelled"] == 1.0
 
 
@@ -227,14 +228,14 @@ def test_score_retries_a_task_lost_with_its_actor_queue(tokenizer_dir: Path, mon
     metrics = pool.step_metrics([s])
     assert metrics["reward/retries"] == 1.0
     assert metrics["reward/errors"] == 0.0 and metrics["reward/timeouts"] == 0.0
-    assert pool._in_flight[0] == set() or all(r.done() for r in pool._in_flight[0])
+    assert pool._workers.in_flight[0] == set() or all(r.done() for r in pool._workers.in_flight[0])
 
 
 def test_score_gives_up_after_retries_and_reports_it(tokenizer_dir: Path, monkeypatch, caplog) -> None:
     actor = FakeActor([unavailable() for _ in range(10)])
     pool = fake_ray_pool(tokenizer_dir, monkeypatch, actor)
     s = sample()
-    with caplog.at_level(logging.WARNING, logger="megatron_rl.reward.workers"):
+    with caplog.at_level(logging.WARNING, logger="megatron_rl.reward.dispatch"):
         asyncio.run(pool.score(s))
     assert 2 <= len(actor.calls) <= 4                  # bounded retries
     assert s.reward == -0.5 and s.correct is False      # timeout_reward
