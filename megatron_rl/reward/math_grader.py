@@ -26,10 +26,12 @@ Decisions on ambiguous forms (each is a row family in ``tests/data/math_grader_s
   side by side (``2 3``) are not graded: latex2sympy sums them (``2 3`` = 5).
 * **Equations.** ``x = 5`` and a bare ``5`` answer each other (math-verify compares the
   right-hand side of an assignment): the value is what is asked. ``y = -2x`` needs the whole
-  right side: ``-2`` is wrong, ``-2x`` or ``2x + y = 0`` right.
+  right side: ``-2`` is wrong, ``-2x`` or ``2x + y = 0`` right. An equation whose left side is
+  not a bare symbol does not answer a plain value (``2x = 10`` is not 10, ``-x = 5`` not 5).
 * **Bases.** ``52_8`` is the numeral 52 in base 8 (latex2sympy drops the subscript, so this is
   checked here): a base-b gold needs the same base-b digits (``52_{8}``; not ``52``, not the
-  decimal ``42``); a base-b answer to a plain gold is compared by value.
+  decimal ``42``); a base-b answer to a plain gold is compared by value; a numeral that cannot
+  exist (``59_8``) is wrong.
 * **Percent.** ``50\\%`` is 0.5 (math-verify), and a percent sign may also just be dropped:
   ``12.5\\%`` answers ``12.5`` and the other way round ("what percent" golds are written both
   ways). So ``0.5\\%`` also answers a gold ``0.5``: accepted as the price of the former.
@@ -181,18 +183,23 @@ def _unwrap(text: str) -> str:
     return _DOLLARS_RE.sub("", text).strip()
 
 
+_INVALID_NUMERAL = ("", 0)
+
+
 def _base_numeral(text: str) -> tuple[str, int] | None:
-    """(digits, base) of a base-b numeral such as ``52_8``, else None."""
+    """(digits, base) of a base-b numeral such as ``52_8``; ``_INVALID_NUMERAL`` for one that
+    cannot be (``59_8``, ``163_{00}``: latex2sympy would read them as 59 and 163); None when
+    ``text`` is no subscripted number (``x_1`` is a symbol)."""
     match = _BASE_RE.match(_unwrap(text))
-    if match is None:
+    if match is None or not any(c.isdigit() for c in match.group(1)):
         return None
     digits, base = match.group(1), int(match.group(2) or match.group(3))
     if not 2 <= base <= 36:
-        return None
+        return _INVALID_NUMERAL
     try:
         int(digits, base)
     except ValueError:
-        return None              # x_1, a_2: a subscripted symbol, not a numeral
+        return _INVALID_NUMERAL
     return digits.upper().lstrip("0") or "0", base
 
 
@@ -208,9 +215,40 @@ def _choice(text: str, gold: bool) -> str | None:
     return (match.group(1) or match.group(2)).upper()
 
 
+def _has_equation(expr) -> bool:
+    from math_verify.grader import is_equation
+    from sympy import FiniteSet, Tuple
+
+    if isinstance(expr, (FiniteSet, Tuple)):
+        return any(_has_equation(e) for e in expr.args)
+    return not isinstance(expr, str) and is_equation(expr)
+
+
+def _is_assignment(expr) -> bool:
+    """Not an equation, or one naming what it gives: x = 5, xy = 6, f(2) = 5 (a set: each)."""
+    from math_verify.grader import (
+        is_assignment_relation,
+        is_equation,
+        take_first_relation,
+    )
+    from sympy import FiniteSet, Tuple
+    from sympy.core.function import AppliedUndef
+
+    if isinstance(expr, (FiniteSet, Tuple)):
+        return all(_is_assignment(e) for e in expr.args if _has_equation(e))
+    if not is_equation(expr) or is_assignment_relation(expr):
+        return True
+    return isinstance(take_first_relation(expr).lhs, AppliedUndef)
+
+
 def _verify(gold: tuple, pred: tuple, options: VerifyOptions) -> bool:
     from math_verify import verify
 
+    if not any(_has_equation(g) for g in gold):
+        # math-verify answers a gold that is no equation with an equation's right side alone,
+        # meant for 'x = 2 + 3 = 5'; so -x = 5 or 2x = 10 would answer 5 or 10. Only
+        # assignments (a symbol on the left) keep that reading.
+        pred = tuple(p for p in pred if _is_assignment(p))
     return bool(pred) and bool(verify(
         list(gold), list(pred), float_rounding=options.float_rounding,
         numeric_precision=options.numeric_precision, strict=options.strict,
@@ -222,6 +260,10 @@ def answers_match(gold: str, answer: str, options: VerifyOptions = DEFAULT_OPTIO
     ground truth). Raises ValueError when the gold cannot be parsed; never for the answer."""
     gold, answer = gold.strip(), answer.strip()
     gold_base, answer_base = _base_numeral(gold), _base_numeral(answer)
+    if gold_base == _INVALID_NUMERAL:
+        raise ValueError(f"ground truth {gold!r} is not a valid base-b numeral")
+    if answer_base == _INVALID_NUMERAL:
+        return False
     if gold_base is not None:
         if gold_base[1] == 10 and answer_base is None:
             return answers_match(gold_base[0], answer, options)

@@ -9,12 +9,18 @@ real reward path (``MathReward``: the isolated grading process reward workers us
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 
 import pytest
 
 from megatron_rl.reward.math_grader import VerifyOptions, answers_match, parse_gold
-from megatron_rl.reward.math_reward import MathReward
+from megatron_rl.reward.math_reward import (
+    MathReward,
+    extract_ground_truth,
+    extract_response_answer,
+    grade,
+)
 from tools.grader_report import DEFAULT_DATA, FORMS, evaluate, format_report, load_rows
 
 MIN_ROWS = 300
@@ -79,6 +85,37 @@ def test_graded_set_no_false_positives(rows: list[dict], capsys, record_property
     assert report.statuses.get("no_answer", 0) >= no_answer
 
 
+def _corruptions(answer: str) -> list[str]:
+    """Mechanical near misses of a right answer: its first and its last digit moved by one, a
+    minus sign put in front, the last digit dropped (integers only: no decimal zero dropped)."""
+    digits = list(re.finditer(r"\d", answer))
+    out = []
+    for m in {digits[0].start(), digits[-1].start()} if digits else ():
+        out.append(answer[:m] + str((int(answer[m]) + 1) % 10) + answer[m + 1:])
+    out.append("-" + answer)
+    if len(answer) > 1 and answer[-1].isdigit() and "." not in answer:
+        out.append(answer[:-1])
+    return out
+
+
+def test_mechanical_corruptions_of_right_answers_are_wrong(rows: list[dict]) -> None:
+    """Labels nobody wrote: every corruption of a right answer to a numeric gold changes its
+    value (a gold equal to 0 is skipped: a minus sign keeps it), so none may be graded 1."""
+    tried, accepted = 0, []
+    for row in rows:
+        answer = extract_response_answer(row["response"])
+        gold = extract_ground_truth(row["gold"])
+        if not row["expected"] or answer is None or not re.search(r"\d", gold) or answers_match(gold, "0"):
+            continue
+        at = row["response"].rfind(answer)
+        for bad in _corruptions(answer):
+            tried += 1
+            if grade(row["response"][:at] + bad + row["response"][at + len(answer):], gold).correct:
+                accepted.append((row["form"], answer, bad, gold))
+    assert tried >= 500
+    assert accepted == []
+
+
 def test_load_rows_names_the_bad_row(tmp_path) -> None:
     good = {"form": "integer", "response": "\\boxed{1}", "gold": "1", "expected": 1, "note": "x"}
     path = tmp_path / "set.jsonl"
@@ -105,8 +142,29 @@ def test_load_rows_names_the_bad_row(tmp_path) -> None:
     ("52", "52_{10}", True),
     ("x_1", "x_1", True),         # a subscripted symbol is no numeral
     ("x_1", "x_2", False),
+    ("59", "59_8", False),        # no such base-8 numeral (latex2sympy reads 59)
+    ("163", "163_{00}", False),
 ])
 def test_rule_base_numerals(gold: str, answer: str, expected: bool) -> None:
+    assert answers_match(gold, answer) is expected
+
+
+def test_rule_invalid_base_numeral_gold_is_an_error() -> None:
+    with pytest.raises(ValueError, match="not a valid base-b numeral"):
+        answers_match("59_8", "59")
+
+
+@pytest.mark.parametrize("gold, answer, expected", [
+    ("5", "x = 5", True),
+    ("5", "x = 2 + 3 = 5", True),
+    ("5", "f(2) = 5", True),
+    ("5", "-x = 5", False),       # math-verify would compare the right side alone
+    ("10", "2x = 10", False),
+    ("1,-2", "x=1 \\text{ or } x=-2", True),
+    ("1,-2", "-x=1 \\text{ or } x=-2", False),
+    ("y = -2x", "2x + y = 0", True),   # an equation gold still takes any equivalent equation
+])
+def test_rule_equations_answer_values_only_as_assignments(gold: str, answer: str, expected: bool) -> None:
     assert answers_match(gold, answer) is expected
 
 
