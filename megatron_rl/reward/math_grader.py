@@ -10,8 +10,9 @@ read as 5, ``6r^2-4r-24`` as 6 and ``y = -2x`` as -2, and those truncated answer
 math-verify options (:class:`VerifyOptions`): floats equal when they agree to 6 decimals
 (``0.333333`` is 1/3, ``0.333`` is not); ``strict=True``, so variables matter (``6x^2-4x-24``
 is not ``6r^2-4r-24``); an inequality answers an interval or set gold when both are the same
-set (``2 \\le x < 5`` for ``[2,5)``; math-verify's default only allows the reverse). Its own
-signal-based timeouts are off: the caller bounds the whole call (see ``math_reward``).
+set (``2 \\le x < 5`` for ``[2,5)``; math-verify's default only allows the reverse; the price:
+``1 < x < 2`` also answers a gold pair ``(1,2)``, which math-verify reads as an open interval).
+Its own signal-based timeouts are off: the caller bounds the whole call (see ``math_reward``).
 
 Decisions on ambiguous forms (each is a row family in ``tests/data/math_grader_set.jsonl``):
 
