@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 import pytest
 
 from megatron_rl.reward.math_reward import (
+    MAX_ANSWER_CHARS,
     CallFailed,
     CallTimeout,
     IsolatedCall,
@@ -15,7 +17,9 @@ from megatron_rl.reward.math_reward import (
     extract_ground_truth,
     extract_response_answer,
     grade,
+    last_boxed,
 )
+from tools.grader_report import adversarial_cases
 
 GSM8K_SOLUTION = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nAltogether 48+24 = <<48+24=72>>72.\n#### 72"
 
@@ -45,6 +49,14 @@ def failing_grade(response: str, ground_truth: str) -> RewardResult:
         ("The answer is 72", None),
         ("", None),
         ("####   \n", None),
+        ("\\boxed {4}", "4"),                                             # space before the brace
+        ("\\boxed{\\{1,2\\}}", "\\{1,2\\}"),                             # escaped braces are literal
+        ("\\boxed{\\left\\{ x \\right.}", "\\left\\{ x \\right."),         # ... even unbalanced ones
+        ("\\boxed{\\boxed{5}}", "5"),                                     # the inner box starts last
+        ("a line break \\\\boxed{3}", None),                               # \\ then 'boxed' is no box
+        ("}} stray \\boxed{x}}", "x"),
+        ("\\fbox{7}", "7"),
+        ("\\boxed{}", None),                                              # an empty box is no answer
     ],
 )
 def test_extract_response_answer(text: str, expected: str | None) -> None:
@@ -55,6 +67,30 @@ def test_extract_ground_truth_formats() -> None:
     assert extract_ground_truth(GSM8K_SOLUTION) == "72"
     assert extract_ground_truth("The area is $\\boxed{\\frac{\\pi}{4}}$.") == "\\frac{\\pi}{4}"
     assert extract_ground_truth(" 3.5 ") == "3.5"
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("\\boxed{" * 15_000, None),                                  # 105 KB of unclosed boxes
+    ("\\boxed{" * 15_000 + "\\boxed{5}", "5"),
+    ("\\boxed{" + "{" * 100_000, None),                           # deeply nested, never closed
+    ("\\boxed{" + "{" * 50_000 + "5" + "}" * 50_001, "{" * 50_000 + "5" + "}" * 50_000),
+    ("\\fbox{" * 7_000 + "7" + "}" * 7_000, "7"),                # 7 000 nested boxes, all closed
+    ("#### " + "#" * 100_000, "#" * 100_000),
+    ("####\n" * 20_000 + "#### 9", "9"),
+])
+def test_extraction_is_linear_time(text: str, expected: str | None) -> None:
+    # The old per-box rescan took 14.5 s on 56 KB of unclosed boxes (quadratic: ~45 s on these);
+    # one pass takes ~50 ms. The bound leaves room for a heavily loaded machine.
+    start = time.monotonic()
+    assert extract_response_answer(text) == expected
+    extract_ground_truth(text)
+    assert time.monotonic() - start < 5.0
+
+
+def test_last_boxed_positions() -> None:
+    assert last_boxed("ab \\boxed{1} \\boxed{2}") == (13, "2")
+    assert last_boxed("\\boxed{1} then \\boxed{") == (0, "1")
+    assert last_boxed("no box") is None
 
 
 @pytest.mark.parametrize(
@@ -94,6 +130,16 @@ def test_grade_reports_why() -> None:
     assert (ok.status, ok.extracted) == ("ok", "71")
     with pytest.raises(ValueError, match="cannot parse the ground truth"):
         grade("\\boxed{1}", "")
+
+
+def test_grade_skips_runaway_answers() -> None:
+    long = "1+" * MAX_ANSWER_CHARS + "1"
+    result = grade("\\boxed{" + long + "}", "5")
+    assert (result.correct, result.status, result.extracted) == (False, "ok", long)
+    assert "longer than" in result.detail
+    assert grade("\\boxed{" + "1+" * 10 + "1}", "11").correct       # a short sum is graded
+    with pytest.raises(ValueError, match="cannot parse the ground truth"):
+        grade("\\boxed{" + long + "}", "")                        # a bad gold is still one
 
 
 def test_isolated_call_kills_a_hanging_call_and_recovers() -> None:
@@ -164,3 +210,62 @@ def test_math_reward_works_from_a_worker_thread(math_reward: MathReward) -> None
         result = pool.submit(math_reward, "\\boxed{(10^{10^{10}})!}", "5").result(timeout=30)
         assert result.status == "timeout"
         assert pool.submit(math_reward, "#### 12", "12").result(timeout=30).correct
+
+
+def test_math_reward_bounds_every_adversarial_input() -> None:
+    """Back to back, each slow input comes back within the configured timeout plus a small
+    margin, measured from the caller's side (kill + a warm fork, never a re-run of the work)."""
+    timeout_s = 2.0
+    reward = MathReward(timeout_s=timeout_s, timeout_reward=-1.0)
+    try:
+        reward.start()
+        timeouts = 0
+        for name, response in adversarial_cases().items():
+            start = time.monotonic()
+            result = reward(response, "5")
+            elapsed = time.monotonic() - start
+            assert elapsed < timeout_s + 1.0, (name, elapsed)   # measured: + 0.03 s
+            assert not result.correct and result.status in ("timeout", "ok", "no_answer"), (name, result)
+            if result.status == "timeout":
+                timeouts += 1
+                assert result.reward == -1.0
+        assert timeouts >= 4 and reward.restarts == timeouts
+        start = time.monotonic()
+        assert reward("\\boxed{5}", "5").correct           # the next response is not held up
+        assert time.monotonic() - start < timeout_s          # (a fresh interpreter took 1-4 s)
+    finally:
+        reward.close()
+
+
+def test_reward_pool_scores_and_counts_a_math_timeout(tmp_path: Path) -> None:
+    """Through the reward worker path: a timed-out response scores timeout_reward and is counted."""
+    from megatron_rl.config import RewardConfig
+    from megatron_rl.model.tiny import build_tokenizer
+    from megatron_rl.reward.workers import RewardPool
+    from megatron_rl.sample import Prompt, Sample
+
+    build_tokenizer().save_pretrained(tmp_path)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+
+    def sample(index: int, text: str) -> Sample:
+        ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+        return Sample(prompt=Prompt(prompt_id="p", token_ids=[1, 2], answer="5"), response_index=index,
+                      response_ids=ids, finish_reason="stop")
+
+    pool = RewardPool(RewardConfig(timeout_s=1.0, timeout_reward=-0.5), str(tmp_path), max_new_tokens=64,
+                      use_ray=False)
+    try:
+        first = sample(0, "\\boxed{5}")
+        pool.wait([pool.submit(first)], timeout_s=60)      # in-process: starts the grading process
+        samples = [sample(1, "\\boxed{(10^{10^{10}})!}"), sample(2, "\\boxed{6}")]
+        start = time.monotonic()
+        pool.wait([pool.submit(s) for s in samples], timeout_s=60)
+        assert time.monotonic() - start < 1.0 + 1.0          # the timeout, then a quick one
+        assert [(s.raw_reward, s.correct) for s in [first] + samples] == [(1.0, True), (-0.5, False), (0.0, False)]
+        assert samples[0].reward == -0.5                          # no shaping configured
+        assert pool.status_counts == {"ok": 2, "timeout": 1}
+        assert pool.step_metrics()["reward/timeouts"] == 1.0
+    finally:
+        pool.shutdown()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import subprocess
 import threading
 import time
@@ -271,22 +273,28 @@ def test_stats_count_timeouts_and_errors_per_step() -> None:
 
 
 def test_isolated_call_recovers_when_a_killed_child_does_not_exit(monkeypatch) -> None:
-    """A grading child that cannot be reaped after SIGKILL (e.g. stuck in the kernel) must cost
+    """A grading process that cannot be reaped after SIGKILL (e.g. stuck in the kernel) must cost
     one timeout, not raise out of the worker on this and every later call."""
     runner = IsolatedCall()
     try:
         runner.ensure_started()
-        stuck = runner._proc
+        start = time.monotonic()
+        with pytest.raises(CallTimeout):
+            runner.call(time.sleep, (30,), 0.5)         # the caller never waits for the killed worker
+        assert time.monotonic() - start < 10
+        stuck = runner._server.proc
 
         def never_exits(timeout=None):
             raise subprocess.TimeoutExpired(stuck.args, timeout)
 
         monkeypatch.setattr(stuck, "wait", never_exits)
+        os.kill(stuck.pid, signal.SIGKILL)              # the fork server itself goes away
+        deadline = time.monotonic() + 10
+        while stuck.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
         start = time.monotonic()
-        with pytest.raises(CallTimeout):
-            runner.call(time.sleep, (30,), 0.5)
+        assert runner.call(abs, (-3,), 10.0) == 3      # a fresh fork server answers
         assert time.monotonic() - start < 10
-        assert runner.call(abs, (-3,), 10.0) == 3      # a fresh child answers
-        assert runner._proc is not stuck
+        assert runner._server.proc is not stuck
     finally:
         runner.close()
