@@ -175,9 +175,10 @@ class Runner:
                     self.rows[spec.name] = Row(spec.name, "blocked", 0.0, f"needs {', '.join(bad)}, which did not pass")
                     continue
                 left = self.deadline_s - (time.monotonic() - t0)
-                if left < 5.0:
-                    self.rows[spec.name] = Row(spec.name, "deadline", 0.0,
-                                               f"not started: the run's {self.deadline_s:.0f} s deadline has passed")
+                if left < min(self._budget(spec), 30.0):  # too little left to be worth starting
+                    self.rows[spec.name] = Row(spec.name, "deadline", 0.0, f"not started: {left:.0f} s left of the "
+                                               f"run's {self.deadline_s:.0f} s deadline")
+                    print(f"[gpu_check] deadline {spec.name}: not started", flush=True)
                     continue
                 running.append(self._start(spec, min(self._budget(spec), left)))
             time.sleep(0.2)
