@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -34,6 +35,11 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         last = str(exc).strip().splitlines()[-1:] or [""]
         row.update(status="error", summary=f"{type(exc).__name__}: {last[0][:300]}")
+    # The GPU machine has neither: a part that needs them would only fail there.
+    absent_there = sorted({m.split(".")[0] for m in sys.modules} & {"ray", "vllm"})
+    if absent_there and row.get("status") != "error":
+        row.update(status="error", summary=f"imported {', '.join(absent_there)}, which the GPU machine does not have; "
+                   + row.get("summary", ""))
     row["seconds"] = time.perf_counter() - start
     Path(args.result).write_text(json.dumps(row, indent=1, default=str))
     print(f"{args.name}: {row['status']}: {row.get('summary', '')}", flush=True)
