@@ -55,6 +55,9 @@ GPUS = {
     "h800": GpuSpec("H800-80GB", 80.0, 3350.0, 989.0, 400.0),
     "h100": GpuSpec("H100-80GB", 80.0, 3350.0, 989.0, 900.0),
     "a100": GpuSpec("A100-80GB", 80.0, 2039.0, 312.0, 600.0),
+    # H200 SXM: H100 compute, 141 GB HBM3e at 4.8 TB/s; about 139 GiB usable as torch sees it on
+    # the lent machine (tools/gpu_check measures against this entry).
+    "h200": GpuSpec("H200-141GB", 139.0, 4800.0, 989.0, 900.0),
 }
 
 
