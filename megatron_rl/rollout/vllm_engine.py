@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
 from megatron_rl.config import RolloutConfig
+from megatron_rl.rollout import speculative
 from megatron_rl.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,8 @@ class _StatsSink:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.updated_at = 0.0
+        self.spec = speculative.SpecCounters()
+        """Decode steps and draft/accept counts (speculative decoding)."""
 
     def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
         """Fold one engine step's stats into the running totals."""
@@ -89,6 +92,7 @@ class _StatsSink:
             self.prefix_cache_queries += int(getattr(prefix, "queries", 0))
             self.prefix_cache_hits += int(getattr(prefix, "hits", 0))
             self.updated_at = time.monotonic()
+        self.spec.record(scheduler_stats, iteration_stats)
         if iteration_stats is not None:
             self.preemptions += iteration_stats.num_preempted_reqs
             self.generation_tokens += iteration_stats.num_generation_tokens
@@ -153,6 +157,7 @@ class VLLMEngine(RolloutEngine):
         self.model_path = str(model_path)
         self.max_model_len = max_model_len
         self.on_gpu = torch.cuda.is_available()
+        speculative.check_proposer(cfg.speculative, self.on_gpu)
         # A directory of per-rank shards from the resharder (elastic-TP switch) is loaded with
         # vLLM's sharded_state loader: each rank copies its own file, nothing is re-sharded.
         shards = read_rollout_manifest(model_path)
@@ -182,6 +187,7 @@ class VLLMEngine(RolloutEngine):
             env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             # The legacy integer-GiB variable would override the fractional size passed below.
             env["VLLM_CPU_KVCACHE_SPACE"] = None
+        env.update(speculative.engine_env(cfg.speculative))  # the drafter's options, read in vLLM's workers
         try:
             with _scoped_env(env):
                 self._llm = self._start(seed, logprobs_mode, dtype)
@@ -208,6 +214,7 @@ class VLLMEngine(RolloutEngine):
             enable_log_requests=False,
             load_format=self._load_format,
             worker_extension_cls=vllm_worker_ext.EXTENSION,  # load_rank_shards: per-rank in-place reload
+            **speculative.engine_kwargs(cfg.speculative),  # drafts proposed per request (rollout.speculative)
         )
         if self.on_gpu:
             return AsyncEngineArgs(
@@ -264,6 +271,7 @@ class VLLMEngine(RolloutEngine):
             # FINAL_ONLY: one output per request, holding all tokens; an abort still yields the
             # partial tokens generated so far.
             output_kind=RequestOutputKind.FINAL_ONLY,
+            extra_args=speculative.request_extra_args(request),  # the drafter's settings for this request
         )
 
     @property
@@ -461,7 +469,7 @@ class VLLMEngine(RolloutEngine):
         """
         sink = self._stats
         idle = not self._inflight
-        return EngineStats(
+        return sink.spec.fill(EngineStats(
             running=0 if idle else sink.running,
             waiting=0 if idle else sink.waiting + sink.skipped_waiting,
             preemptions=sink.preemptions,
@@ -475,7 +483,7 @@ class VLLMEngine(RolloutEngine):
                 "weight_version": self._version,
                 "sleeping": self._sleeping,
             },
-        )
+        ))
 
     async def shutdown(self) -> None:
         """Abort what is pending, stop vLLM's processes and remove this engine's scratch dir."""
