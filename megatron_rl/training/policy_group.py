@@ -134,10 +134,6 @@ class PolicyGroup:
         response tokens and sequences; metrics as :meth:`train_step` returns them."""
         return await self._first("apply_accumulated_gradients", num_tokens_total, num_seqs_total)
 
-    async def discard_accumulated_gradients(self) -> None:
-        """Drop pending accumulated gradients (e.g. after a failed chunk) without a step."""
-        await self._all("discard_accumulated_gradients")
-
     async def offload_for_rollout(self) -> dict:
         """Every rank frees its grad buffers and (GPU) moves optimizer state and weights to host
         memory; returns rank 0's bytes freed/moved per kind. Only ``Colocation`` calls this."""
