@@ -3,6 +3,7 @@ from pathlib import Path
 
 import pytest
 
+import rollpacker.plugins  # noqa: F401  (RollPacker's scheduler and sections, as megatron_rl.train registers them)
 from megatron_rl.config import RunConfig
 from megatron_rl.config_io import ConfigError, load_config, validate, validate_against_architecture
 
