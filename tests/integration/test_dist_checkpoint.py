@@ -235,3 +235,15 @@ def test_device_check_of_the_distributed_optimizer_passes_on_cpu(tmp_path):
     assert result["device"] == "cpu" and result["steps_done"] == 1
     assert result["optimizer_tensors"] >= 3 * 10 and result["optimizer_max_diff"] == 0.0
     assert result["weights_max_diff_after_step"] <= 1e-5
+
+
+def test_benchmark_tool_prints_both_formats(tiny_model_dir, tmp_path, capsys):
+    import benchmark_checkpoint as bench
+
+    assert bench.main(["--model", str(tiny_model_dir), "--repeats", "1", "--out", str(tmp_path / "out")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split(" (")[0]: line.split() for line in lines if line.startswith(("legacy", "dist_checkpointing"))}
+    assert rows.keys() == {"legacy", "dist_checkpointing"}
+    legacy_mb, dist_mb = float(rows["legacy"][-1]), float(rows["dist_checkpointing"][-1])
+    assert 0.9 < dist_mb / legacy_mb < 1.2  # TP2, no replicas: the same bytes in either format
+    assert not list((tmp_path / "out").iterdir())  # every checkpoint it wrote was removed
