@@ -100,7 +100,7 @@ class TrainerRank:
     def save_checkpoint(self, directory: str) -> None:
         return self._call("save_checkpoint", directory)
 
-    def load_checkpoint(self, directory: str) -> None:
+    def load_checkpoint(self, directory: str) -> dict:
         return self._call("load_checkpoint", directory)
 
     def shutdown(self) -> None:
@@ -206,8 +206,11 @@ class PolicyGroup:
     def save_checkpoint(self, directory: str) -> None:
         self._all("save_checkpoint", directory)
 
-    def load_checkpoint(self, directory: str) -> None:
-        self._all("load_checkpoint", directory)
+    def load_checkpoint(self, directory: str) -> dict:
+        """Every rank restores the step directory at the current layout, whatever layout saved it
+        (MegatronWorker.load_checkpoint); returns rank 0's ``steps_done`` and, for dist
+        checkpoints, ``saved_layout`` and ``rng_restored``."""
+        return self._all("load_checkpoint", directory)[0]
 
     def shutdown(self) -> None:
         try:
