@@ -24,9 +24,12 @@ class ModelConfig:
     transformer_impl: str = "auto"
     """Layer spec: 'transformer_engine', 'local', or 'auto' (TE when importable on a GPU)."""
     megatron_checkpoint: str = ""
-    """Optional directory written by ``tools/convert_checkpoint.py hf-to-megatron`` for the
-    trainer's TP/PP: the policy (and reference) weights are loaded from its shards instead of
-    ``hf_path``'s safetensors (``hf_path`` still supplies the architecture and tokenizer)."""
+    """Optional Megatron dist checkpoint to start from: a directory written by
+    ``tools/convert_checkpoint.py hf-to-megatron`` or a trainer step directory
+    (``run_dir/checkpoints/step_N``). It loads at any ``parallel.*`` layout; the policy (and
+    reference) weights come from it instead of ``hf_path``'s safetensors (``hf_path`` still
+    supplies the architecture and tokenizer). Legacy per-(TP, PP) conversions load only at their
+    own TP/PP."""
 
 
 @dataclass

@@ -299,7 +299,7 @@ class Trainer:
                         self.cfg.trainer.run_dir)
         if path is not None:
             state = self.checkpoints.load_driver_state(path)
-            await self.p.policy.load_checkpoint(str(path))
+            loaded = await self.p.policy.load_checkpoint(str(path)) or {}
             self.colocation.trainer_loaded()
             self.cursor.load_state_dict(state["cursor"])
             self.p.scheduler.load_state_dict(state["scheduler"])
@@ -310,7 +310,9 @@ class Trainer:
                 plugin.load_state_dict(saved.get(plugin.name, state.get(plugin.name, {})))
             self.start_step = int(state["next_step"])
             self.version = int(state["version"])
-            log.info("resumed from %s at step %d", path, self.start_step)
+            log.info("resumed from %s at step %d%s", path, self.start_step,
+                     f" (saved at layout {loaded['saved_layout']}, RNG {'restored' if loaded.get('rng_restored') else 'reseeded'})"
+                     if loaded.get("saved_layout") else "")
         # Steps from start_step on are (re)done: drop what a killed run logged for them.
         self.trained_log.truncate(self.start_step)
         self.timeline_log.truncate(self.start_step)

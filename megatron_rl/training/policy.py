@@ -60,6 +60,8 @@ class Policy(Protocol):
         """Write the trainer state (weights, optimizer, RNG) into ``directory``."""
         ...
 
-    async def load_checkpoint(self, directory: str) -> None:
-        """Restore what :meth:`save_checkpoint` wrote; the state is then in device memory."""
+    async def load_checkpoint(self, directory: str) -> dict:
+        """Restore what :meth:`save_checkpoint` wrote, at the current parallel layout whatever
+        layout wrote it; the state is then in device memory. Returns what the load found
+        (``steps_done``; for dist checkpoints ``saved_layout`` and ``rng_restored``)."""
         ...

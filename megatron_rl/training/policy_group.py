@@ -172,9 +172,11 @@ class PolicyGroup:
         """Every rank writes its part of a checkpoint into ``directory``."""
         await self._all("save_checkpoint", directory)
 
-    async def load_checkpoint(self, directory: str) -> None:
-        """Every rank restores its part of the checkpoint in ``directory``."""
-        await self._all("load_checkpoint", directory)
+    async def load_checkpoint(self, directory: str) -> dict:
+        """Every rank restores the step directory at the current layout, whatever layout saved it
+        (MegatronWorker.load_checkpoint); returns rank 0's ``steps_done`` and, for dist
+        checkpoints, ``saved_layout`` and ``rng_restored``."""
+        return await self._first("load_checkpoint", directory)
 
     async def shutdown(self) -> None:
         """Tear the workers down and kill the actors (also when a rank fails)."""
