@@ -310,9 +310,11 @@ class Trainer:
                 plugin.load_state_dict(saved.get(plugin.name, state.get(plugin.name, {})))
             self.start_step = int(state["next_step"])
             self.version = int(state["version"])
-            log.info("resumed from %s at step %d%s", path, self.start_step,
-                     f" (saved at layout {loaded['saved_layout']}, RNG {'restored' if loaded.get('rng_restored') else 'reseeded'})"
-                     if loaded.get("saved_layout") else "")
+            saved = loaded.get("saved_layout")
+            where = (f" (saved at layout TP{saved['tensor_model_parallel_size']} PP{saved['pipeline_model_parallel_size']}"
+                     f" DP{saved['data_parallel_size']}, RNG {'restored' if loaded.get('rng_restored') else 'reseeded'})"
+                     if saved else "")
+            log.info("resumed from %s at step %d%s", path, self.start_step, where)
         # Steps from start_step on are (re)done: drop what a killed run logged for them.
         self.trained_log.truncate(self.start_step)
         self.timeline_log.truncate(self.start_step)

@@ -129,7 +129,9 @@ def test_sigkill_mid_step_then_resume_loses_and_repeats_no_prompt(tiny_model_dir
 
 
 def test_sigterm_finishes_the_step_checkpoints_and_resumes(tiny_model_dir, tmp_path):
-    """Also logs to W&B (offline, the real wandb package): both attempts write to the same run."""
+    """Also logs to W&B (offline, the real wandb package): both attempts write to the same run.
+    The resume runs at another parallel layout (TP2 saved, TP1 resumes: the dist_checkpointing
+    format loads at any layout) and still trains every prompt once, in the uninterrupted order."""
     run_dir = tmp_path / "run"
     steps = 5
     args = _overrides(tiny_model_dir, run_dir, steps, ["trainer.save_every=0",  # no periodic checkpoints
@@ -153,9 +155,11 @@ def test_sigterm_finishes_the_step_checkpoints_and_resumes(tiny_model_dir, tmp_p
     sync_dir = re.search(r"weights for the engines go to (\S+)", log).group(1)
     assert not Path(sync_dir).exists(), "teardown did not run"
 
-    proc = _run_train(args + ["trainer.resume=true"], tmp_path / "log2.txt")
+    proc = _run_train(args + ["trainer.resume=true", "parallel.tensor_model_parallel_size=1"], tmp_path / "log2.txt")
     rc = proc.wait(timeout=600)
-    assert rc == 0, (tmp_path / "log2.txt").read_text()[-4000:]
+    log2 = (tmp_path / "log2.txt").read_text()
+    assert rc == 0, log2[-4000:]
+    assert "saved at layout TP2 PP1 DP1, RNG reseeded" in log2, log2[-3000:]
     assert [r["step"] for r in _read_jsonl(metrics_file)] == list(range(steps))
     trained = [pid for r in _read_jsonl(run_dir / "trained_prompts.jsonl") for pid in r["prompt_ids"]]
     expected = [f"arith:{i}" for i in PromptCursor(64, seed=1234, shuffle=True).take(steps * P0)]
