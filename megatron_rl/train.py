@@ -19,8 +19,14 @@ from pathlib import Path
 
 import rollpacker.plugins  # noqa: F401  (registers RollPacker's scheduler, config sections and plug-ins)
 from megatron_rl.config import RunConfig
-from megatron_rl.config_io import (ConfigError, config_to_dict, load_config, read_hf_architecture, resolve_device,
-                                   validate)
+from megatron_rl.config_io import (
+    ConfigError,
+    config_to_dict,
+    load_config,
+    read_hf_architecture,
+    resolve_device,
+    validate,
+)
 from megatron_rl.graceful_stop import GracefulStop
 from megatron_rl.hooks import PluginSetup, TrainerPlugin
 from megatron_rl.plugins import PluginError, make_scheduler, plugin_factories

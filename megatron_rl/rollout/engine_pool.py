@@ -24,8 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
-from megatron_rl.rollout.engine import (Completion, EngineStats, GenerationRequest, RolloutEngine,
-                                        forward_completions)
+from megatron_rl.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine, forward_completions
 from megatron_rl.rollout.migration import MigrationRecord
 
 logger = logging.getLogger(__name__)

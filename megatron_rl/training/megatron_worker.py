@@ -40,7 +40,13 @@ from megatron_rl.training.dist_checkpoint import load_model_weights, load_traine
 from megatron_rl.training.legacy_checkpoint import is_legacy, load_legacy
 from megatron_rl.training.logprobs import run_microbatches
 from megatron_rl.training.memory_offload import TrainerOffload, with_training_state
-from megatron_rl.training.packing import Microbatch, balance_across_ranks, build_microbatch, pack_microbatches, response_values
+from megatron_rl.training.packing import (
+    Microbatch,
+    balance_across_ranks,
+    build_microbatch,
+    pack_microbatches,
+    response_values,
+)
 from megatron_rl.training.step_metrics import LOSS_METRICS, TOKEN_METRICS, combine, combine_over_ranks, parity_metrics
 from megatron_rl.training.weight_export import WeightExport
 from megatron_rl.training.weights_io import load_hf_into_model

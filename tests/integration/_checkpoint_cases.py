@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-
 from _megatron_cases import make_samples, policy_loss_cfg, toy_loss
 
 KILLED = 86

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _checkpoint_cases import KILLED, device_check_on_cpu, run_cases, save_then_die
 from _megatron_cases import make_samples, run_spmd
 

@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from _megatron_cases import hf_reference, make_samples, run_spmd
 from _resharding_cases import trainer_from_converted
+from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import convert_checkpoint as cc  # noqa: E402

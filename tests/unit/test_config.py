@@ -5,7 +5,7 @@ import pytest
 
 import rollpacker.plugins  # noqa: F401  (RollPacker's scheduler and sections, as megatron_rl.train registers them)
 from megatron_rl.config import RunConfig
-from megatron_rl.config_io import ConfigError, load_config, validate, validate_against_architecture
+from megatron_rl.config_io import ConfigError, load_config, validate
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_ARCH = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
