@@ -126,30 +126,34 @@ def parse_tests(answer: str, metadata: dict | None) -> CodeTests:
 
 
 def build_job(solution: str, tests: CodeTests) -> dict:
-    """The sandbox job that runs ``solution`` against ``tests``."""
+    """The sandbox job that runs ``solution`` against ``tests`` (the solution and the tests go
+    to different processes: see :mod:`megatron_rl.reward.sandbox`)."""
     if tests.kind == "stdio":
-        return {"kind": "stdio", "program": solution, "cases": [list(c) for c in tests.cases]}
+        return {"kind": "stdio", "solution": solution, "cases": [list(c) for c in tests.cases]}
     if tests.kind == "pytest":
-        return {"kind": "pytest", "program": solution, "tests": tests.code}
+        return {"kind": "pytest", "solution": solution, "tests": tests.code}
     body = solution
     if tests.entry_point and tests.prefix_if_missing and not re.search(
             rf"def\s+{re.escape(tests.entry_point)}\s*\(", solution):
         body = tests.prefix_if_missing + solution
-    program = "\n".join(part for part in (tests.setup, body, tests.code, tests.suffix) if part)
-    return {"kind": "asserts", "program": program}
+    return {"kind": "asserts", "solution": body, "setup": tests.setup,
+            "tests": "\n".join(part for part in (tests.code, tests.suffix) if part),
+            "entry_point": tests.entry_point}
 
 
 class CodeReward:
     """Scores responses by running their code against the prompt's tests in a :class:`Sandbox`."""
 
     def __init__(self, timeout_s: float = 30.0, timeout_reward: float = 0.0, memory_mb: int = 1024,
-                 isolation: str = "auto") -> None:
-        """``timeout_s`` is the default per-response limit (the pool passes adaptive ones)."""
+                 isolation: str = "auto", disk_mb: int = 64) -> None:
+        """``timeout_s`` is the default per-response limit (the pool passes adaptive ones);
+        ``memory_mb`` and ``disk_mb`` are ``reward.sandbox_memory_mb`` / ``sandbox_disk_mb``."""
         if timeout_s <= 0:
             raise ValueError(f"code reward timeout_s={timeout_s} must be > 0")
         self.timeout_s = timeout_s
         self.timeout_reward = timeout_reward
         self.memory_mb = memory_mb
+        self.disk_mb = disk_mb
         self._sandbox = Sandbox(isolation=isolation)
 
     @property
@@ -172,7 +176,8 @@ class CodeReward:
                                 time.monotonic() - start)
         limit = timeout_s or self.timeout_s
         run = self._sandbox.run(build_job(code, tests),
-                                SandboxLimits(wall_s=limit, cpu_s=limit, memory_mb=self.memory_mb), cancel)
+                                SandboxLimits(wall_s=limit, cpu_s=limit, memory_mb=self.memory_mb,
+                                              disk_mb=self.disk_mb), cancel)
         return self._result(run, code)
 
     def _result(self, run: SandboxResult, code: str) -> RewardResult:
