@@ -36,6 +36,7 @@ import sandbox_wire as wire
 _BUILTIN_EXCEPTIONS = {name: cls for name, cls in vars(builtins).items()
                        if isinstance(cls, type) and issubclass(cls, BaseException)}
 _MUTABLE = (list, dict, set, bytearray)
+_MUTABLE_TYPES = frozenset(_MUTABLE)
 
 
 class SolutionGone(BaseException):
@@ -88,17 +89,24 @@ class Remote:
     def get(self, name: str):
         return self.ask("get", name=name)
 
-    def call(self, handle: int, args: tuple, kwargs: dict):
+    def call(self, handle: int, args: tuple, kwargs: dict, method: str | None = None):
+        """Call the handle (or its method ``method``); mutable plain arguments get the
+        solution's changes copied back."""
         targets = {i: a for i, a in enumerate(args) if type(a) in _MUTABLE}
         targets.update({k: v for k, v in kwargs.items() if type(v) in _MUTABLE})
         fields = {"h": handle, "a": self.encode(list(args)), "k": self.encode(dict(kwargs))}
+        if method is not None:
+            fields["name"] = method
         if targets:
             fields["sync"] = list(targets)
         return self._value(self._request("call", fields), targets)
 
     def _apply_sync(self, states, targets: dict) -> None:
+        """Arguments the solution reports as changed by the call (absent: unchanged)."""
+        if states is None:
+            return
         if type(states) is not list:
-            raise wire.WireError("missing argument states")
+            raise wire.WireError("bad argument states")
         for pair in states:
             if type(pair) is not list or len(pair) != 2 or type(pair[0]) not in (int, str) or pair[0] not in targets:
                 raise wire.WireError("bad argument state")
@@ -136,8 +144,14 @@ class Remote:
             raise wire.WireError("bad handle")
         handle, meta = body
         if handle not in self.proxies:
-            exc = meta.get("exc") if type(meta) is dict else None
-            self.proxies[handle] = self._exception_class(handle, exc) if exc is not None else Proxy(self, handle)
+            meta = meta if type(meta) is dict else {}
+            if meta.get("exc") is not None:
+                self.proxies[handle] = self._exception_class(handle, meta["exc"])
+            else:
+                methods = meta.get("m") or []
+                if type(methods) is not list or not all(type(m) is str for m in methods):
+                    raise wire.WireError("bad method list")
+                self.proxies[handle] = Proxy(self, handle, frozenset(methods))
         return self.proxies[handle]
 
     def _exception_class(self, handle: int, spec) -> type:
@@ -235,8 +249,14 @@ def _std_ref(obj):
 
 def _sync_into(old, new) -> None:
     """Make ``old`` (the caller's container) hold ``new``'s content, keeping the identity of
-    nested containers of the same kind (rows of a matrix rotated in place)."""
+    nested containers of the same kind (rows of a matrix rotated in place). Both are plain data
+    built here, so comparing them runs no code of the solution's."""
+    if type(old) is type(new) and old == new:
+        return
     if type(old) is list and type(new) is list:
+        if not set(map(type, old)) & _MUTABLE_TYPES:
+            old[:] = new  # no nested containers whose identity could matter
+            return
         for i in range(min(len(old), len(new))):
             if type(old[i]) is type(new[i]) and type(old[i]) in _MUTABLE:
                 _sync_into(old[i], new[i])
@@ -262,11 +282,12 @@ def _sync_into(old, new) -> None:
 class Proxy:
     """One object of the solution's; see the module docstring for what is forwarded."""
 
-    __slots__ = ("_r", "_h", "__weakref__")
+    __slots__ = ("_r", "_h", "_m", "__weakref__")
 
-    def __init__(self, remote: Remote, handle: int) -> None:
+    def __init__(self, remote: Remote, handle: int, methods: frozenset = frozenset()) -> None:
         object.__setattr__(self, "_r", remote)
         object.__setattr__(self, "_h", handle)
+        object.__setattr__(self, "_m", methods)
 
     def _ask(self, op: str, **fields):
         return self._r.ask(op, h=self._h, **fields)
@@ -275,6 +296,8 @@ class Proxy:
         return self._r.call(self._h, args, kwargs)
 
     def __getattr__(self, name: str):
+        if name in self._m:
+            return _Method(self, name)  # called right away in the usual case: one question, not two
         return self._ask("getattr", name=name)
 
     def __setattr__(self, name: str, value) -> None:
@@ -332,6 +355,24 @@ class Proxy:
         return equal if equal is NotImplemented else not equal
 
     __hash__ = object.__hash__
+
+
+class _Method:
+    """``proxy.name`` for a method of the solution's class: calling it asks the solution to
+    look the attribute up and call it (so an instance attribute of that name still wins)."""
+
+    __slots__ = ("_proxy", "_name")
+
+    def __init__(self, proxy: Proxy, name: str) -> None:
+        self._proxy, self._name = proxy, name
+
+    def __call__(self, *args, **kwargs):
+        proxy = self._proxy
+        return object.__getattribute__(proxy, "_r").call(object.__getattribute__(proxy, "_h"), args, kwargs,
+                                                          self._name)
+
+    def __repr__(self) -> str:
+        return f"<method {self._name} of a solution object>"
 
 
 class LiveNamespace(dict):

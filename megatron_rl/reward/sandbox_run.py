@@ -24,6 +24,7 @@ from megatron_rl.reward.sandbox import _CANCEL_POLL_S, _MAX_FILES, SandboxLimits
 
 _MAX_WIRE_BYTES = 256 << 20
 _JUDGE_LOG_BYTES = 64 << 10
+_EXIT_GRACE_S = 0.2
 
 
 _BOOT = "import sys; sys.path.insert(0, {here!r}); import {module}; {module}.main()"
@@ -116,7 +117,8 @@ def _run(plan, job, limits, cancel, layers, work, judge_dir, pipes, procs, syste
     streams = _supervise(solution, judge_proc, verdict[0], report[0], start + limits.wall_s, limits,
                          cancel, None if plan["root"] else work)
     s_usage, j_usage = _reap(solution), _reap(judge_proc)
-    result = _judge(streams, solution.returncode, s_usage, j_usage, cpu, limits)
+    result = _judge(streams, solution.returncode, _cpu_hit(s_usage, solution.returncode, cpu)
+                    or _cpu_hit(j_usage, judge_proc.returncode, cpu), limits)
     applied = streams["layers"]
     result.elapsed_s = time.monotonic() - start
     result.isolation = layers if applied is None else \
@@ -126,55 +128,65 @@ def _run(plan, job, limits, cancel, layers, work, judge_dir, pipes, procs, syste
 
 def _supervise(solution, judge, verdict_fd: int, report_fd: int, deadline: float, limits: SandboxLimits,
                cancel, poll_dir: str | None) -> dict:
-    """Read every stream until the judge has written its verdict (then the solution is killed
-    and the rest drained), or until a limit, the deadline or ``cancel`` ends the run."""
-    bufs = {solution.stdout.fileno(): bytearray(), solution.stderr.fileno(): bytearray(),
-            judge.stdout.fileno(): bytearray(), verdict_fd: bytearray(), report_fd: bytearray()}
+    """Read every stream until both processes are done. Once the judge has closed the verdict
+    pipe nothing the solution does counts: it gets ``_EXIT_GRACE_S`` to exit by itself (it does
+    when the judge's end of the wire closes; its last output is flushed), then is killed. A
+    limit, the deadline or ``cancel`` kills both at once."""
     s_out, s_err, j_out = solution.stdout.fileno(), solution.stderr.fileno(), judge.stdout.fileno()
+    bufs = {s_out: bytearray(), s_err: bytearray(), j_out: bytearray(), verdict_fd: bytearray(),
+            report_fd: bytearray()}
     caps = {j_out: _JUDGE_LOG_BYTES, verdict_fd: 1 << 20, report_fd: 1 << 16}
-    open_fds, reason, drain_until = set(bufs), "", None
+    open_fds, reason = set(bufs), ""
+    kill_at = drain_until = None
     poll_s = _CANCEL_POLL_S if cancel is not None or poll_dir else 0.5
+
+    def stop(why: str, grace: float = 0.0) -> None:
+        nonlocal reason, kill_at, drain_until
+        reason = reason or why
+        now = time.monotonic()
+        kill_at, drain_until = now + grace, now + grace + 2.0
+
     while open_fds:
         now = time.monotonic()
         if drain_until is not None and now >= drain_until:
             break
+        if kill_at is not None and now >= kill_at:
+            _kill(solution), _kill(judge)
+            kill_at = float("inf")
         if drain_until is None:
             if cancel is not None and cancel.is_set():
-                reason = "cancelled"
+                stop("cancelled")
             elif now >= deadline:
-                reason = "timeout"
+                stop("timeout")
             elif poll_dir and _over_disk(poll_dir, limits.disk_mb):
-                reason = "disk_limit"
+                stop("disk_limit")
             if reason:
-                _kill(solution), _kill(judge)
-                drain_until = now + 2.0
-        wait = max(0.0, min(deadline - now, poll_s) if drain_until is None else drain_until - now)
+                continue
+        limit = drain_until if drain_until is not None else deadline
+        wait = max(0.0, min(limit - now, poll_s, (kill_at - now) if kill_at and kill_at != float("inf") else poll_s))
         ready, _, _ = select.select(list(open_fds), [], [], wait)
         for fd in ready:
             chunk = os.read(fd, 65536)
             if not chunk:
                 open_fds.discard(fd)
                 if fd == verdict_fd and drain_until is None:
-                    _kill(solution)  # the judge is done; nothing the solution does counts now
-                    drain_until = time.monotonic() + 2.0
-                continue
-            if len(bufs[fd]) < caps.get(fd, limits.output_bytes + 1):
+                    stop("", _EXIT_GRACE_S)
+            elif len(bufs[fd]) < caps.get(fd, limits.output_bytes + 1):
                 bufs[fd].extend(chunk)
         if drain_until is None and len(bufs[s_out]) + len(bufs[s_err]) > limits.output_bytes:
-            reason = "output_limit"
-            _kill(solution), _kill(judge)
-            drain_until = time.monotonic() + 2.0
+            stop("output_limit")
     _kill(solution), _kill(judge)
     for stream in (solution.stdout, solution.stderr, judge.stdout):
         stream.close()
     try:
-        layers = json.loads(bytes(bufs[report_fd]) or b"null")
+        report = json.loads(bytes(bufs[report_fd]) or b"{}")
     except ValueError:
-        layers = None
+        report = {}
+    report = report if isinstance(report, dict) else {}
+    layers = report.get("layers")
     return {"stdout": bytes(bufs[s_out][:limits.output_bytes]), "stderr": bytes(bufs[s_err][:limits.output_bytes]),
             "judge_log": bytes(bufs[j_out]), "verdict": bytes(bufs[verdict_fd]), "reason": reason,
-            "report": layers if isinstance(layers, dict) else {},
-            "layers": (layers or {}).get("layers") if isinstance(layers, dict) else None}
+            "report": report, "layers": layers if isinstance(layers, list) else None}
 
 
 def _over_disk(path: str, disk_mb: int) -> bool:
@@ -228,11 +240,21 @@ def _kill(proc: subprocess.Popen) -> None:
             pass
 
 
-def _judge(streams: dict, returncode, s_cpu, j_cpu, cpu_limit: int, limits: SandboxLimits) -> SandboxResult:
+def _cpu_hit(cpu_s, returncode, limit: int) -> bool:
+    """Whether a process was ended by its RLIMIT_CPU. The kernel checks the limit against
+    tick-sampled CPU time, which on a loaded machine runs ahead of the precise time rusage
+    reports; so a process that died abnormally after using most of its limit counts too
+    (``unshare`` turns the child's SIGXCPU into a plain exit status)."""
+    if cpu_s is None:
+        return False
+    return returncode == -signal.SIGXCPU or cpu_s >= limit - 0.05 or \
+        (cpu_s >= 0.75 * limit and returncode not in (0, None))
+
+
+def _judge(streams: dict, returncode, cpu_hit: bool, limits: SandboxLimits) -> SandboxResult:
     base = dict(returncode=returncode, stdout=streams["stdout"].decode("utf-8", "replace").rstrip("\n"),
                 stderr=streams["stderr"].decode("utf-8", "replace"))
     reason = streams["reason"]
-    cpu_hit = (s_cpu or 0) >= cpu_limit - 0.05 or (j_cpu or 0) >= cpu_limit - 0.05
     if reason == "timeout":
         return SandboxResult("timeout", detail=f"wall-clock limit {limits.wall_s:g} s", **base)
     if reason == "cancelled":

@@ -101,6 +101,7 @@ class Server:
         self.module = self.code = self.loaded = self.capture = None
         self._hint = None
         self._sync = None
+        self._methods: dict = {}
 
     def run(self) -> None:
         self.loaded = self.load()
@@ -166,9 +167,16 @@ class Server:
         return self.index[key]
 
     def meta(self, obj):
-        if isinstance(obj, type) and issubclass(obj, BaseException):
-            return {"exc": [obj.__name__, self._builtin_bases(obj)]}
-        return None
+        """What the judge needs to know about a new handle: an exception class's name and
+        built-in bases; an instance's public method names (so ``obj.m(...)`` is one question)."""
+        if isinstance(obj, type):
+            return {"exc": [obj.__name__, self._builtin_bases(obj)]} if issubclass(obj, BaseException) else None
+        cls = type(obj)
+        if cls not in self._methods:
+            self._methods[cls] = sorted({name for klass in cls.__mro__[:-1] for name, value in vars(klass).items()
+                                         if type(name) is str and not name.startswith("_")
+                                         and isinstance(value, types.FunctionType)})
+        return {"m": self._methods[cls]} if self._methods[cls] else None
 
     @staticmethod
     def _builtin_bases(cls) -> list[str]:
@@ -253,12 +261,18 @@ class Server:
         return self.module.__dict__[name]
 
     def op_call(self, q):
+        """Call a handle, or (with ``name``) one of its methods."""
         args, kwargs = self.decode(q.get("a", [])), self.decode(q.get("k", {"m": {}}))
         if type(args) is not list or type(kwargs) is not dict:
             raise wire.WireError("bad call arguments")
-        result = self.obj(q)(*args, **kwargs)
-        sync = q.get("sync") or []
-        self._sync = [(key, args[key] if type(key) is int else kwargs[key]) for key in sync]
+        target = self.obj(q)
+        if "name" in q:
+            target = getattr(target, q["name"])
+        sync = [(key, args[key] if type(key) is int else kwargs[key]) for key in q.get("sync") or []]
+        before = [_plain_copy(value) for _, value in sync]
+        result = target(*args, **kwargs)
+        # Send back only the arguments the call changed (most calls change none).
+        self._sync = [(key, value) for (key, value), old in zip(sync, before) if not _same(value, old)]
         return result
 
     def op_getattr(self, q):
@@ -363,6 +377,28 @@ class Server:
         else:
             sys.stdout, sys.stderr = self.text_sink(self.output_cap), self.text_sink(self.output_cap)
         return {"out": out, "err": err}
+
+
+def _plain_copy(value):
+    """A deep copy of plain data, for telling afterwards whether a call changed an argument."""
+    t = type(value)
+    if t is list:
+        return [_plain_copy(v) for v in value] if set(map(type, value)) & _CONTAINERS else value[:]
+    if t is dict:
+        return {k: _plain_copy(v) for k, v in value.items()}
+    if t is set or t is bytearray:
+        return t(value)
+    return value
+
+
+def _same(value, old) -> bool:
+    try:
+        return type(value) is type(old) and bool(value == old)
+    except BaseException:  # noqa: BLE001 - the call put something odd in it: send it
+        return False
+
+
+_CONTAINERS = frozenset({list, dict, set, bytearray})
 
 
 def _refuse(obj):

@@ -185,9 +185,41 @@ def _flat(values) -> bool:
     if not kinds <= _NATIVE:
         return False
     if int in kinds:
-        ints = [v for v in values if type(v) is int]
+        ints = values if len(kinds) == 1 else [v for v in values if type(v) is int]
         return max(ints).bit_length() <= _SMALL_INT_BITS and min(ints).bit_length() <= _SMALL_INT_BITS
     return True
+
+
+_PACK_MIN = 256
+_I64 = 1 << 63
+
+
+def _packed(values: list):
+    """Long lists of only ints (within int64) or only floats travel as raw machine words:
+    several times cheaper than JSON numbers both ways."""
+    if len(values) < _PACK_MIN:
+        return None
+    kinds = set(map(type, values))
+    if kinds == {int} and -_I64 <= min(values) and max(values) < _I64:
+        code, tag = "q", "ai"
+    elif kinds == {float}:
+        code, tag = "d", "af"
+    else:
+        return None
+    import array
+
+    return {tag: binascii.b2a_base64(array.array(code, values).tobytes(), newline=False).decode("ascii")}
+
+
+def _unpack(code: str, body) -> list:
+    import array
+
+    raw = binascii.a2b_base64(_str(body), strict_mode=True)
+    if len(raw) % 8:
+        raise WireError("packed numbers of a bad length")
+    numbers = array.array(code)
+    numbers.frombytes(raw)
+    return numbers.tolist()
 
 
 def encode(value, other, depth: int = 0):
@@ -201,6 +233,9 @@ def encode(value, other, depth: int = 0):
         return value
     d = depth + 1
     if t is list:
+        packed = _packed(value)
+        if packed is not None:
+            return packed
         return value if _flat(value) else [encode(v, other, d) for v in value]
     if t is dict:
         if all(type(k) is str for k in value):
@@ -318,6 +353,8 @@ def _decode_tagged(tag, body, resolve, d):
     if tag == "c":
         re_, im = _items(body, resolve, d)
         return complex(_num(re_), _num(im))
+    if tag in ("ai", "af"):
+        return _unpack("q" if tag == "ai" else "d", body)
     if tag == "rg":
         return range(*[_int(x) for x in _items(body, resolve, d)])
     if tag in ("P", "J", "std"):
