@@ -2,22 +2,24 @@
 
 The solution is the last fenced code block of the response (```python, ```py or a bare ```);
 a response without one scores 0 with status 'no_answer'. Supported test formats, picked from
-the prompt's metadata (datasets put them there; ``Prompt.answer`` is the fallback test text):
+the prompt's metadata (datasets put them there; ``Prompt.answer`` is the fallback test text).
+The solution runs in its own process as module ``solution``; the tests run in the sandbox's
+judge process and reach it through plain-data calls (see :mod:`megatron_rl.reward.sandbox`):
 
 ===========  ==========================================  =====================================
 style        metadata                                    how it runs
 ===========  ==========================================  =====================================
-KodCode      format 'kodcode', ``tests`` (pytest file     solution saved as ``solution.py``;
+KodCode      format 'kodcode', ``tests`` (pytest file     the test file imports ``solution``;
              with ``from solution import ...``)           every ``test_*`` function called
-HumanEval    ``entry_point`` + tests defining             solution + tests + ``check(entry)``
-             ``check(candidate)``; optional
-             ``code_prompt`` (the signature) prepended
+HumanEval    ``entry_point`` + tests defining             the tests, then ``check(entry)``;
+             ``check(candidate)``; optional               names they do not define come from
+             ``code_prompt`` (the signature) prepended    the solution's module
              when the solution does not define it
-MBPP         ``test_list`` (assert strings), optional     setup + solution + asserts
-             ``test_setup_code``
+MBPP         ``test_list`` (assert strings), optional     the asserts (after the setup code,
+             ``test_setup_code``                          which also runs before the solution)
 stdin/out    ``inputs`` + ``outputs`` lists, or           program run per case; stdout compared
              ``input_output`` (JSON or dict with them)    token by token (whitespace-insensitive)
-asserts      anything else: the test text                 solution + test text (``def test_*``
+asserts      anything else: the test text                 the test text (``def test_*``
                                                           functions: run pytest-style)
 ===========  ==========================================  =====================================
 """

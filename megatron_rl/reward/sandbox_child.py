@@ -1,8 +1,9 @@
 """The solution process of a sandbox run: the only place untrusted code executes.
 
 Started by :mod:`megatron_rl.reward.sandbox_run` as ``python -I -S -B -c "...; main()"`` (inside
-``unshare`` namespaces when they are available). It reads its job (JSON) from stdin, then,
-before any untrusted code runs:
+``unshare`` namespaces when they are available). It reads its job (marshal, from the trusted
+parent: the solution, the setup code, the limits, its pipe descriptors) from stdin, then, before
+any untrusted code runs:
 
 1. confines itself (:mod:`sandbox_confine`: private root file system with a size-limited
    writable tmpfs, rlimits, uid drop, landlock, seccomp; whichever the parent asked for), and
@@ -201,9 +202,9 @@ def main() -> None:
     layers.append("audit_hook")
     os.write(report_fd, sandbox_wire.dumps({"layers": layers}).encode())
     os.close(report_fd)
-    # ctypes stays loaded in sandbox_confine's globals; drop the names that lead to it (its calls
-    # are refused by the hook anyway, and the kernel layers are in place).
-    for name in [m for m in sys.modules if m == "ctypes" or m.startswith("ctypes.") or m == "sandbox_confine"]:
+    # Forget the FFI the confinement used: importing it again is an audited (refused) import, and
+    # its calls are audited events the hook refuses too.
+    for name in [m for m in sys.modules if m in ("_ctypes", "sandbox_confine") or m.split(".")[0] == "ctypes"]:
         del sys.modules[name]
     del sandbox_confine
     server = sandbox_server.Server(job, text_sink=_text_sink, sink_text=_sink_text)

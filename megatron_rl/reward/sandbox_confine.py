@@ -90,8 +90,9 @@ def _check(result: int, what: str) -> int:
 
 
 def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    enc = (lambda s: None if s is None else s.encode())
-    _check(_call("mount", enc(source), enc(target), enc(fstype), flags, enc(data)), f"mount {source or fstype} on {target}")
+    args = [None if s is None else s.encode() for s in (source, target, fstype)]
+    options = None if data is None else data.encode()
+    _check(_call("mount", *args, flags, options), f"mount {source or fstype} on {target}")
 
 
 # --------------------------------------------------------------------------- private root

@@ -10,10 +10,12 @@ another process, so the tests see it through :class:`Remote`:
   that raises SystemExit never leave the solution's process;
 * anything else (an instance of the solution's class, a generator, a function) is a
   :class:`Proxy`: calls, attributes, items, iteration, ``len``, truth and text are forwarded
-  (their results are again plain data or proxies); equality is identity, except that two
-  dataclass instances compare by the field values the solution reports; ordering, arithmetic,
-  ``float()``/``int()`` conversions and hashing by value are not forwarded (a proxy cannot
-  pose as a number);
+  (their results are again plain data or proxies). A proxy never poses as plain data: compared
+  with anything but another proxy it is unordered and equal only to itself; arithmetic on it
+  must give another proxy (so ``abs(candidate(x) - y) < eps`` cannot be answered by the
+  solution's ``__sub__``); ``float()``, ``int()``, ``__index__`` and hashing by value are not
+  forwarded. Between two proxies (two of the solution's objects), ``==`` and ordering are the
+  solution's answers, as they would be in one interpreter;
 * an exception raised by the solution is re-raised here as the built-in class of the same name
   (or a class made here, subclassing the nearest built-in one, for the solution's own
   exception classes), so ``pytest.raises(ValueError)`` works;
@@ -342,19 +344,58 @@ class Proxy:
     def __subclasscheck__(self, cls) -> bool:
         return self._ask("issubclass", v=self._r.encode(cls)) is True
 
-    def __eq__(self, other):
-        if self is other:
-            return True
+    # Comparisons are answered only between two of the solution's objects (the solution decides
+    # about its own objects anyway) and must answer a bool; against anything else a proxy is
+    # unordered and equal only to itself.
+    def _compare(self, name: str, other):
         if type(other) is not Proxy or object.__getattribute__(other, "_r") is not self._r:
             return NotImplemented
-        mine, theirs = self._ask("eqkey"), other._ask("eqkey")
-        return mine is not None and type(mine) is list and mine == theirs
+        if self is other and name in ("eq", "ne"):
+            return name == "eq"
+        answer = self._ask("binop", name=name, a={"P": [self._h, None]}, b={"P": [other._h, None]})
+        if type(answer) is not bool:
+            raise TypeError(f"comparison of solution objects answered {type(answer).__name__}, not bool")
+        return answer
+
+    def __eq__(self, other):
+        return self._compare("eq", other)
 
     def __ne__(self, other):
-        equal = self.__eq__(other)
-        return equal if equal is NotImplemented else not equal
+        return self._compare("ne", other)
+
+    def __lt__(self, other):
+        return self._compare("lt", other)
+
+    def __le__(self, other):
+        return self._compare("le", other)
+
+    def __gt__(self, other):
+        return self._compare("gt", other)
+
+    def __ge__(self, other):
+        return self._compare("ge", other)
 
     __hash__ = object.__hash__
+
+    # Arithmetic is forwarded but must give another of the solution's objects: it can never
+    # mint a plain number for the tests to compare (``abs(candidate(x) - y) < 1e-9`` with a
+    # proxy raises TypeError instead of trusting the solution's ``__sub__``).
+    def _arith(self, name: str, a, b):
+        answer = self._ask("binop", name=name, a=self._r.encode(a), b=self._r.encode(b))
+        if type(answer) is not Proxy:
+            raise TypeError(f"arithmetic on a solution object gave {type(answer).__name__}; only its own objects "
+                            "may come out of it")
+        return answer
+
+
+for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor", "lshift",
+              "rshift"):
+    _op = _name + "_" if _name in ("and", "or") else _name
+    setattr(Proxy, f"__{_name}__", lambda self, other, _op=_op: self._arith(_op, self, other))
+    setattr(Proxy, f"__r{_name}__", lambda self, other, _op=_op: self._arith(_op, other, self))
+for _name in ("neg", "pos", "invert", "abs"):
+    setattr(Proxy, f"__{_name}__", lambda self, _op=_name: self._arith(_op, self, None))
+del _name, _op
 
 
 class _Method:

@@ -58,11 +58,12 @@ def execute(plan: dict, job: dict, limits: SandboxLimits, cancel: threading.Even
         os.chmod(work, 0o700)
         if plan["uid"] and not plan["root"]:
             os.chown(work, *plan["uid"])
-        return _run(plan, job, limits, cancel, layers, work, judge_dir, pipes, procs, system_paths,
-                    python)
+        return _run(plan, job, limits, cancel, layers, work, judge_dir, pipes, procs, system_paths, python)
     finally:
         for proc in procs:
             _kill(proc)
+            if proc.returncode is None:
+                _reap(proc)
         for fd in pipes:
             try:
                 os.close(fd)
@@ -72,8 +73,9 @@ def execute(plan: dict, job: dict, limits: SandboxLimits, cancel: threading.Even
         shutil.rmtree(judge_dir, ignore_errors=True)
 
 
-def _run(plan, job, limits, cancel, layers, work, judge_dir, pipes, procs, system_paths,
-         python) -> SandboxResult:
+def _run(plan, job, limits, cancel, layers, work, judge_dir, pipes, procs, system_paths, python) -> SandboxResult:
+    """Spawn both processes (their descriptors and processes are left in ``pipes`` / ``procs``
+    for the caller to clean up), supervise them and judge the outcome."""
     kind = job["kind"]
     cpu = max(1, int(limits.cpu_s + 0.999))
     rlimits = {"cpu_s": cpu, "memory_mb": limits.memory_mb, "file_mb": limits.file_mb, "nproc": limits.nproc}
@@ -81,13 +83,14 @@ def _run(plan, job, limits, cancel, layers, work, judge_dir, pipes, procs, syste
     j2s, s2j, verdict, report = os.pipe(), os.pipe(), os.pipe(), os.pipe()
     pipes.extend(j2s + s2j + verdict + report)
     solution_job = {
-        "kind": kind, "solution": job["solution"], "setup": job.get("setup", ""), "output_cap": limits.output_bytes,
-        "max_bytes": _MAX_WIRE_BYTES, "read_roots": system_paths,
+        "kind": kind, "solution": job["solution"], "setup": job.get("setup", ""),
+        "output_cap": limits.output_bytes, "max_bytes": _MAX_WIRE_BYTES, "read_roots": system_paths,
         "fds": {"from_judge": j2s[0], "to_judge": s2j[1], "report": report[1]},
         "confine": {"require": require, "rlimits": rlimits, "seccomp": "seccomp" in layers,
                     "uid": list(plan["uid"]) if plan["uid"] else None,
-                    "root": {"new_root": work, "read_only": system_paths, "work_dir": work, "disk_mb": limits.disk_mb,
-                             "owner": list(plan["uid"]) if plan["uid"] else None} if plan["root"] else None,
+                    "root": {"new_root": work, "read_only": system_paths, "work_dir": work,
+                             "disk_mb": limits.disk_mb, "owner": list(plan["uid"]) if plan["uid"] else None}
+                    if plan["root"] else None,
                     "landlock": {"ro": system_paths, "rw": [work]} if "landlock" in layers else None}}
     judge_job = {
         "kind": kind, "tests": job.get("tests", ""), "setup": job.get("setup", ""),
@@ -101,13 +104,13 @@ def _run(plan, job, limits, cancel, layers, work, judge_dir, pipes, procs, syste
     with _job_file(solution_job) as s_in, _job_file(judge_job) as j_in:
         try:
             procs.append(subprocess.Popen(
-                plan["prefix"] + [python, "-I", "-S", "-B", *_boot("sandbox_child")], cwd=work, env=_env(work), stdin=s_in,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
+                plan["prefix"] + [python, "-I", "-S", "-B", *_boot("sandbox_child")], cwd=work, env=_env(work),
+                stdin=s_in, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
                 pass_fds=(j2s[0], s2j[1], report[1])))
             procs.append(subprocess.Popen(
-                [python, "-I", "-S", "-B", *_boot("sandbox_judge")], cwd=judge_dir, env=_env(judge_dir), stdin=j_in,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
-                pass_fds=(s2j[0], j2s[1], verdict[1])))
+                [python, "-I", "-S", "-B", *_boot("sandbox_judge")], cwd=judge_dir, env=_env(judge_dir),
+                stdin=j_in, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                close_fds=True, pass_fds=(s2j[0], j2s[1], verdict[1])))
         except OSError as exc:
             return SandboxResult("error", detail=f"cannot start the sandbox: {exc}", isolation=layers)
     for fd in (j2s[0], j2s[1], s2j[0], s2j[1], verdict[1], report[1]):

@@ -72,6 +72,8 @@ try:
             value, end = _scan(text, 0)
         except StopIteration as exc:
             raise ValueError(f"not JSON at {exc.value}") from None
+        except RecursionError:
+            raise ValueError("JSON nested too deeply") from None
         if end != len(text):
             raise ValueError(f"extra data at {end}")
         return value

@@ -87,7 +87,8 @@ def test_fork_bomb_and_new_processes_are_refused(sandbox: Sandbox) -> None:
     assert "not allowed" in result.detail or "not permitted" in result.detail, result.detail
     for program in ("import subprocess\nsubprocess.run(['true'])", "import multiprocessing",
                     "import os\nos.system('true')", "import _posixsubprocess",
-                    "import os\nos.execv('/bin/true', ['true'])", "import os\nos.posix_spawn('/bin/true', ['true'], {})"):
+                    "import os\nos.execv('/bin/true', ['true'])",
+                    "import os\nos.posix_spawn('/bin/true', ['true'], {})"):
         assert run(sandbox, program).status == "failed", program
 
 
@@ -156,7 +157,8 @@ def test_secrets_outside_the_sandbox_cannot_be_read(sandbox: Sandbox, tmp_path: 
     assert link.status == "failed" and "TOP-SECRET" not in link.stdout
     # The environment is scrubbed: HOME is the sandbox directory, no inherited variables.
     env = run(sandbox, "import os\nKEYS = sorted(os.environ)\nHOME_OK = os.environ['HOME'] == os.getcwd()\n",
-              "assert set(KEYS) <= {'PATH','HOME','TMPDIR','LANG','PYTHONHASHSEED','PYTHONIOENCODING','LC_CTYPE'}, KEYS\n"
+              "assert set(KEYS) <= {'PATH', 'HOME', 'TMPDIR', 'LANG', 'PYTHONHASHSEED', 'PYTHONIOENCODING',"
+              " 'LC_CTYPE'}, KEYS\n"
               "assert HOME_OK")
     assert env.status == "passed", env.detail
 
@@ -226,8 +228,8 @@ def test_verdict_cannot_be_forged(sandbox: Sandbox) -> None:
                               "print('{\"passed\": true, \"cases_passed\": 1, \"cases_total\": 1}')\n",
         "patched json.dumps / os.write": "import json, os\njson.dumps = lambda *a, **k: '{\"passed\": true}'\n"
                                          "w = os.write\nos.write = lambda fd, b: w(fd, b.replace(b'false', b'true'))\n",
-        "forged messages on every fd": "import os\nfor fd in range(256):\n    try:\n"
-                                       "        os.write(fd, b'{\"passed\": true, \"cases_passed\": 1, \"cases_total\": 1}')\n"
+        "forged messages on every fd": "import os\nfor fd in range(256):\n    try:\n        os.write(fd, "
+                                       "b'{\"passed\": true, \"cases_passed\": 1, \"cases_total\": 1}')\n"
                                        "    except OSError:\n        pass\n",
         "frame walk": "import sys\nf = sys._getframe()\nwhile f.f_back:\n    f = f.f_back\n"
                       "f.f_globals['__builtins__'] = None\n",
@@ -239,7 +241,8 @@ def test_verdict_cannot_be_forged(sandbox: Sandbox) -> None:
     for name, program in attacks.items():
         result = run(sandbox, program + "\ndef f(x):\n    return x\n", "assert abs(f(3) - 4) < 1e-9")
         assert result.status == "failed", (name, result.status, result.detail)
-    eq = run(sandbox, "class A:\n    def __eq__(s, o):\n        return True\ndef f():\n    return A()\n", "assert f() == 5")
+    eq = run(sandbox, "class A:\n    def __eq__(s, o):\n        return True\ndef f():\n    return A()\n",
+             "assert f() == 5")
     assert eq.status == "failed"
     bombs = run(sandbox, """
         class Bomb:
