@@ -99,6 +99,18 @@ def _mount(source: str | None, target: str, fstype: str | None, flags: int, data
 _SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 
 
+def _locked_flags(path: str) -> int:
+    """The source mount's noexec/atime flags: in a user namespace they are locked, and a
+    read-only remount that dropped them would be refused."""
+    flags = os.statvfs(path).f_flag
+    out = 0
+    for st_flag, ms_flag in ((os.ST_NOEXEC, MS_NOEXEC), (os.ST_NOATIME, 1024), (os.ST_NODIRATIME, 2048),
+                             (os.ST_RELATIME, 1 << 21)):
+        if flags & st_flag:
+            out |= ms_flag
+    return out
+
+
 def private_root(new_root: str, read_only: list[str], work_dir: str, disk_mb: int,
                  owner: tuple[int, int] | None) -> None:
     """Replace this process's root file system (needs a fresh mount namespace and
@@ -122,7 +134,7 @@ def private_root(new_root: str, read_only: list[str], work_dir: str, disk_mb: in
             os.makedirs(os.path.dirname(target), exist_ok=True)
             open(target, "a").close()
         _mount(path, target, None, MS_BIND | MS_REC)
-        _mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        _mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | _locked_flags(path))
     os.makedirs(new_root + "/dev", exist_ok=True)
     for dev in DEVICES:
         open(new_root + dev, "a").close()

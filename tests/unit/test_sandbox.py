@@ -219,6 +219,29 @@ def test_network_namespace_when_available() -> None:
     assert seen.status == "passed", seen.detail
 
 
+def test_user_namespace_plan_when_available() -> None:
+    """What a non-root cluster node gets: the namespaces inside a user namespace, a private root,
+    no uid drop (only uid 0 is mapped), and still no host files and the kernel filters."""
+    import shutil
+
+    from megatron_rl.reward import sandbox as sandbox_module
+    from megatron_rl.reward.sandbox_run import execute
+
+    unshare = shutil.which("unshare")
+    prefix = [unshare or "unshare", "--user", "--map-root-user", "--fork", "--kill-child", "--net", "--pid", "--mount",
+              "--ipc", "--uts"]
+    if not unshare or subprocess.run(prefix + ["true"], capture_output=True, timeout=20).returncode != 0:
+        pytest.skip("unprivileged user namespaces are not available here")
+    plan = {"prefix": prefix, "ns": ["userns", "netns", "pidns", "mntns", "ipcns"], "root": True, "uid": None,
+            "kernel": sandbox_module.kernel_filters()}
+    job = {"kind": "asserts", "solution": "import os, typing\nSEEN = os.path.exists('/etc/passwd')\n"
+                                          "open('x', 'w').write('ok')\n", "tests": "assert SEEN is False"}
+    result = execute(plan, job, LIMITS, None, base_dir=None, system_paths=sandbox_module._system_paths(),
+                     python=sandbox_module._python())
+    assert result.status == "passed", result.detail
+    assert {"userns", "private_root"} <= set(result.isolation)
+
+
 def test_verdict_cannot_be_forged(sandbox: Sandbox) -> None:
     """Every way to claim a pass from inside the solution's process scores 'failed'."""
     attacks = {
