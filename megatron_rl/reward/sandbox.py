@@ -83,7 +83,9 @@ stdlib modules for the tests. (3) A handle answers each forwarded question (``le
 truth) on its own, so it may answer inconsistently where no plain value could; and it may
 hand back any object the tests gave it. (4) Kernel exploits from inside the namespaces /
 landlock / seccomp (it is not a VM). (5) With the audit hook as the only layer, Python-level
-holes in the hook. (6) Resource use up to the limits, and time: a slow or sleeping solution
+holes in the hook (one known: ``_imp.create_builtin`` rebuilds ``posix`` with
+``pidfd_open``, and a pidfd signal is not an audited event, so the parent could be killed;
+landlock, seccomp or the PID namespace each stop that). (6) Resource use up to the limits, and time: a slow or sleeping solution
 costs wall time and scores the timeout reward.
 """
 from __future__ import annotations
@@ -269,22 +271,25 @@ class Sandbox:
         self._plan = self._choose_plan(isolation, kernel_filters)
 
     def _choose_plan(self, isolation: str, filters: bool) -> dict:
+        """The strongest set of layers whose probe run passes here, strongest first: namespaces
+        (with the uid drop, then without), then (unless 'namespaces') none; each with the kernel
+        filters, then without them. Cached per process."""
         key = ("plan", isolation, filters)
         if key in _probe_cache:
             return _probe_cache[key]
         kernel = globals()["kernel_filters"]() if filters else []
-        plans = []
+        bases = []
         prefix, ns_layers = namespace_prefix() if isolation != "audit" else ([], [])
         if prefix:
-            uid = (_NOBODY, _NOBODY) if "userns" not in ns_layers else None
-            plans += [dict(prefix=prefix, ns=ns_layers, root=True, uid=uid, kernel=kernel)]
-            if uid:
-                plans.append(dict(plans[-1], uid=None))
-        if isolation == "namespaces" and not plans:
+            if "userns" not in ns_layers:  # real root: drop to nobody inside the private root
+                bases.append(dict(prefix=prefix, ns=ns_layers, root=True, uid=(_NOBODY, _NOBODY)))
+            bases.append(dict(prefix=prefix, ns=ns_layers, root=True, uid=None))
+        if isolation == "namespaces" and not bases:
             raise RuntimeError("reward.sandbox_isolation='namespaces' but `unshare` namespaces do not work here "
                                "(needs root or unprivileged user namespaces); use 'auto' or 'audit'")
         if isolation != "namespaces":
-            plans.append(dict(prefix=[], ns=[], root=False, uid=drop_uid(), kernel=kernel))
+            bases.append(dict(prefix=[], ns=[], root=False, uid=drop_uid()))
+        plans = [dict(base, kernel=k) for base in bases for k in ([kernel, []] if kernel else [[]])]
         failures = []
         for plan in plans:
             probe = self._execute(plan, _PROBE_JOB, SandboxLimits(wall_s=_PROBE_TIMEOUT_S))

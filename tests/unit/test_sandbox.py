@@ -219,6 +219,22 @@ def test_network_namespace_when_available() -> None:
     assert seen.status == "passed", seen.detail
 
 
+def test_modes_on_a_box_without_namespaces(monkeypatch) -> None:
+    """'namespaces' refuses to start, 'auto' falls back to the in-process layers (which still
+    keep the host's files out), and the disk limit becomes the polling one."""
+    from megatron_rl.reward import sandbox as sandbox_module
+
+    monkeypatch.setattr(sandbox_module, "_probe_cache", {"ns": ([], [])})  # as if unshare did not work
+    with pytest.raises(RuntimeError, match="namespaces"):
+        Sandbox(isolation="namespaces")
+    auto = Sandbox(isolation="auto")
+    assert "netns" not in auto.layers and "private_root" not in auto.layers
+    assert {"rlimits", "audit_hook", "disk_poll"} <= set(auto.layers)
+    assert run(auto, "def f():\n    return 2\n", "assert f() == 2").status == "passed"
+    secret = run(auto, "print(open('/etc/passwd').read())\n")
+    assert secret.status == "failed" and "root:" not in secret.stdout
+
+
 def test_user_namespace_plan_when_available() -> None:
     """What a non-root cluster node gets: the namespaces inside a user namespace, a private root,
     no uid drop (only uid 0 is mapped), and still no host files and the kernel filters."""
@@ -292,9 +308,15 @@ def test_parent_and_judge_survive_kill_attempts(sandbox: Sandbox) -> None:
                 os.kill(target, signal.SIGKILL)
             except OSError:
                 pass
+        REACHED = []
+        try:  # a pidfd signal is not an audited event; signal 0 only checks it would arrive
+            signal.pidfd_send_signal(os.pidfd_open(os.getppid()), 0)
+            REACHED.append("pidfd")
+        except (OSError, AttributeError):
+            pass
         def f():
             return 1
-    """, "assert f() == 1")
+    """, "assert f() == 1 and REACHED == [], REACHED")
     assert result.status == "passed", result.detail  # the judge lived to write the verdict
 
 
