@@ -195,11 +195,8 @@ def namespace_prefix() -> tuple[list[str], list[str]]:
 def kernel_filters() -> list[str]:
     """'landlock' and/or 'seccomp' when this kernel offers them (probed once)."""
     if "kernel" not in _probe_cache:
-        sys.path.insert(0, str(_HERE))
-        try:
-            import sandbox_confine
-        finally:
-            sys.path.remove(str(_HERE))
+        from megatron_rl.reward import sandbox_confine
+
         found = ["landlock"] if sandbox_confine.landlock_abi() >= 1 else []
         try:
             with open("/proc/self/status") as f:
