@@ -206,10 +206,15 @@ class RewardConfig:
     code_timeout_max_s: float = 30.0
     """T_max of the adaptive code timeout, and the timeout of problems with no anchor yet."""
     sandbox_isolation: str = "auto"
-    """Code sandbox isolation: 'auto' (network/PID namespaces via unshare when available, else
-    the in-interpreter audit hook alone), 'namespaces' (require them) or 'audit'."""
+    """Code sandbox isolation: 'auto' (namespaces via unshare with a private read-only root when
+    a probe run works, else without), 'namespaces' (require them) or 'audit' (never use them).
+    Landlock, seccomp, rlimits and the audit hook apply in every mode where the kernel has them;
+    see megatron_rl/reward/sandbox.py."""
     sandbox_memory_mb: int = 1024
     """Address-space limit of a sandboxed program in MiB."""
+    sandbox_disk_mb: int = 64
+    """Most MiB a sandboxed program may write in total (a tmpfs of that size with namespaces,
+    else the sandbox directory's size polled every 0.1 s)."""
     judge_model: str = ""
     """Hugging Face directory of the judge model for kind 'judge' (served by a second vLLM engine)."""
     judge_max_new_tokens: int = 16

@@ -294,6 +294,7 @@ def _validate_reward_scaling(cfg: RunConfig) -> None:
         raise ConfigError(f"reward.num_workers={r.num_workers} must lie within reward.min_workers..reward.max_workers "
                           f"({low}..{high}; 0 means num_workers)")
     for key in ("code_timeout_scale", "code_timeout_min_s", "scale_up_queue_per_worker", "sandbox_memory_mb",
+                "sandbox_disk_mb",
                 "judge_max_new_tokens", "judge_max_prompt_tokens"):
         _positive(getattr(r, key), f"reward.{key}")
     if r.code_timeout_max_s < r.code_timeout_min_s:
