@@ -23,8 +23,6 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
-
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.push_protocol import PushSpec, engine_init_info, group_size, wiring
 from megatron_rl.rollout.vllm_weight_push import write_push_start_dir
@@ -70,7 +68,6 @@ class _SetUp:
     key: str
     ids: list[str]
     spec: PushSpec
-    bytes_per_replica: float
 
 
 class TensorTransport(WeightTransport):
@@ -149,21 +146,11 @@ class TensorTransport(WeightTransport):
             await self._close_trainer_side(spec.key)
             raise WeightPushError(f"weight push set-up {spec.key} for {len(receivers)} engine(s) of TP {tp} "
                                   f"failed: {exc!r}") from exc
-        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        bytes_per_replica = float(self._plan_numel(spec) * itemsize)
-        self._setup = _SetUp(spec.key, ids, spec, bytes_per_replica)
+        self._setup = _SetUp(spec.key, ids, spec)
         log.info("weight push %s set up: %d trainer ranks -> %d engine(s) of TP %d (%s)", spec.key,
                  spec.num_trainer_ranks, len(receivers), tp,
                  "network" if group_size(spec) else "shared memory")
         return {"push_setup_s": time.monotonic() - start}
-
-    def _plan_numel(self, spec: PushSpec) -> int:
-        """Elements one replica receives (the plan is pure metadata, cheap to rebuild here)."""
-        from megatron_rl.model.arch import read_qwen2_arch
-        from megatron_rl.resharding.push_plan import build_push_plan
-
-        arch = read_qwen2_arch(self.options.hf_path)
-        return build_push_plan(arch, *spec.trainer, spec.rollout_tp, spec.bucket_bytes, 4).total_numel
 
     async def _close_trainer_side(self, key: str) -> None:
         try:
@@ -199,7 +186,7 @@ class TensorTransport(WeightTransport):
         sent, received = send.result(), recv.result()
         seconds = time.monotonic() - start
         load_s = max(r["load_s"] for r in received)
-        return {"push_mb": setup.bytes_per_replica / 1e6, "push_replicas": float(len(received)),
+        return {"push_mb": max(r["bytes"] for r in received) / 1e6, "push_replicas": float(len(received)),
                 "push_s": seconds, "push_load_s": load_s, "push_transport_s": seconds - load_s,
                 "push_pack_s": sent["pack_s"], "push_wait_s": sent["wait_s"], "push_net_mb": sent["net_bytes"] / 1e6}
 
