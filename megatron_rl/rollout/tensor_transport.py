@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 _GRACE_S = 10.0
 """After one side of a push failed, how long the other gets to report its own error."""
+_MARGIN_S = 30.0
+"""The driver's wait for a push (or a set-up) beyond the sides' own timeout: RPC latency."""
 
 
 class PushWriter(Protocol):
@@ -141,7 +143,7 @@ class TensorTransport(WeightTransport):
         if group_size(spec):
             steps.append(self.writer.join_weight_push(spec.key, spec.port))  # both ends rendezvous together
         try:
-            await asyncio.wait_for(asyncio.gather(*steps), timeout=o.timeout_s + 60)
+            await asyncio.wait_for(asyncio.gather(*steps), timeout=o.timeout_s + _MARGIN_S)
         except BaseException as exc:
             await self._close_trainer_side(spec.key)
             raise WeightPushError(f"weight push set-up {spec.key} for {len(receivers)} engine(s) of TP {tp} "
@@ -171,7 +173,7 @@ class TensorTransport(WeightTransport):
         start = time.monotonic()
         send = asyncio.ensure_future(self.writer.push_weights(setup.key, sync_id, version))
         recv = asyncio.ensure_future(engine.receive_weights(sync_id, version))
-        limit = self.options.timeout_s + 60
+        limit = self.options.timeout_s + _MARGIN_S
         done, pending = await asyncio.wait({send, recv}, timeout=limit, return_when=asyncio.FIRST_EXCEPTION)
         failed = [t for t in done if t.exception() is not None]
         if pending and failed:  # let the other side say what it saw
