@@ -187,10 +187,14 @@ class TensorTransport(WeightTransport):
             raise WeightPushError(self._failure(setup, version, send, recv, limit))
         sent, received = send.result(), recv.result()
         seconds = time.monotonic() - start
+        # Transport: until the slowest replica holds every byte (the RPC start included); load:
+        # busy time of vLLM's loaders, which overlaps the transport (so the two need not add up).
         load_s = max(r["load_s"] for r in received)
+        tail = max(r["seconds"] - r.get("transport_s", r["seconds"] - r["load_s"]) for r in received)
         return {"push_mb": max(r["bytes"] for r in received) / 1e6, "push_replicas": float(len(received)),
-                "push_s": seconds, "push_load_s": load_s, "push_transport_s": seconds - load_s,
-                "push_pack_s": sent["pack_s"], "push_wait_s": sent["wait_s"], "push_net_mb": sent["net_bytes"] / 1e6}
+                "push_s": seconds, "push_load_s": load_s, "push_transport_s": seconds - tail,
+                "push_pack_s": sent["pack_s"], "push_wait_s": sent["wait_s"], "push_net_mb": sent["net_bytes"] / 1e6,
+                **{f"push_engine_{k}": max(r.get(k, 0.0) for r in received) for k in ("copy_s", "wait_s", "worker_s")}}
 
     @staticmethod
     def _failure(setup: _SetUp, version: int, send: asyncio.Future, recv: asyncio.Future, limit: float) -> str:

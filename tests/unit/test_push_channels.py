@@ -24,7 +24,7 @@ def _consumer(path: str, buckets: int, sync_id: int, out) -> None:
     sums = []
     for j in range(buckets):
         slot = j % ring.num_slots
-        ring.wait_ready(slot, ticket(sync_id, j), 30.0, lambda: f"consumer at bucket {j}")
+        ring.wait_ready(slot, ticket(sync_id, j), 30.0, lambda j=j: f"consumer at bucket {j}")
         data = ring.slot(slot, torch.float32, 1000)
         sums.append(float(data.sum()))
         time.sleep(0.002)  # slower than the producer: the ring fills up and must wait

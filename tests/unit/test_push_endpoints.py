@@ -22,7 +22,7 @@ from megatron_rl.model.tiny import build_tiny_qwen2
 from megatron_rl.resharding.layouts import LM_HEAD, MegatronLayout, VLLMLayout
 from megatron_rl.resharding.push_plan import build_push_plan
 from megatron_rl.rollout.push_protocol import PushSpec, engine_init_info, group_size, wiring
-from megatron_rl.rollout.push_sender import PushSender, free_port
+from megatron_rl.rollout.push_sender import PushSender
 from megatron_rl.training.weights_io import LazySafetensors
 
 pytest.importorskip("vllm")
@@ -121,7 +121,11 @@ def _push(setup, model_dir, sync_id, version, skip_sender=None, stuck_engine=Non
     return _run_all(jobs), stats
 
 
-def test_every_worker_of_both_replicas_loads_its_rows_twice_in_a_row(setup):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_every_worker_of_both_replicas_loads_its_rows_twice_in_a_row(setup, monkeypatch, overlap):
+    from megatron_rl.rollout import weight_receiver
+
+    monkeypatch.setattr(weight_receiver, "overlap_loads", lambda device: overlap)  # both loading paths
     for sync_id, (model_dir, version) in enumerate([(setup.first, 1), (setup.second, 2)], start=1):
         errors, stats = _push(setup, model_dir, sync_id, version)
         assert errors == [None] * len(errors), errors
