@@ -14,10 +14,12 @@ warm-up push, the formats taking turns (one push each per round) so that all see
   packing, the rings / push group and the engine ranks' copies into their staged HF tensors);
 * engine load: vLLM's weight loaders and the layerwise reload's processing (on CPU, the oneDNN
   repacking) of the slowest engine rank. For hf vLLM reads and loads inside one call, so its
-  whole reload counts as load (its split is therefore not comparable with the other two). The
-  tensor push loads finished tensors while later buckets still arrive: its transport is the time
-  until the last byte is in engine memory and its load the loaders' busy time, which overlap,
-  so the two add up to more than its sync time (for hf and sharded they add up to it).
+  whole reload counts as load (its split is therefore not comparable with the other two). Where the
+  tensor push loads finished tensors on a second thread while later buckets arrive (GPUs, hosts
+  with 8+ cores: ``weight_receiver.overlap_loads``), its transport is the time until the last
+  byte is in engine memory and its load the loaders' busy time, which overlap, so the two add up
+  to more than its sync time; loading inline (a small CPU box) they add up to it, as for hf and
+  sharded.
 
 GB/s are of the bytes the engine ranks end up holding (one copy of the model in vLLM's layout,
 the same for every column). The memcpy column copies that many bytes single-threaded between two

@@ -78,3 +78,70 @@ class ThreadTrainer:
         for key in list(self.senders):
             for s in self.senders.pop(key):
                 s.close()
+
+
+class SenderRank:
+    """Ray actor body: one trainer rank of :class:`RayTrainer` (its shards cut from ``model_dir``)."""
+
+    def __init__(self, rank: int, tp: int) -> None:
+        self.rank, self.tp = rank, tp
+        self.senders: dict[str, PushSender] = {}
+
+    def node(self) -> tuple[str, str]:
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+    def open(self, spec: dict, model_dir: str) -> dict:
+        push = PushSpec.from_dict(spec)
+        plan = build_push_plan(read_qwen2_arch(model_dir), *push.trainer, push.rollout_tp, push.bucket_bytes, 4)
+        self.senders[push.key] = PushSender(push, plan, self.rank)
+        return {**self.senders[push.key].describe(), "fingerprint": plan.fingerprint}
+
+    def join(self, key: str, port: int) -> None:
+        sender = self.senders[key]
+        sender.spec.port = port
+        sender.join()
+
+    def send(self, key: str, sync_id: int, version: int, model_dir: str) -> dict:
+        return self.senders[key].send(megatron_shards(model_dir, self.tp)[self.rank], sync_id, version)
+
+    def close(self, key: str) -> None:
+        sender = self.senders.pop(key, None)
+        if sender is not None:
+            sender.close()
+
+
+class RayTrainer:
+    """``PushWriter`` over :class:`SenderRank` actors (``actor_options`` place them)."""
+
+    def __init__(self, model_dir, tp: int = 2, actor_options: dict | None = None) -> None:
+        import ray
+
+        self.model_dir = str(model_dir)
+        options = {"num_cpus": 0, **(actor_options or {})}
+        self.ranks = [ray.remote(SenderRank).options(**options).remote(r, tp) for r in range(tp)]
+
+    async def rank_nodes(self) -> list[tuple[str, str]]:
+        return [tuple(n) for n in await asyncio.gather(*(r.node.remote() for r in self.ranks))]
+
+    async def open_weight_push(self, spec: dict) -> list[dict]:
+        return list(await asyncio.gather(*(r.open.remote(spec, self.model_dir) for r in self.ranks)))
+
+    async def join_weight_push(self, key: str, port: int) -> None:
+        await asyncio.gather(*(r.join.remote(key, port) for r in self.ranks))
+
+    async def push_weights(self, key: str, sync_id: int, version: int) -> dict[str, float]:
+        per_rank = await asyncio.gather(*(r.send.remote(key, sync_id, version, self.model_dir) for r in self.ranks))
+        total = {k: sum(r[k] for r in per_rank) for k in ("bytes", "net_bytes")}
+        total.update({k: max(r[k] for r in per_rank) for k in ("pack_s", "wait_s", "net_s", "seconds")})
+        return total
+
+    async def close_weight_push(self, key: str) -> None:
+        await asyncio.gather(*(r.close.remote(key) for r in self.ranks))
+
+    def shutdown(self) -> None:
+        import ray
+
+        for r in self.ranks:
+            ray.kill(r)
