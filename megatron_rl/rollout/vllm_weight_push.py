@@ -143,9 +143,8 @@ class TensorPushReceiver:
                    "copy_s": max((r.get("copy_s", 0.0) for r in ranks), default=0.0),
                    "wait_s": max((r.get("wait_s", 0.0) for r in ranks), default=0.0),
                    "worker_s": max((r.get("seconds", 0.0) for r in ranks), default=0.0)}
-        # Until the slowest rank holds all its bytes; vLLM's loading overlaps it (load_s is busy time).
-        tail = max((r.get("seconds", 0.0) - r.get("recv_s", 0.0) for r in ranks), default=0.0)
-        figures["transport_s"] = seconds - tail
+        # Transport: the push without what the slowest rank spent after it held all its bytes.
+        figures["transport_s"] = seconds - max((r.get("tail_s", 0.0) for r in ranks), default=0.0)
         log.info("pushed weights v%d in %.3f s (load %.3f s)", version, seconds, figures["load_s"])
         return [figures]
 

@@ -276,7 +276,8 @@ def _make_engine_class():
             if loader is None:
                 raise RuntimeError(f"{info.name} rank {self.rank}: update_weights before start_weight_update")
             failed: list[BaseException] = []
-            if not overlap_loads(self.device):
+            self._overlapped = overlap_loads(self.device)
+            if not self._overlapped:
                 self._receive(update, loader, _LoadNow(loader), failed)
                 return
             completed: queue.Queue = queue.Queue()
@@ -353,9 +354,13 @@ def _make_engine_class():
             finalize_layerwise_reload(self.model, self.model_config)
             load_s = loader.load_s + time.monotonic() - t0
             seconds = time.monotonic() - self._t0
-            # load_s is busy time of vLLM's machinery; it overlaps recv_s (the receiving thread).
+            # tail_s: what this push spent after the rank's bytes were in engine memory. Loading
+            # inline it is all of vLLM's load; on the loading thread (load_s is then busy time,
+            # overlapping the receiving) it is what was left once the last bucket was copied.
+            recv_s = getattr(self, "_recv_s", seconds)
+            tail_s = seconds - recv_s if getattr(self, "_overlapped", False) else load_s
             self.stats = {"rank": float(self.rank), "seconds": seconds, "load_s": load_s, "copy_s": loader.copy_s,
-                          "wait_s": getattr(self, "_wait_s", 0.0), "recv_s": getattr(self, "_recv_s", seconds),
+                          "wait_s": getattr(self, "_wait_s", 0.0), "tail_s": tail_s,
                           "bytes": float(sum(b.numel for b in self.buckets) * self.dtype.itemsize)}
 
         def shutdown(self) -> None:
