@@ -149,9 +149,9 @@ class TensorTransport(WeightTransport):
             raise WeightPushError(f"weight push set-up {spec.key} for {len(receivers)} engine(s) of TP {tp} "
                                   f"failed: {exc!r}") from exc
         self._setup = _SetUp(spec.key, ids, spec)
-        log.info("weight push %s set up: %d trainer ranks -> %d engine(s) of TP %d (%s)", spec.key,
-                 spec.num_trainer_ranks, len(receivers), tp,
-                 "network" if group_size(spec) else "shared memory")
+        log.info("weight push %s set up: %d trainer ranks -> %d engine(s) of TP %d (%s); rings %s", spec.key,
+                 spec.num_trainer_ranks, len(receivers), tp, "push group too" if group_size(spec) else "no push group",
+                 " ".join(r["path"] for r in ranks if r["path"]) or "none")
         return {"push_setup_s": time.monotonic() - start}
 
     async def _close_trainer_side(self, key: str) -> None:
