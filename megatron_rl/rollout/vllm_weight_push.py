@@ -10,6 +10,7 @@ random or half-updated weights; completions carry the version vLLM recorded at
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -133,10 +134,10 @@ class TensorPushReceiver:
         await self._llm.update_weights(WeightTransferUpdateRequest(update_info={"sync_id": sync_id,
                                                                                 "version": version}))
         await self._llm.finish_weight_update(weight_version=str(version))
-        await self._llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        # Cached KV blocks were computed with the old weights; the workers' figures meanwhile.
+        _, ranks = await asyncio.gather(self._llm.reset_prefix_cache(), self._llm.collective_rpc("weight_push_stats"))
         self._version = version
         self._weights_pending = ""
-        ranks = await self._llm.collective_rpc("weight_push_stats")
         seconds = time.monotonic() - start
         figures = {"seconds": seconds, "bytes": sum(r.get("bytes", 0.0) for r in ranks),
                    "load_s": max((r.get("load_s", 0.0) for r in ranks), default=0.0),
