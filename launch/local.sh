@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The default run on CPU: bootstrap .venv, build the tiny Qwen2.5-architecture model if missing,
 # then GRPO on the built-in arithmetic task with Ray + Megatron-Core (TP=2, gloo) + vLLM (CPU).
-# Extra arguments are dotted config overrides, e.g. `bash launch/local.sh trainer.steps=5`.
+# Extra arguments are dotted config overrides, e.g. `bash launch/local.sh trainer.steps=5`;
+# CONFIG=<recipe> picks another CPU recipe (e.g. examples/qwen2.5/tiny_cpu_gsm8k.yaml).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -15,7 +16,8 @@ if [ ! -f "$MODEL_DIR/config.json" ]; then
   "$PY" tools/make_tiny_model.py --out "$MODEL_DIR"
 fi
 RUN_DIR="${RUN_DIR:-$ROOT/runs/local}"
-"$PY" -m megatron_rl.train --config examples/qwen2.5/tiny_cpu.yaml \
+CONFIG="${CONFIG:-examples/qwen2.5/tiny_cpu.yaml}"
+"$PY" -m megatron_rl.train --config "$CONFIG" \
   model.hf_path="$MODEL_DIR" trainer.run_dir="$RUN_DIR" "$@"
 "$PY" tools/plot_curves.py "$RUN_DIR" --out "$RUN_DIR/curves.png"
 echo "[local] done: metrics in $RUN_DIR/metrics.jsonl, curves in $RUN_DIR/curves.png"

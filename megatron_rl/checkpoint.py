@@ -6,7 +6,8 @@ Layout::
         step_000123/              a complete checkpoint (only ever created by a rename)
             manifest.json         step, time, config, every file with its size (+ sha256 if small)
             driver_state.pt       driver state: data cursor, scheduler queues, RNG, counters
-            ...                   shard files written by trainer workers (model, optimizer)
+            megatron/             the trainer ranks' dist checkpoint: model, reference, optimizer,
+                                  RNG (megatron_rl/training/dist_checkpoint.py; any layout)
         step_000124.tmp-4711/     being written by pid 4711; never read, removed at start-up
 
 Protocol (one driver per run directory)::

@@ -24,9 +24,12 @@ class ModelConfig:
     transformer_impl: str = "auto"
     """Layer spec: 'transformer_engine', 'local', or 'auto' (TE when importable on a GPU)."""
     megatron_checkpoint: str = ""
-    """Optional directory written by ``tools/convert_checkpoint.py hf-to-megatron`` for the
-    trainer's TP/PP: the policy (and reference) weights are loaded from its shards instead of
-    ``hf_path``'s safetensors (``hf_path`` still supplies the architecture and tokenizer)."""
+    """Optional Megatron dist checkpoint to start from: a directory written by
+    ``tools/convert_checkpoint.py hf-to-megatron`` or a trainer step directory
+    (``run_dir/checkpoints/step_N``). It loads at any ``parallel.*`` layout; the policy (and
+    reference) weights come from it instead of ``hf_path``'s safetensors (``hf_path`` still
+    supplies the architecture and tokenizer). Legacy per-(TP, PP) conversions load only at their
+    own TP/PP."""
 
 
 @dataclass
@@ -123,10 +126,25 @@ class RolloutConfig:
     """Where the trainer writes the weights for the engine to reload (also the rank files an
     elastic-TP switch starts new engines from); empty uses a per-run dir in /dev/shm (or the run
     dir when /dev/shm is missing), deleted when the run ends. A directory given here is kept."""
-    weight_sync_format: str = "sharded"
-    """'sharded': the trainer ranks move their shards through the resharder into one file per
-    engine TP rank, and each engine rank reloads only its own file in place. 'hf': trainer rank
-    0 gathers the whole model and writes HF safetensors; every engine rank reads all of it."""
+    weight_sync_format: str = "tensor"
+    """'tensor': every trainer rank sends each engine rank exactly its slice, cut from its own
+    shards, as tensors in bounded buckets through vLLM's weight-transfer API (shared memory on
+    CPU / CUDA IPC on GPU within a node, a gloo / NCCL group across nodes); the engines load them
+    in place; no files, no fan-out, and new engines of an elastic-TP switch start from dummy
+    weights and get a push. 'sharded': the trainer ranks move their shards through the resharder
+    into one file per engine TP rank, and each engine rank reloads only its own file in place.
+    'hf': trainer rank 0 gathers the whole model and writes HF safetensors; every engine rank
+    reads all of it."""
+    weight_push_bucket_mb: float = 64.0
+    """'tensor' sync: largest bucket (MiB); each trainer rank holds weight_push_buffers of them."""
+    weight_push_buffers: int = 2
+    """'tensor' sync: buckets in flight per trainer rank (packing overlaps the engines' copies)."""
+    weight_push_timeout_s: float = 120.0
+    """'tensor' sync: longest wait of either side for the other; a dead or stalled engine or
+    trainer rank is then an error naming it, the rank and the policy version."""
+    weight_push_channel: str = "auto"
+    """'tensor' sync: 'auto' (shared memory / CUDA IPC for engines on a trainer rank's node, the
+    push group for the others) or 'network' (the push group for every engine)."""
     sleep_during_train: bool = False
     """Colocated GPUs: put the engines to sleep (vLLM sleep mode level 1: weights to host memory,
     KV cache freed) once a step's rollout is done, so training can use that memory; they wake
@@ -230,10 +248,15 @@ class RewardConfig:
     code_timeout_max_s: float = 30.0
     """T_max of the adaptive code timeout, and the timeout of problems with no anchor yet."""
     sandbox_isolation: str = "auto"
-    """Code sandbox isolation: 'auto' (network/PID namespaces via unshare when available, else
-    the in-interpreter audit hook alone), 'namespaces' (require them) or 'audit'."""
+    """Code sandbox isolation: 'auto' (namespaces via unshare with a private read-only root when
+    a probe run works, else without), 'namespaces' (require them) or 'audit' (never use them).
+    Landlock, seccomp, rlimits and the audit hook apply in every mode where the kernel has them;
+    see megatron_rl/reward/sandbox.py."""
     sandbox_memory_mb: int = 1024
     """Address-space limit of a sandboxed program in MiB."""
+    sandbox_disk_mb: int = 64
+    """Most MiB a sandboxed program may write in total (a tmpfs of that size with namespaces,
+    else the sandbox directory's size polled every 0.1 s)."""
     judge_model: str = ""
     """Hugging Face directory of the judge model for kind 'judge' (served by a second vLLM engine)."""
     judge_max_new_tokens: int = 16

@@ -184,7 +184,11 @@ def validate(cfg: RunConfig, arch: dict | None = None, device: str | None = None
         scheduler_path(cfg.scheduler.name)
     except PluginError as exc:
         raise ConfigError(str(exc)) from None
-    _choice(cfg.rollout.weight_sync_format, ("hf", "sharded"), "rollout.weight_sync_format")
+    _choice(cfg.rollout.weight_sync_format, ("hf", "sharded", "tensor"), "rollout.weight_sync_format")
+    _choice(cfg.rollout.weight_push_channel, ("auto", "network"), "rollout.weight_push_channel")
+    if cfg.rollout.weight_push_bucket_mb <= 0 or cfg.rollout.weight_push_timeout_s <= 0:
+        raise ConfigError("rollout.weight_push_bucket_mb and rollout.weight_push_timeout_s must be > 0")
+    _positive(cfg.rollout.weight_push_buffers, "rollout.weight_push_buffers")
     _validate_speculative(cfg)
     _choice(cfg.algorithm.advantage, ("grpo", "drgrpo"), "algorithm.advantage")
     _choice(cfg.algorithm.loss_agg, ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"), "algorithm.loss_agg")
@@ -318,6 +322,7 @@ def _validate_reward_scaling(cfg: RunConfig) -> None:
         raise ConfigError(f"reward.num_workers={r.num_workers} must lie within reward.min_workers..reward.max_workers "
                           f"({low}..{high}; 0 means num_workers)")
     for key in ("code_timeout_scale", "code_timeout_min_s", "scale_up_queue_per_worker", "sandbox_memory_mb",
+                "sandbox_disk_mb",
                 "judge_max_new_tokens", "judge_max_prompt_tokens"):
         _positive(getattr(r, key), f"reward.{key}")
     if r.code_timeout_max_s < r.code_timeout_min_s:

@@ -87,7 +87,8 @@ class Trainer:
         self.start_step = 0
         self.colocation = Colocation(self.cfg, parts.policy, parts.engine, on_cpu=parts.on_cpu)
         dtype = engine_dtype(self.cfg.model.hf_path, on_gpu=not parts.on_cpu)
-        transport = make_transport(self.cfg.rollout.weight_sync_format, parts.policy, parts.weight_sync_dir, dtype)
+        transport = make_transport(self.cfg.rollout.weight_sync_format, parts.policy, parts.weight_sync_dir, dtype,
+                                   self.cfg, on_gpu=not parts.on_cpu)
         self.weight_sync = WeightSync(transport, parts.policy, parts.engine, self.colocation, parts.fan_out)
         for plugin in self.plugins:
             plugin.attach(self)
@@ -299,7 +300,7 @@ class Trainer:
                         self.cfg.trainer.run_dir)
         if path is not None:
             state = self.checkpoints.load_driver_state(path)
-            await self.p.policy.load_checkpoint(str(path))
+            loaded = await self.p.policy.load_checkpoint(str(path)) or {}
             self.colocation.trainer_loaded()
             self.cursor.load_state_dict(state["cursor"])
             self.p.scheduler.load_state_dict(state["scheduler"])
@@ -310,7 +311,11 @@ class Trainer:
                 plugin.load_state_dict(saved.get(plugin.name, state.get(plugin.name, {})))
             self.start_step = int(state["next_step"])
             self.version = int(state["version"])
-            log.info("resumed from %s at step %d", path, self.start_step)
+            saved = loaded.get("saved_layout")
+            where = (f" (saved at layout TP{saved['tensor_model_parallel_size']} PP{saved['pipeline_model_parallel_size']}"
+                     f" DP{saved['data_parallel_size']}, RNG {'restored' if loaded.get('rng_restored') else 'reseeded'})"
+                     if saved else "")
+            log.info("resumed from %s at step %d%s", path, self.start_step, where)
         # Steps from start_step on are (re)done: drop what a killed run logged for them.
         self.trained_log.truncate(self.start_step)
         self.timeline_log.truncate(self.start_step)

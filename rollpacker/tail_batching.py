@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from megatron_rl.algorithms.filters import is_zero_variance
 from megatron_rl.config import RunConfig
 from megatron_rl.hooks import RolloutBatch, RolloutContext, RolloutScheduler
-from megatron_rl.sampling import InFlight, abort_all, accept_completion, cancel_scoring, submit_prompt
 from megatron_rl.sample import Prompt, Sample
+from megatron_rl.sampling import InFlight, abort_all, accept_completion, cancel_scoring, submit_prompt
 
 
 class RefillLimitError(RuntimeError):

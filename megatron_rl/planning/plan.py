@@ -8,8 +8,15 @@ from dataclasses import dataclass
 from megatron_rl.config import RunConfig
 from megatron_rl.config_io import validate
 from megatron_rl.planning.architectures import ModelShape, resolve_shape
-from megatron_rl.planning.memory import (GPUS, MemoryAssumptions, MemoryEstimate, PlanError, estimate_memory,
-                                         format_memory, max_model_len)
+from megatron_rl.planning.memory import (
+    GPUS,
+    MemoryAssumptions,
+    MemoryEstimate,
+    PlanError,
+    estimate_memory,
+    format_memory,
+    max_model_len,
+)
 from megatron_rl.planning.placement import NodePlan, format_placement, plan_placement
 
 

@@ -2,22 +2,24 @@
 
 The solution is the last fenced code block of the response (```python, ```py or a bare ```);
 a response without one scores 0 with status 'no_answer'. Supported test formats, picked from
-the prompt's metadata (datasets put them there; ``Prompt.answer`` is the fallback test text):
+the prompt's metadata (datasets put them there; ``Prompt.answer`` is the fallback test text).
+The solution runs in its own process as module ``solution``; the tests run in the sandbox's
+judge process and reach it through plain-data calls (see :mod:`megatron_rl.reward.sandbox`):
 
 ===========  ==========================================  =====================================
 style        metadata                                    how it runs
 ===========  ==========================================  =====================================
-KodCode      format 'kodcode', ``tests`` (pytest file     solution saved as ``solution.py``;
+KodCode      format 'kodcode', ``tests`` (pytest file     the test file imports ``solution``;
              with ``from solution import ...``)           every ``test_*`` function called
-HumanEval    ``entry_point`` + tests defining             solution + tests + ``check(entry)``
-             ``check(candidate)``; optional
-             ``code_prompt`` (the signature) prepended
+HumanEval    ``entry_point`` + tests defining             the tests, then ``check(entry)``;
+             ``check(candidate)``; optional               names they do not define come from
+             ``code_prompt`` (the signature) prepended    the solution's module
              when the solution does not define it
-MBPP         ``test_list`` (assert strings), optional     setup + solution + asserts
-             ``test_setup_code``
+MBPP         ``test_list`` (assert strings), optional     the asserts (after the setup code,
+             ``test_setup_code``                          which also runs before the solution)
 stdin/out    ``inputs`` + ``outputs`` lists, or           program run per case; stdout compared
              ``input_output`` (JSON or dict with them)    token by token (whitespace-insensitive)
-asserts      anything else: the test text                 solution + test text (``def test_*``
+asserts      anything else: the test text                 the test text (``def test_*``
                                                           functions: run pytest-style)
 ===========  ==========================================  =====================================
 """
@@ -126,30 +128,34 @@ def parse_tests(answer: str, metadata: dict | None) -> CodeTests:
 
 
 def build_job(solution: str, tests: CodeTests) -> dict:
-    """The sandbox job that runs ``solution`` against ``tests``."""
+    """The sandbox job that runs ``solution`` against ``tests`` (the solution and the tests go
+    to different processes: see :mod:`megatron_rl.reward.sandbox`)."""
     if tests.kind == "stdio":
-        return {"kind": "stdio", "program": solution, "cases": [list(c) for c in tests.cases]}
+        return {"kind": "stdio", "solution": solution, "cases": [list(c) for c in tests.cases]}
     if tests.kind == "pytest":
-        return {"kind": "pytest", "program": solution, "tests": tests.code}
+        return {"kind": "pytest", "solution": solution, "tests": tests.code}
     body = solution
     if tests.entry_point and tests.prefix_if_missing and not re.search(
             rf"def\s+{re.escape(tests.entry_point)}\s*\(", solution):
         body = tests.prefix_if_missing + solution
-    program = "\n".join(part for part in (tests.setup, body, tests.code, tests.suffix) if part)
-    return {"kind": "asserts", "program": program}
+    return {"kind": "asserts", "solution": body, "setup": tests.setup,
+            "tests": "\n".join(part for part in (tests.code, tests.suffix) if part),
+            "entry_point": tests.entry_point}
 
 
 class CodeReward:
     """Scores responses by running their code against the prompt's tests in a :class:`Sandbox`."""
 
     def __init__(self, timeout_s: float = 30.0, timeout_reward: float = 0.0, memory_mb: int = 1024,
-                 isolation: str = "auto") -> None:
-        """``timeout_s`` is the default per-response limit (the pool passes adaptive ones)."""
+                 isolation: str = "auto", disk_mb: int = 64) -> None:
+        """``timeout_s`` is the default per-response limit (the pool passes adaptive ones);
+        ``memory_mb`` and ``disk_mb`` are ``reward.sandbox_memory_mb`` / ``sandbox_disk_mb``."""
         if timeout_s <= 0:
             raise ValueError(f"code reward timeout_s={timeout_s} must be > 0")
         self.timeout_s = timeout_s
         self.timeout_reward = timeout_reward
         self.memory_mb = memory_mb
+        self.disk_mb = disk_mb
         self._sandbox = Sandbox(isolation=isolation)
 
     @property
@@ -172,7 +178,8 @@ class CodeReward:
                                 time.monotonic() - start)
         limit = timeout_s or self.timeout_s
         run = self._sandbox.run(build_job(code, tests),
-                                SandboxLimits(wall_s=limit, cpu_s=limit, memory_mb=self.memory_mb), cancel)
+                                SandboxLimits(wall_s=limit, cpu_s=limit, memory_mb=self.memory_mb,
+                                              disk_mb=self.disk_mb), cancel)
         return self._result(run, code)
 
     def _result(self, run: SandboxResult, code: str) -> RewardResult:

@@ -99,7 +99,8 @@ class RewardWorker:
                 self._math.start()
         if reward_cfg.kind in ("code", "mixed"):
             self._code = CodeReward(reward_cfg.code_timeout_max_s, reward_cfg.timeout_reward,
-                                    reward_cfg.sandbox_memory_mb, reward_cfg.sandbox_isolation)
+                                    reward_cfg.sandbox_memory_mb, reward_cfg.sandbox_isolation,
+                                    reward_cfg.sandbox_disk_mb)
         # Cancellation state, shared by the scoring thread and the control thread.
         self._lock = threading.Lock()
         self._skip: set[int] = set()

@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -37,11 +36,20 @@ from megatron_rl.distributed.process_groups import (
 )
 from megatron_rl.model.qwen2 import build_gpt_model, build_transformer_config, read_qwen2_arch
 from megatron_rl.sample import Sample
+from megatron_rl.training.dist_checkpoint import load_model_weights, load_trainer_state, save_trainer_state
+from megatron_rl.training.legacy_checkpoint import is_legacy, load_legacy
 from megatron_rl.training.logprobs import run_microbatches
 from megatron_rl.training.memory_offload import TrainerOffload, with_training_state
-from megatron_rl.training.packing import Microbatch, balance_across_ranks, build_microbatch, pack_microbatches, response_values
+from megatron_rl.training.packing import (
+    Microbatch,
+    balance_across_ranks,
+    build_microbatch,
+    pack_microbatches,
+    response_values,
+)
 from megatron_rl.training.step_metrics import LOSS_METRICS, TOKEN_METRICS, combine, combine_over_ranks, parity_metrics
 from megatron_rl.training.weight_export import WeightExport
+from megatron_rl.training.weight_push import WeightPush
 from megatron_rl.training.weights_io import load_hf_into_model
 
 # loss_fn(logprobs, old_logprobs, advantages, mask, *, ref_logprobs, engine_logprobs, seq_ids,
@@ -80,7 +88,7 @@ def _optional_field(samples: list[Sample], name: str) -> list[list[float]] | Non
     return [list(getattr(s, name)) for s in samples]
 
 
-class MegatronWorker(WeightExport):
+class MegatronWorker(WeightExport, WeightPush):
     """One Megatron trainer rank: load HF weights, logprobs, train steps, export, checkpoints."""
 
     def __init__(self, cfg: RunConfig, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
@@ -178,16 +186,21 @@ class MegatronWorker(WeightExport):
             self._load_weights(self.reference, hf_path, shard_args)
 
     def _load_weights(self, model: torch.nn.Module, hf_path: str, shard_args: tuple) -> None:
-        """This rank's shard from ``model.megatron_checkpoint`` when set, else from ``hf_path``."""
+        """This rank's shard from ``model.megatron_checkpoint`` when set (a dist checkpoint at any
+        layout, or a LEGACY per-(TP, PP) conversion at its own), else from ``hf_path``."""
         directory = self.cfg.model.megatron_checkpoint
         if not directory:
             load_hf_into_model(model, hf_path, *shard_args)
             return
-        from megatron_rl.resharding.checkpoint_format import load_shard_into_model, read_converted_shard
+        from megatron_rl.resharding import checkpoint_format as fmt
 
+        label = f"model.megatron_checkpoint {directory}"
+        if not fmt.is_legacy_converted(directory):
+            load_model_weights(directory, model, label)
+            return
         tp, pp = self.layout.tensor_model_parallel_size, self.layout.pipeline_model_parallel_size
-        shard = read_converted_shard(directory, self.tp_rank, self.pp_rank, tp, pp)
-        load_shard_into_model(model, shard, f"model.megatron_checkpoint {directory} (tp {self.tp_rank}, pp {self.pp_rank})")
+        shard = fmt.read_converted_shard(directory, self.tp_rank, self.pp_rank, tp, pp)
+        fmt.load_shard_into_model(model, shard, f"{label} (tp {self.tp_rank}, pp {self.pp_rank})")
 
     # ----------------------------------------------------------------- batching
     def _my_microbatches(self, samples: list[Sample], fields: bool) -> list[Microbatch]:
@@ -434,53 +447,32 @@ class MegatronWorker(WeightExport):
         return float(grad_norm)
 
     # ----------------------------------------------------------------- checkpoints
-    def _rank_file(self, directory: str | Path) -> Path:
-        return Path(directory) / f"megatron_rank{torch.distributed.get_rank():05d}.pt"
-
     @with_training_state
     def save_checkpoint(self, directory: str) -> None:
-        """Write this rank's model, optimizer and RNG state into ``directory`` (which must exist;
-        the caller makes the directory swap atomic). Collective with the distributed optimizer."""
-        from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-        state = {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "rng": {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states(),
-                    "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
-            "layout": self.layout, "world_size": torch.distributed.get_world_size(),
-            "steps_done": self.steps_done,
-        }
-        torch.save(state, self._rank_file(directory))
-        if self.cfg.parallel.use_distributed_optimizer:
-            self.optimizer.save_parameter_state(str(Path(directory) / f"optim_tp{self.tp_rank}_pp{self.pp_rank}.pt"))
+        """Write policy, reference, optimizer and RNG state into ``directory/megatron`` with
+        Megatron's dist_checkpointing (loads at any layout; ``training/dist_checkpoint.py``).
+        ``directory`` must exist on every rank; the caller makes the step atomic. Collective."""
+        save_trainer_state(directory, model=self.model, optimizer=self.optimizer, reference=self.reference,
+                           steps_done=self.steps_done, distributed_optimizer=self.cfg.parallel.use_distributed_optimizer)
 
     @with_training_state
-    def load_checkpoint(self, directory: str) -> None:
-        """Restore what :meth:`save_checkpoint` wrote (same world size and layout; call after
-        :meth:`load_hf`, which builds the model and optimizer)."""
-        from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-        path = self._rank_file(directory)
-        if not path.is_file():
-            raise FileNotFoundError(f"checkpoint {directory}: no {path.name} for rank {torch.distributed.get_rank()}")
-        state = torch.load(path, map_location="cpu", weights_only=False)
-        if state["layout"] != self.layout or state["world_size"] != torch.distributed.get_world_size():
-            raise ValueError(f"checkpoint {directory} was written with {state['layout']} on "
-                             f"{state['world_size']} ranks, not {self.layout} on {torch.distributed.get_world_size()}")
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.cfg.parallel.use_distributed_optimizer:
-            self.optimizer.load_parameter_state(str(Path(directory) / f"optim_tp{self.tp_rank}_pp{self.pp_rank}.pt"))
-        torch.set_rng_state(state["rng"]["cpu"])
-        get_cuda_rng_tracker().set_states(state["rng"]["tracker"])
-        if state["rng"]["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state["rng"]["cuda"])
-        self.steps_done = state["steps_done"]
+    def load_checkpoint(self, directory: str) -> dict:
+        """Restore a :meth:`save_checkpoint` step directory at this run's layout, whatever layout
+        saved it (call after :meth:`load_hf`, which builds model and optimizer); a LEGACY per-rank
+        checkpoint (``megatron_rank*.pt``) only at its own. Collective. Returns ``steps_done`` and,
+        for dist checkpoints, ``saved_layout`` and ``rng_restored`` (see dist_checkpoint)."""
+        if is_legacy(directory):
+            info: dict = {"steps_done": load_legacy(self, directory)}
+        else:
+            info = load_trainer_state(directory, model=self.model, optimizer=self.optimizer, reference=self.reference,
+                                      distributed_optimizer=self.cfg.parallel.use_distributed_optimizer)
+        self.steps_done = info["steps_done"]
         self._accumulated = None  # gradients of the abandoned step mean nothing for the restored one
+        return info
 
     def shutdown(self, destroy_world: bool = True) -> None:
         """Free the models and tear down Megatron's parallel state (and the world, by default)."""
+        self.shutdown_weight_pushes()  # rings out of /dev/shm, push groups left
         self.model = self.reference = self.optimizer = None
         self._accumulated, self._offload = None, TrainerOffload()  # drop host copies too
         destroy_process_groups(destroy_world=destroy_world)

@@ -73,8 +73,11 @@ def run_spmd(fn: Callable, world: int, args: tuple, out_dir: Path, timeout_s: fl
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             results.append(value)
-        if hung or len(results) != world:
+        if hung:
             raise TimeoutError(f"ranks {hung} still running after {timeout_s}s; {len(results)}/{world} finished")
+        if len(results) != world:
+            codes = {r: p.exitcode for r, p in enumerate(procs)}
+            raise RuntimeError(f"ranks exited without a result: {len(results)}/{world} finished, exit codes {codes}")
         return results
     finally:
         for proc in procs:

@@ -126,8 +126,9 @@ def reshard_scenarios(rank: int, world: int, port: int, cases: list[dict], expec
     return results
 
 
-def trainer_from_converted(rank: int, world: int, port: int, hf_dir: str, converted: str, samples, ckpt_dir: str):
-    """A TP=2 MegatronWorker started from ``model.megatron_checkpoint``: its logprobs, its HF
+def trainer_from_converted(rank: int, world: int, port: int, hf_dir: str, converted: str, samples, ckpt_dir: str,
+                           tp: int = 2, pp: int = 1):
+    """A TP x PP MegatronWorker started from ``model.megatron_checkpoint``: its logprobs, its HF
     export, and a trainer checkpoint saved to ``ckpt_dir`` (rank 0 returns the results)."""
     import os
 
@@ -135,7 +136,8 @@ def trainer_from_converted(rank: int, world: int, port: int, hf_dir: str, conver
     from megatron_rl.training.megatron_worker import MegatronWorker
 
     cfg = RunConfig()
-    cfg.parallel.tensor_model_parallel_size = 2
+    cfg.parallel.tensor_model_parallel_size = tp
+    cfg.parallel.pipeline_model_parallel_size = pp
     cfg.model.megatron_checkpoint = converted
     worker = MegatronWorker(cfg, rank, world, "127.0.0.1", port)
     worker.load_hf(hf_dir)

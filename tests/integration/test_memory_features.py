@@ -19,12 +19,10 @@ to the next call's automatic one.
 from __future__ import annotations
 
 import asyncio
-
 import dataclasses
 
 import pytest
 import torch
-
 from _megatron_cases import make_samples, run_spmd, toy_loss
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -137,8 +135,8 @@ def _rss_bytes() -> int:
 
 
 def _offload_runs(rank, world, port, model_dir, samples) -> list:
-    from megatron_rl.training.memory_offload import grad_buffer_bytes
     from megatron_rl.training.megatron_worker import MegatronWorker
+    from megatron_rl.training.memory_offload import grad_buffer_bytes
 
     results = []
     for name, tp in OFFLOAD_LAYOUTS:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
-
 from _megatron_cases import make_samples, run_spmd
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]

@@ -12,7 +12,6 @@ import itertools
 
 import pytest
 import torch
-
 from _megatron_cases import run_spmd
 from _resharding_cases import reshard_scenarios, vllm_reference_shard
 

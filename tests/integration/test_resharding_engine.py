@@ -37,7 +37,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 def setup(tiny_model_dir, tmp_path_factory):
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("reshard_engine")
-    meg = cc.hf_to_megatron(str(tiny_model_dir), str(root / "megatron"), tp=2, pp=2)
+    meg = cc.hf_to_megatron(str(tiny_model_dir), str(root / "megatron"))
     exported = cc.megatron_to_hf(str(meg), str(root / "exported"))
     loop = asyncio.new_event_loop()
     engine = VLLMEngine(str(exported), RolloutConfig(max_num_seqs=4, cpu_kv_cache_gib=0.125), seed=0,

@@ -17,14 +17,17 @@ import json
 
 import pytest
 import torch
-
 from _engine_checks import hf_logprobs, run, sample
 from _megatron_cases import run_spmd
 from _resharding_cases import rollout_shards_from_trainer, vllm_reference_shard
+
 from megatron_rl.resharding.layouts import MegatronLayout, VLLMLayout
 from megatron_rl.resharding.plan import build_plan
 from megatron_rl.resharding.rollout_shards import (
-    ATTENTION_SCALE_BUFFERS, MANIFEST, SHARD_FILE, read_rollout_manifest,
+    ATTENTION_SCALE_BUFFERS,
+    MANIFEST,
+    SHARD_FILE,
+    read_rollout_manifest,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]

@@ -44,7 +44,6 @@ import functools
 
 import pytest
 import torch
-
 from _megatron_cases import make_samples, policy_loss_cfg, run_spmd
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]

@@ -7,8 +7,8 @@ import pytest
 from megatron_rl.baseline import BaselineScheduler
 from megatron_rl.config import RunConfig
 from megatron_rl.hooks import RolloutContext
-from megatron_rl.sampling import request_seed
 from megatron_rl.sample import Prompt
+from megatron_rl.sampling import request_seed
 from tests.helpers.fake_engine import FakeEngine
 
 

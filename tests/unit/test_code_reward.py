@@ -1,5 +1,11 @@
-"""Code reward: code extraction, test formats (HumanEval, MBPP, KodCode, stdin/stdout), scoring."""
+"""Code reward: code extraction, test formats (HumanEval, MBPP, KodCode, stdin/stdout), scoring,
+and the problem set of tests/data (every correct solution scores 1, every wrong one and every
+attack 0)."""
 from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -39,9 +45,11 @@ def test_parse_tests_formats() -> None:
 def test_humaneval_signature_is_prepended_only_when_missing() -> None:
     spec = parse_tests("def check(candidate):\n    assert candidate(1) == 2\n",
                        {"entry_point": "inc", "code_prompt": "def inc(x):\n"})
-    body_only = build_job("    return x + 1\n", spec)["program"]
-    assert body_only.startswith("def inc(x):\n    return x + 1")
-    full = build_job("def inc(x):\n    return x + 1\n", spec)["program"]
+    body_only = build_job("    return x + 1\n", spec)
+    assert body_only["solution"].startswith("def inc(x):\n    return x + 1")
+    assert body_only["tests"].endswith("check(inc)\n") and body_only["entry_point"] == "inc"
+    assert "check" not in body_only["solution"]  # the tests go to the judge process only
+    full = build_job("def inc(x):\n    return x + 1\n", spec)["solution"]
     assert full.count("def inc(") == 1
 
 
@@ -77,3 +85,50 @@ def test_code_reward_no_code_timeout_and_bad_tests(reward: CodeReward) -> None:
     broken = reward(fenced("x = 1\n"), "", {"inputs": "oops", "outputs": []})
     assert (broken.reward, broken.status) == (-0.5, "error")
     assert "bad tests" in broken.detail
+
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+PROBLEMS = [json.loads(line) for line in (DATA / "code_sandbox_set.jsonl").read_text().splitlines() if line.strip()]
+ATTACKS = [json.loads(line) for line in (DATA / "code_sandbox_attacks.jsonl").read_text().splitlines() if line.strip()]
+BY_ID = {p["id"]: p for p in PROBLEMS}
+STDLIB = ("typing", "dataclasses", "enum", "collections", "logging", "fractions", "decimal", "statistics",
+          "itertools", "functools", "re", "heapq", "bisect", "math", "string", "json", "datetime")
+
+
+def test_problem_set_covers_the_formats_and_the_standard_library() -> None:
+    assert len(PROBLEMS) >= 40
+    styles = {p["style"] for p in PROBLEMS}
+    assert styles >= {"humaneval", "mbpp", "kodcode", "stdio"}
+    used = set()
+    for p in PROBLEMS:
+        assert p["wrong"], p["id"]
+        text = p["metadata"].get("code_prompt", "") + p["correct"]
+        for module in p["modules"]:
+            assert re.search(rf"^\s*(import|from) {module}\b", text, re.MULTILINE), (p["id"], module)
+        used |= set(p["modules"])
+    assert set(STDLIB) <= used, set(STDLIB) - used
+    assert "namedtuple" in "".join(p["correct"] for p in PROBLEMS)
+    assert any("from typing import" in p["metadata"].get("code_prompt", "") for p in PROBLEMS)
+
+
+@pytest.fixture(scope="module")
+def strict_reward() -> CodeReward:
+    return CodeReward(timeout_s=10.0, timeout_reward=0.0)
+
+
+@pytest.mark.parametrize("problem", PROBLEMS, ids=[p["id"] for p in PROBLEMS])
+def test_correct_solutions_score_one_and_wrong_ones_zero(strict_reward: CodeReward, problem: dict) -> None:
+    good = strict_reward(fenced(problem["correct"]), problem["ground_truth"], problem["metadata"])
+    assert (good.reward, good.status) == (1.0, "ok"), good.detail
+    for wrong in problem["wrong"]:
+        bad = strict_reward(fenced(wrong), problem["ground_truth"], problem["metadata"])
+        assert (bad.reward, bad.correct, bad.status) == (0.0, False, "ok"), bad.detail
+
+
+@pytest.mark.parametrize("attack", ATTACKS, ids=[a["id"] for a in ATTACKS])
+def test_attacks_score_zero(attack: dict) -> None:
+    problem = BY_ID[attack["problem"]]
+    reward = CodeReward(timeout_s=3.0, timeout_reward=0.0)
+    result = reward(fenced(attack["code"]), problem["ground_truth"], problem["metadata"])
+    assert (result.reward, result.correct) == (0.0, False), (attack["why"], result.status, result.detail)
+    assert result.status in ("ok", "timeout"), result.detail

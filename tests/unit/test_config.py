@@ -3,8 +3,9 @@ from pathlib import Path
 
 import pytest
 
+import rollpacker.plugins  # noqa: F401  (RollPacker's scheduler and sections, as megatron_rl.train registers them)
 from megatron_rl.config import RunConfig
-from megatron_rl.config_io import ConfigError, load_config, validate, validate_against_architecture
+from megatron_rl.config_io import ConfigError, load_config, validate
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_ARCH = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
@@ -73,6 +74,9 @@ def test_impossible_layout_against_architecture(overrides, key):
     (["parallel.sequence_parallel=true"], "sequence_parallel"),
     (["parallel.use_distributed_optimizer=true"], "parallel.use_distributed_optimizer"),
     (["rollout.weight_sync_format=nccl"], "rollout.weight_sync_format"),
+    (["rollout.weight_push_channel=ipc"], "rollout.weight_push_channel"),
+    (["rollout.weight_push_buffers=0"], "rollout.weight_push_buffers"),
+    (["rollout.weight_push_bucket_mb=0"], "rollout.weight_push_bucket_mb"),
     (["model.dtype=bfloat16"], "model.dtype"),
     (["algorithm.loss_agg=mean"], "algorithm.loss_agg"),
     (["algorithm.recompute_old_logprobs=false", "algorithm.ppo_mini_batches=2"], "algorithm.recompute_old_logprobs"),

@@ -10,8 +10,14 @@ import subprocess
 import sys
 
 from megatron_rl.distributed import local_state
-from megatron_rl.distributed.local_state import (dead_run_dirs, host_tag, ray_temp_dir, run_dir_name,
-                                                 short_temp_root, sweep_dead_run_dirs)
+from megatron_rl.distributed.local_state import (
+    dead_run_dirs,
+    host_tag,
+    ray_temp_dir,
+    run_dir_name,
+    short_temp_root,
+    sweep_dead_run_dirs,
+)
 
 
 def _dead_pid() -> int:
