@@ -210,6 +210,19 @@ class SchedulerConfig:
     max_refills: int = 4
     """DAPO mode (algorithm.filter_zero_variance): most extra launches per step to replace filtered
     groups before the step fails with a clear error."""
+    history_routing: bool = False
+    """Tail batching: a prompt whose short round in an earlier epoch did not complete (it went to
+    the long-prompt queue) goes straight to the queue when drawn again, instead of being launched,
+    aborted and queued once more. Off: the prediction is still made and scored
+    (rollout/history/* precision and recall) but not acted on."""
+    history_responses: int = 4
+    """Rollout history (tail batching): most recent responses kept per prompt, newest first; they
+    are the 'suffix' drafter's references for the prompt's next rollouts. 0 keeps outcomes only."""
+    history_response_tokens: int = 2048
+    """Rollout history: most tokens kept of each stored response (its start)."""
+    history_prompts: int = 100000
+    """Rollout history: most prompts remembered (least recently seen dropped first); with the two
+    keys above this bounds the history's memory and checkpoint size."""
 
 
 @dataclass

@@ -198,7 +198,7 @@ class Trainer:
         return RolloutContext(
             cfg=self.cfg, engine=self.engine, score=self.p.rewards.score, cancel_scores=self.p.rewards.cancel_samples,
             next_prompts=self._next_prompts, policy_version=self.version, step=step,
-            on_group_complete=on_group_complete, on_round_start=on_round_start,
+            on_group_complete=on_group_complete, on_round_start=on_round_start, epoch=lambda: self.cursor.epoch,
         )
 
     def _next_prompts(self, n: int) -> list[Prompt]:
