@@ -203,9 +203,7 @@ class TailBatchingScheduler(RolloutScheduler):
 
         async def launch(num_prompts: int) -> None:
             # Long rounds take queued prompts first, then fresh ones (DAPO refills).
-            take = [self.queue.popleft() for _ in range(min(num_prompts, len(self.queue)))]
-            take += ctx.next_prompts(num_prompts - len(take))
-            for prompt in take:
+            for prompt in self._draw_long(ctx, num_prompts, states):
                 states[prompt.prompt_id] = _PromptState(prompt)
                 self.history.seen(prompt.prompt_id, ctx.epoch())
                 await submit_prompt(ctx, flight, prompt, r0, "long", attempt=log.refills,
@@ -221,6 +219,28 @@ class TailBatchingScheduler(RolloutScheduler):
             if self.short_length and max(len(s.response_ids) for s in group) <= self.short_length:
                 self.history.set_outcome(group[0].prompt.prompt_id, ctx.epoch(), "short")
         return batch, log, flight
+
+    def _draw_long(self, ctx: RolloutContext, num_prompts: int, states: dict) -> list[Prompt]:
+        """Queued prompts first, then fresh ones, never one prompt twice in a round: with a small
+        data set a prompt can wait in the queue while the cursor hands it out again in the next
+        epoch (both are trained, in different rounds). A repeat waits in the queue for a later
+        long round."""
+        taken, take, deferred = set(states), [], []
+        while self.queue and len(take) < num_prompts:
+            prompt = self.queue.popleft()
+            (deferred if prompt.prompt_id in taken else take).append(prompt)
+            taken.add(prompt.prompt_id)
+        self.queue.extendleft(reversed(deferred))
+        for _ in range(4):  # a few draws: a repeat from the cursor goes to the queue, draw again
+            if len(take) >= num_prompts:
+                break
+            for prompt in ctx.next_prompts(num_prompts - len(take)):
+                if prompt.prompt_id in taken:
+                    self.queue.append(prompt)
+                else:
+                    take.append(prompt)
+                    taken.add(prompt.prompt_id)
+        return take
 
     def _requeue_incomplete(self, states: dict[str, _PromptState], batch: list[list[Sample]], log: _RoundLog,
                             r0: int, front: bool) -> None:

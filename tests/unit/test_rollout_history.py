@@ -109,3 +109,23 @@ def test_prediction_is_scored_without_routing_and_routing_saves_aborted_tokens()
     assert [fresh.history.predicts_long(f"p{i}", 9) for i in range(20)] == [
         sched.history.predicts_long(f"p{i}", 9) for i in range(20)]
 
+
+
+@pytest.mark.parametrize("routing", [False, True])
+def test_small_data_set_never_launches_a_prompt_twice_in_a_round(routing):
+    """8 prompts, P0 = 4: prompts wait in the queue while the cursor hands them out again (found
+    by the loop test: vLLM refused a second request with the same id)."""
+    engine = FakeEngine(lengths(long_every=3), capacity=1000)
+    h = EpochHarness(make_prompts(8, long_every=3), engine)
+    h.drawn = []
+    h.cfg.scheduler.history_routing = routing
+    sched = TailBatchingScheduler()
+    trained = []
+    for step in range(12):
+        batch = h.run(sched, step)
+        ids = [r.request_id for r in engine.submitted if r.request_id.startswith(f"s{step}-")]
+        assert len(ids) == len(set(ids)), ids
+        groups = [g[0].prompt.prompt_id for g in batch.groups]
+        assert len(groups) == len(set(groups)) == 4
+        trained += groups
+    assert Counter(trained) + Counter(p.prompt_id for p in sched.queue) == Counter(h.drawn)
