@@ -74,6 +74,31 @@ class ClusterConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    method: str = "off"
+    """Speculative decoding in the rollout engines, lossless (vLLM's rejection sampling keeps the
+    target distribution): 'off'; 'ngram' (vLLM's n-gram proposer over the request's own prompt and
+    output); 'suffix' (drafts from the longest suffix match in earlier responses of the same
+    prompt, the running and finished responses of its group, and the request's own tokens); or an
+    import path 'package.module.Class' of a vLLM custom proposer. Only requests of the round types
+    in ``rounds`` get drafts, so one engine serves speculative and plain rounds."""
+    num_speculative_tokens: int = 4
+    """Most draft tokens proposed per request and decode step (vLLM num_speculative_tokens)."""
+    rounds: str = "long"
+    """Comma-separated round types whose requests are drafted: 'long' (tail batching's long
+    rounds: few sequences decoding for a long time), 'short', 'baseline', or any mix; requests of
+    other rounds decode one token per step as without speculation."""
+    min_match_tokens: int = 2
+    """Shortest context suffix that must match a reference (or, for 'ngram', the request's own
+    tokens) before anything is drafted."""
+    max_match_tokens: int = 8
+    """Longest context suffix looked up; longer matches are preferred (fewer wrong drafts)."""
+    max_reference_tokens: int = 8192
+    """'suffix': most tokens of earlier responses sent with each request as draft references
+    (newest first); bounds what the engine holds per prompt."""
+
+
+@dataclass
 class RolloutConfig:
     backend: str = "vllm"
     """Rollout engine backend. Only 'vllm' ships; tests use an in-process fake for scheduling."""
@@ -124,6 +149,8 @@ class RolloutConfig:
     """Colocated GPUs: put the engines to sleep (vLLM sleep mode level 1: weights to host memory,
     KV cache freed) once a step's rollout is done, so training can use that memory; they wake
     before the weight sync. On CPU it runs but vLLM frees nothing."""
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    """Speculative decoding (``rollout.speculative.*``): drafted tokens verified by the engine."""
 
 
 @dataclass
@@ -183,6 +210,19 @@ class SchedulerConfig:
     max_refills: int = 4
     """DAPO mode (algorithm.filter_zero_variance): most extra launches per step to replace filtered
     groups before the step fails with a clear error."""
+    history_routing: bool = False
+    """Tail batching: a prompt whose short round in an earlier epoch did not complete (it went to
+    the long-prompt queue) goes straight to the queue when drawn again, instead of being launched,
+    aborted and queued once more. Off: the prediction is still made and scored
+    (rollout/history/* precision and recall) but not acted on."""
+    history_responses: int = 4
+    """Rollout history (tail batching): most recent responses kept per prompt, newest first; they
+    are the 'suffix' drafter's references for the prompt's next rollouts. 0 keeps outcomes only."""
+    history_response_tokens: int = 2048
+    """Rollout history: most tokens kept of each stored response (its start)."""
+    history_prompts: int = 100000
+    """Rollout history: most prompts remembered (least recently seen dropped first); with the two
+    keys above this bounds the history's memory and checkpoint size."""
 
 
 @dataclass

@@ -189,6 +189,10 @@ def validate(cfg: RunConfig, arch: dict | None = None, device: str | None = None
     if cfg.rollout.weight_push_bucket_mb <= 0 or cfg.rollout.weight_push_timeout_s <= 0:
         raise ConfigError("rollout.weight_push_bucket_mb and rollout.weight_push_timeout_s must be > 0")
     _positive(cfg.rollout.weight_push_buffers, "rollout.weight_push_buffers")
+    _validate_speculative(cfg)
+    _positive(cfg.scheduler.history_responses, "scheduler.history_responses", allow_zero=True)
+    _positive(cfg.scheduler.history_response_tokens, "scheduler.history_response_tokens")
+    _positive(cfg.scheduler.history_prompts, "scheduler.history_prompts")
     _choice(cfg.algorithm.advantage, ("grpo", "drgrpo"), "algorithm.advantage")
     _choice(cfg.algorithm.loss_agg, ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"), "algorithm.loss_agg")
     _choice(cfg.algorithm.kl_type, ("k1", "k3"), "algorithm.kl_type")
@@ -289,6 +293,29 @@ def register_validator(check: Callable[[RunConfig], None]) -> None:
     this way; raise ConfigError naming the key). Idempotent."""
     if check not in _VALIDATORS:
         _VALIDATORS.append(check)
+
+
+SPECULATIVE_METHODS = ("off", "ngram", "suffix")
+"""``rollout.speculative.method`` names; anything else must be a dotted proposer class path."""
+
+
+def _validate_speculative(cfg: RunConfig) -> None:
+    """``rollout.speculative.*``: the method (or a proposer class path), draft and match sizes."""
+    sp = cfg.rollout.speculative
+    parts = sp.method.split(".")
+    if sp.method not in SPECULATIVE_METHODS and not (len(parts) >= 2 and all(p.isidentifier() for p in parts)):
+        raise ConfigError(f"rollout.speculative.method: expected one of {SPECULATIVE_METHODS} or an import path "
+                          f"'package.module.Class' of a vLLM custom proposer, got {sp.method!r}")
+    if not 1 <= sp.num_speculative_tokens <= 32:
+        raise ConfigError(f"rollout.speculative.num_speculative_tokens: must be in 1..32, got {sp.num_speculative_tokens}")
+    rounds = comma_list(sp.rounds)
+    if not rounds or not all(r.isidentifier() for r in rounds):
+        raise ConfigError(f"rollout.speculative.rounds: expected comma-separated round types like 'long' or "
+                          f"'long,short', got {sp.rounds!r}")
+    if not 1 <= sp.min_match_tokens <= sp.max_match_tokens <= 64:
+        raise ConfigError("rollout.speculative.min_match_tokens and max_match_tokens must satisfy 1 <= min <= max "
+                          f"<= 64, got {sp.min_match_tokens} and {sp.max_match_tokens}")
+    _positive(sp.max_reference_tokens, "rollout.speculative.max_reference_tokens", allow_zero=True)
 
 
 def _validate_reward_scaling(cfg: RunConfig) -> None:

@@ -63,6 +63,9 @@ class RolloutContext:
     the batch will hold (forwarded to plug-ins; the stream trainer decides here whether to stream)."""
     on_group_complete: Callable[[list[Sample]], None] = lambda group: None
     """Call with each group the moment it is complete and scored (forwarded to plug-ins)."""
+    epoch: Callable[[], int] = lambda: 0
+    """The data cursor's epoch now (of the prompts ``next_prompts`` just returned; a rollout
+    history tells earlier epochs from this one by it)."""
 
 
 @dataclass

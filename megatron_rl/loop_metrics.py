@@ -7,6 +7,8 @@ from __future__ import annotations
 from megatron_rl.config import RunConfig
 from megatron_rl.hooks import RolloutBatch
 from megatron_rl.metrics import length_stats, occupancy
+from megatron_rl.rollout import speculative
+from megatron_rl.rollout.engine import EngineStats
 from megatron_rl.sample import Sample
 
 
@@ -59,6 +61,18 @@ def step_metrics(cfg: RunConfig, step: int, version: int, batch: RolloutBatch, t
     m[f"round/{rt}/time_rollout"] = phases["rollout"]
     m.update({f"round/{rt}/response_length_{k}": v for k, v in stats.items()})
     m.update(batch.metrics)
+    return m
+
+
+def speculation_metrics(batch: RolloutBatch, before: EngineStats, after: EngineStats) -> dict[str, float]:
+    """``rollout/spec/*`` of the step's rollout (decode steps, drafts, acceptance) from the engine
+    counters read around it, also under ``round/<type>/spec_*`` since only some round types
+    speculate. Generated tokens: every kept response plus the tokens of aborted requests."""
+    generated = sum(len(s.response_ids) for s in batch.samples) + int(batch.metrics.get("rollout/aborted_tokens", 0.0))
+    m = speculative.step_metrics(before, after, generated)
+    rt = batch.round_type
+    m.update({f"round/{rt}/spec_{k.rsplit('/', 1)[1]}": v for k, v in list(m.items())
+              if k.endswith(("acceptance_rate", "decode_steps", "tokens_per_step"))})
     return m
 
 

@@ -11,6 +11,8 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
+from megatron_rl.config import RunConfig
+from megatron_rl.config_io import comma_list
 from megatron_rl.hooks import RolloutContext
 from megatron_rl.rollout.engine import Completion, GenerationRequest
 from megatron_rl.sample import Prompt, Sample
@@ -40,10 +42,34 @@ class InFlight:
     """Requests that ended with an abort."""
 
 
+def trim_references(references: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """The newest references (first in the list) up to ``max_tokens`` tokens in total."""
+    out, left = [], max_tokens
+    for ref in references:
+        if left <= 0:
+            break
+        out.append(list(ref[:left]))
+        left -= len(out[-1])
+    return out
+
+
+def speculates(cfg: RunConfig, round_type: str) -> bool:
+    """Whether requests of ``round_type`` get drafts (``rollout.speculative.method`` and ``.rounds``)."""
+    spec = cfg.rollout.speculative
+    return spec.method != "off" and round_type in comma_list(spec.rounds)
+
+
 async def submit_prompt(ctx: RolloutContext, flight: InFlight, prompt: Prompt, num_responses: int,
-                        round_type: str, max_tokens: int | None = None, attempt: int = 0) -> list[str]:
-    """Submit ``num_responses`` requests for ``prompt``; returns their request ids."""
+                        round_type: str, max_tokens: int | None = None, attempt: int = 0,
+                        references: list[list[int]] | None = None) -> list[str]:
+    """Submit ``num_responses`` requests for ``prompt``; returns their request ids.
+
+    In rounds that speculate, the requests form one draft group (they draft from each other's
+    tokens) and carry ``references`` (earlier responses of the prompt, newest first, cut to
+    ``rollout.speculative.max_reference_tokens``) for the engine's drafter."""
     cfg = ctx.cfg
+    speculate = speculates(cfg, round_type)
+    draft_refs = trim_references(references or [], cfg.rollout.speculative.max_reference_tokens) if speculate else []
     ids = []
     for idx in range(num_responses):
         rid = f"s{ctx.step}-a{attempt}-{prompt.prompt_id}-r{idx}"
@@ -58,6 +84,9 @@ async def submit_prompt(ctx: RolloutContext, flight: InFlight, prompt: Prompt, n
             seed=request_seed(cfg.trainer.seed, ctx.step, prompt.prompt_id, idx, attempt),
             temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p,
+            speculate=speculate,
+            draft_group=f"s{ctx.step}-a{attempt}-{prompt.prompt_id}" if speculate else "",
+            draft_references=draft_refs,
         ))
         ids.append(rid)
     return ids

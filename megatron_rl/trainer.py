@@ -137,8 +137,10 @@ class Trainer:
         round_type = self.p.scheduler.next_round_type(self.cfg)
         for plugin in self.plugins:
             extra.update(await plugin.before_rollout(step, round_type))
+        engine_before = await self.engine.stats()
         with timer("rollout"):
             batch = await self.p.scheduler.next_batch(self._context(step))
+        engine_after = await self.engine.stats()
         for plugin in self.plugins:
             extra.update(await plugin.after_rollout(step, batch))
         extra.update(await self.colocation.to_training())
@@ -167,6 +169,7 @@ class Trainer:
         for key in [k for k in extra if k.startswith("time/")]:  # phases timed by their owners
             metrics[key] = extra.pop(key)
         metrics.update(prep_metrics)
+        metrics.update(loop_metrics.speculation_metrics(batch, engine_before, engine_after))
         metrics.update(extra)
         metrics.update(loop_metrics.parity_metrics(samples, train_metrics))
         metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
@@ -195,7 +198,7 @@ class Trainer:
         return RolloutContext(
             cfg=self.cfg, engine=self.engine, score=self.p.rewards.score, cancel_scores=self.p.rewards.cancel_samples,
             next_prompts=self._next_prompts, policy_version=self.version, step=step,
-            on_group_complete=on_group_complete, on_round_start=on_round_start,
+            on_group_complete=on_group_complete, on_round_start=on_round_start, epoch=lambda: self.cursor.epoch,
         )
 
     def _next_prompts(self, n: int) -> list[Prompt]:

@@ -13,6 +13,13 @@ DAPO mode (``algorithm.filter_zero_variance``): a complete group whose R0 reward
 is filtered (it never enters the queue) and the round launches more prompts, at most
 ``scheduler.max_refills`` times, until P0 valid groups are in.
 
+Rollout history (``rollpacker.history``): every finished response of a prompt is remembered
+(bounded) and sent with its next requests as draft references for speculative decoding; each
+short round records which prompts it completed and which it queued. With
+``scheduler.history_routing`` a prompt queued in an earlier epoch goes straight to the queue
+when drawn again (not launched, aborted and queued once more); the prediction is scored either
+way (rollout/history/*). The history is part of the checkpointed state.
+
 Strictly on-policy: every response is generated from scratch by the current weights within the
 step; only the order in which prompts are trained changes. The queue is checkpointed.
 """
@@ -29,6 +36,7 @@ from megatron_rl.config import RunConfig
 from megatron_rl.hooks import RolloutBatch, RolloutContext, RolloutScheduler
 from megatron_rl.sample import Prompt, Sample
 from megatron_rl.sampling import InFlight, abort_all, accept_completion, cancel_scoring, submit_prompt
+from rollpacker.history import Confusion, RolloutHistory
 
 
 class RefillLimitError(RuntimeError):
@@ -42,6 +50,8 @@ class _PromptState:
     """Finished responses in finish order (the first R0 are the kept ones)."""
     group_task: asyncio.Task | None = None
     """Awaits the kept responses' rewards once R0 have finished."""
+    predicted_long: bool | None = None
+    """Short rounds: the history's prediction at launch (None: no earlier-epoch outcome)."""
 
 
 @dataclass
@@ -57,6 +67,8 @@ class _RoundLog:
     """Tokens of finished responses that were not kept (extra responses, queued prompts)."""
     finished_lengths: dict[str, list[int]] = field(default_factory=dict)
     """prompt id -> lengths of every finished response (kept or not): the length-bias monitor."""
+    confusion: Confusion = field(default_factory=Confusion)
+    """The history's long-prompt predictions against this round's outcomes."""
 
 
 class TailBatchingScheduler(RolloutScheduler):
@@ -67,13 +79,25 @@ class TailBatchingScheduler(RolloutScheduler):
     def __init__(self) -> None:
         self.queue: deque[Prompt] = deque()
         """Long-prompt queue: prompts whose short round did not complete (training state)."""
+        self.history = RolloutHistory()
+        """Per-prompt outcomes and recent responses (training state; bounds from the config)."""
+        self.short_length = 0
+        """Longest response kept by the latest short round: a long-round prompt whose responses all
+        fit in it would have completed in a short round (its history outcome goes back to 'short')."""
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict:
-        return {"queue": list(self.queue)}
+        return {"queue": list(self.queue), "history": self.history.state_dict(), "short_length": self.short_length}
 
     def load_state_dict(self, state: dict) -> None:
         self.queue = deque(state.get("queue", []))
+        self.history.load_state_dict(state.get("history", {}))
+        self.short_length = int(state.get("short_length", 0))
+
+    def _configure_history(self, cfg: RunConfig) -> None:
+        sc = cfg.scheduler
+        self.history.max_prompts, self.history.max_responses = sc.history_prompts, sc.history_responses
+        self.history.max_tokens = sc.history_response_tokens
 
     def next_round_type(self, cfg: RunConfig) -> str:
         return "long" if len(self.queue) >= cfg.data.prompts_per_step else "short"
@@ -81,6 +105,7 @@ class TailBatchingScheduler(RolloutScheduler):
     # ------------------------------------------------------------------ one step
     async def next_batch(self, ctx: RolloutContext) -> RolloutBatch:
         p0 = ctx.cfg.data.prompts_per_step
+        self._configure_history(ctx.cfg)
         start = time.monotonic()
         if self.next_round_type(ctx.cfg) == "long":
             ctx.on_round_start("long", p0)
@@ -107,9 +132,10 @@ class TailBatchingScheduler(RolloutScheduler):
         states: dict[str, _PromptState] = {}
 
         async def launch(num_prompts: int) -> None:
-            for prompt in ctx.next_prompts(num_prompts):
-                states[prompt.prompt_id] = _PromptState(prompt)
-                await submit_prompt(ctx, flight, prompt, n_responses, "short", attempt=log.refills)
+            for prompt, predicted in self._draw_short(ctx, num_prompts, states, log):
+                states[prompt.prompt_id] = _PromptState(prompt, predicted_long=predicted)
+                await submit_prompt(ctx, flight, prompt, n_responses, "short", attempt=log.refills,
+                                    references=self.history.references(prompt.prompt_id))
                 log.prompts_launched += 1
                 log.responses_launched += n_responses
 
@@ -117,7 +143,58 @@ class TailBatchingScheduler(RolloutScheduler):
         batch = await self._collect(ctx, flight, states, log, p0, r0,
                                     refill=lambda missing: launch(math.ceil(cfg.scheduler.eta_prompts * missing)))
         self._requeue_incomplete(states, batch, log, r0, front=False)
+        self._record_short_outcomes(ctx, states, batch, log)
         return batch, log, flight
+
+    def _draw_short(self, ctx: RolloutContext, num_prompts: int, states: dict, log: _RoundLog):
+        """``num_prompts`` fresh prompts to launch, each with the history's prediction (None: no
+        earlier-epoch outcome); with history routing, predicted-long prompts drawn on the way go
+        to the long-prompt queue instead (at most 4x ``num_prompts`` draws, then no more routing,
+        so a data set of long prompts cannot stall the round)."""
+        routing = ctx.cfg.scheduler.history_routing
+        out, draws = [], 0
+        while len(out) < num_prompts:
+            drawn = ctx.next_prompts(num_prompts - len(out))
+            if not drawn:
+                break
+            for prompt in drawn:
+                draws += 1
+                pid, epoch = prompt.prompt_id, ctx.epoch()
+                entry = self.history.get(pid)
+                informed = entry is not None and entry.outcome and entry.outcome_epoch < epoch
+                predicted = self.history.predicts_long(pid, epoch) if informed else None
+                self.history.seen(pid, epoch)
+                queued = {p.prompt_id for p in self.queue}
+                if (routing and predicted and draws <= 4 * num_prompts and pid not in queued) or pid in states:
+                    # A prompt drawn twice in one round (an epoch ended mid-round) also waits in the queue.
+                    if pid not in queued:
+                        self.queue.append(prompt)
+                        log.confusion.routed += 1
+                    continue
+                out.append((prompt, predicted))
+        return out
+
+    def _record_short_outcomes(self, ctx: RolloutContext, states: dict[str, _PromptState], batch: list[list[Sample]],
+                               log: _RoundLog) -> None:
+        """Completed prompts (in the batch or filtered) are 'short', queued ones 'long'; score the
+        predictions made at launch."""
+        epoch = ctx.epoch()
+        done = {g[0].prompt.prompt_id for g in batch} | set(log.filtered)
+        kept = [len(s.response_ids) for g in batch for s in g]
+        if kept:
+            self.short_length = max(kept)
+        c = log.confusion
+        for pid, state in states.items():
+            outcome = "short" if pid in done else "long"
+            self.history.set_outcome(pid, epoch, outcome)
+            if state.predicted_long is None:
+                continue
+            if state.predicted_long:
+                c.true_long += outcome == "long"
+                c.false_long += outcome == "short"
+            else:
+                c.true_short += outcome == "short"
+                c.false_short += outcome == "long"
 
     async def _long_round(self, ctx: RolloutContext):
         p0, r0 = ctx.cfg.data.prompts_per_step, ctx.cfg.data.responses_per_prompt
@@ -126,18 +203,44 @@ class TailBatchingScheduler(RolloutScheduler):
 
         async def launch(num_prompts: int) -> None:
             # Long rounds take queued prompts first, then fresh ones (DAPO refills).
-            take = [self.queue.popleft() for _ in range(min(num_prompts, len(self.queue)))]
-            take += ctx.next_prompts(num_prompts - len(take))
-            for prompt in take:
+            for prompt in self._draw_long(ctx, num_prompts, states):
                 states[prompt.prompt_id] = _PromptState(prompt)
-                await submit_prompt(ctx, flight, prompt, r0, "long", attempt=log.refills)
+                self.history.seen(prompt.prompt_id, ctx.epoch())
+                await submit_prompt(ctx, flight, prompt, r0, "long", attempt=log.refills,
+                                    references=self.history.references(prompt.prompt_id))
                 log.prompts_launched += 1
                 log.responses_launched += r0
 
         await launch(p0)
         batch = await self._collect(ctx, flight, states, log, p0, r0, refill=launch)
         self._requeue_incomplete(states, batch, log, r0, front=True)
+        for group in batch:
+            # Responses that all fit in a short round: the prompt no longer counts as long.
+            if self.short_length and max(len(s.response_ids) for s in group) <= self.short_length:
+                self.history.set_outcome(group[0].prompt.prompt_id, ctx.epoch(), "short")
         return batch, log, flight
+
+    def _draw_long(self, ctx: RolloutContext, num_prompts: int, states: dict) -> list[Prompt]:
+        """Queued prompts first, then fresh ones, never one prompt twice in a round: with a small
+        data set a prompt can wait in the queue while the cursor hands it out again in the next
+        epoch (both are trained, in different rounds). A repeat waits in the queue for a later
+        long round."""
+        taken, take, deferred = set(states), [], []
+        while self.queue and len(take) < num_prompts:
+            prompt = self.queue.popleft()
+            (deferred if prompt.prompt_id in taken else take).append(prompt)
+            taken.add(prompt.prompt_id)
+        self.queue.extendleft(reversed(deferred))
+        for _ in range(4):  # a few draws: a repeat from the cursor goes to the queue, draw again
+            if len(take) >= num_prompts:
+                break
+            for prompt in ctx.next_prompts(num_prompts - len(take)):
+                if prompt.prompt_id in taken:
+                    self.queue.append(prompt)
+                else:
+                    take.append(prompt)
+                    taken.add(prompt.prompt_id)
+        return take
 
     def _requeue_incomplete(self, states: dict[str, _PromptState], batch: list[list[Sample]], log: _RoundLog,
                             r0: int, front: bool) -> None:
@@ -212,6 +315,7 @@ class TailBatchingScheduler(RolloutScheduler):
     def _on_finished(self, ctx: RolloutContext, flight: InFlight, state: _PromptState, sample: Sample, r0: int,
                      log: _RoundLog, group_tasks: set) -> None:
         state.finished.append(sample)
+        self.history.add_response(state.prompt.prompt_id, sample.response_ids)
         log.finished_lengths.setdefault(state.prompt.prompt_id, []).append(len(sample.response_ids))
         if len(state.finished) == r0:
             kept = list(state.finished)
@@ -243,6 +347,9 @@ class TailBatchingScheduler(RolloutScheduler):
             "rollout/prompts_queued": float(log.queued),
             "rollout/refills": float(log.refills),
             "rollout/groups_filtered": float(len(log.filtered)),
+            "rollout/history/prompts": float(len(self.history)),
+            "rollout/history/tokens": float(self.history.num_tokens()),
+            **log.confusion.metrics(),
         }
         if kept and same_prompts:
             # Keeping the first R0 of eta_R x R0 favours short answers: compare with all finished ones.

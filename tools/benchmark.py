@@ -21,6 +21,11 @@ which it runs); give it a larger model (e.g. the 70M random one of the README) s
 enough bytes to measure. Its last two lines are ``weight-sync speedup (tensor vs sharded):`` and
 ``tensor bandwidth fraction of memcpy:``.
 
+``--compare speculative`` runs baseline / tail batching / tail batching + speculative decoding +
+rollout history over ``--seeds`` seeds (``tools/benchmark_speculative.py``, which it runs, on the
+re-checking model by default); its last lines are ``long-round rollout speedup (speculation):``
+and ``speedup:``.
+
 ``--compare old_logprobs`` runs the baseline scheduler twice, ``algorithm.recompute_old_logprobs``
 true vs false (the separate scoring forward vs the training forward's own logprobs).
 
@@ -61,6 +66,7 @@ COMPARISONS = {
     "stream": [("tail_batching", "tail_batching", ["stream.enabled=false"], "no stream"),
                ("stream", "tail_batching", ["stream.enabled=true"], "stream")],
     "weight_sync": [],  # its own benchmark: tools/benchmark_weight_sync.py
+    "speculative": [],  # three columns over seeds: tools/benchmark_speculative.py
     "old_logprobs": [("recompute", "baseline", ["algorithm.recompute_old_logprobs=true"], "recompute"),
                      ("fused", "baseline", ["algorithm.recompute_old_logprobs=false"], "train fwd")],
 }
@@ -173,6 +179,14 @@ def main(argv: list[str] | None = None) -> int:
                              "logprobs (baseline scheduler)")
     parser.add_argument("--repeats", type=int, default=3, help="--compare weight_sync: timed pushes per format")
     parser.add_argument("overrides", nargs="*", help="extra dotted config overrides for both runs")
+    parser.add_argument("--seeds", type=int, default=3, help="--compare speculative: seeds (three columns each)")
+    args, rest = parser.parse_known_args(argv)
+    if args.compare == "speculative":
+        from tools.benchmark_speculative import main as speculative_main
+
+        given = list(argv if argv is not None else sys.argv[1:])
+        forwarded = [a for a in given if not a.startswith("--compare") and a != "speculative"]
+        return speculative_main(forwarded)
     args = parser.parse_args(argv)
     if args.compare == "weight_sync":
         from tools.benchmark_weight_sync import main as weight_sync_main

@@ -49,16 +49,28 @@ def _sections() -> list[tuple[str, str, type, dict[str, str]]]:
     return out
 
 
+def _field_rows(prefix: str, cls: type, obj, docs: dict[str, dict[str, str]]) -> list[str]:
+    """One table row per field; a nested section (e.g. ``rollout.speculative``) gets its fields as
+    ``prefix.section.field`` rows right after it."""
+    rows = []
+    for f in dataclasses.fields(cls):
+        value = getattr(obj, f.name)
+        text = docs[cls.__name__][f.name].replace("|", "\\|")
+        if dataclasses.is_dataclass(value):
+            rows.append(f"| `{prefix}.{f.name}.*` | | {text} |")
+            rows += _field_rows(f"{prefix}.{f.name}", type(value), value, docs)
+        else:
+            rows.append(f"| `{prefix}.{f.name}` | `{value!r}` | {text} |")
+    return rows
+
+
 def render() -> str:
     lines = []
     for name, description, cls, docs in _sections():
         obj = cls()
         lines += [f"**`{name}`**: {description}", "",
                   "| key | default | meaning |", "| --- | --- | --- |"]
-        for f in dataclasses.fields(cls):
-            default = getattr(obj, f.name)
-            text = docs[cls.__name__][f.name].replace("|", "\\|")
-            lines.append(f"| `{name}.{f.name}` | `{default!r}` | {text} |")
+        lines += _field_rows(name, cls, obj, docs)
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 

@@ -65,6 +65,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     c.add_argument("--train-s-per-token", type=float, default=0.0, help="measured training seconds per token")
     c.add_argument("--train-fixed-s", type=float, default=None, help="measured fixed seconds per train step")
     c.add_argument("--sync-s", type=float, default=None, help="measured weight-sync seconds per step")
+    c.add_argument("--spec-acceptance", type=float, default=None,
+                   help="speculative decoding of long rounds: per-draft-token acceptance measured by "
+                        "tools/benchmark.py --compare speculative (rollout/spec/acceptance_rate); adds a row")
+    c.add_argument("--spec-tokens", type=int, default=4, help="draft tokens per step with --spec-acceptance")
     c.add_argument("--mfu", type=float, default=0.4, help="assumed training MFU (GPU model)")
     c.add_argument("--hbm-efficiency", type=float, default=0.7, help="assumed decode HBM efficiency (GPU model)")
     return ap.parse_args(argv)
@@ -131,7 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  lengths: {lengths.describe()}")
     print(f"  {args.steps} steps per policy, seed {args.seed}, table at eta_P={args.eta_p:g} eta_R={args.eta_r:g}")
 
-    table = cumulative(cluster, args.steps, args.seed, args.eta_p, args.eta_r)
+    spec = (args.spec_acceptance, args.spec_tokens) if args.spec_acceptance is not None else None
+    if spec is not None:
+        from rollpacker.simulator.speculation import expected_tokens_per_step
+
+        print(f"  speculation in long rounds: acceptance {spec[0]:g} per draft token, {spec[1]} drafts/step -> "
+              f"{expected_tokens_per_step(*spec):.2f} tokens/step/sequence; verification charged k+1 tokens of "
+              "compute per sequence, weights read once (rollpacker/simulator/speculation.py)")
+    table = cumulative(cluster, args.steps, args.seed, args.eta_p, args.eta_r, spec)
     base = table[0]
     print("\npolicy                 (mean over steps)")
     for s in table:
@@ -140,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     paper = PAPER_CUMULATIVE.get(f"{size.group(1)}b") if size else None
     if paper:
         print(f"\nvs the paper ({shape.name}; its inputs: 16x8 H800, math+code+QA mix, vLLM 0.8.4):")
-        for s in table[1:]:
+        for s in [s for s in table[1:] if s.name in paper]:
             print(f"  {s.name:<22} simulated x{base.mean_step_s / s.mean_step_s:.2f}   paper x{paper[s.name]:.2f}")
         no_tb, tb = PAPER_ITERATION_S[f"{size.group(1)}b"]
         print(f"  iteration time: simulated {base.mean_step_s:.0f} s -> {table[1].mean_step_s:.0f} s with tail batching; "

@@ -18,7 +18,14 @@ import logging
 import time
 from typing import AsyncIterator, Awaitable, Callable
 
-from megatron_rl.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine, forward_completions
+from megatron_rl.rollout.engine import (
+    CUMULATIVE_COUNTERS,
+    Completion,
+    EngineStats,
+    GenerationRequest,
+    RolloutEngine,
+    forward_completions,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +52,9 @@ class ElasticRollout(RolloutEngine):
         self._queue: asyncio.Queue = asyncio.Queue()
         self._pump: asyncio.Task | None = None
         self._in_flight: set[str] = set()
-        self._preemptions_before = 0
-        """Preemptions counted by engines that were shut down (stats stay cumulative)."""
+        self._counts_before = dict.fromkeys(CUMULATIVE_COUNTERS, 0)
+        """Preemptions, decode steps and draft counts of engines that were shut down (stats stay
+        cumulative)."""
         self.switches = 0
 
     @property
@@ -104,7 +112,8 @@ class ElasticRollout(RolloutEngine):
 
     async def stats(self) -> EngineStats:
         st = await self._engine.stats()
-        st.preemptions += self._preemptions_before
+        for key, before in self._counts_before.items():
+            setattr(st, key, getattr(st, key) + before)
         st.extra = dict(st.extra, tensor_parallel_size=self.tp, switches=self.switches)
         return st
 
@@ -143,8 +152,10 @@ class ElasticRollout(RolloutEngine):
                                f"(e.g. {sorted(self._in_flight)[:3]}); switch between rounds")
         start = time.monotonic()
         old_tp = self.tp
-        # Keep the preemption count monotonic for whoever diffs it across rounds.
-        self._preemptions_before += (await self._engine.stats()).preemptions
+        # Keep the cumulative counts monotonic for whoever diffs them across rounds.
+        old = await self._engine.stats()
+        for key in CUMULATIVE_COUNTERS:
+            self._counts_before[key] += getattr(old, key)
         if self._pump is not None:
             self._pump.cancel()
             self._pump = None

@@ -28,6 +28,16 @@ class GenerationRequest:
     """Nucleus threshold."""
     return_logprobs: bool = True
     """Return the sampled token's logprob per step."""
+    speculate: bool = False
+    """Let the engine draft tokens for this request (engines built with a
+    ``rollout.speculative.method``; others ignore it). Lossless: drafts only decide how many tokens
+    one decode step verifies, never which tokens are sampled."""
+    draft_group: str = ""
+    """Requests with the same non-empty group (one prompt's responses in one round) draft from
+    each other's tokens, running or finished ('suffix' method)."""
+    draft_references: list[list[int]] = field(default_factory=list)
+    """Earlier responses of the same prompt (e.g. previous epochs), newest first: more text the
+    'suffix' drafter may copy continuations from."""
 
 
 @dataclass
@@ -60,8 +70,22 @@ class EngineStats:
     """Fraction of KV cache blocks in use (0..1)."""
     capacity: int = 0
     """Most sequences the engine decodes at once (max_num_seqs)."""
+    decode_steps: int = 0
+    """Cumulative engine steps that generated tokens (one step verifies every running request's
+    drafts at once, so speculation shows as fewer steps for the same tokens)."""
+    drafts: int = 0
+    """Cumulative request-steps that carried draft tokens (speculative decoding)."""
+    draft_tokens: int = 0
+    """Cumulative draft tokens proposed."""
+    accepted_tokens: int = 0
+    """Cumulative draft tokens the target model accepted (each saves one decode step)."""
     extra: dict = field(default_factory=dict)
     """Backend-specific numbers."""
+
+
+CUMULATIVE_COUNTERS = ("preemptions", "decode_steps", "drafts", "draft_tokens", "accepted_tokens")
+"""EngineStats fields that only grow over an engine's life: pools sum them, wrappers that rebuild
+engines carry the shut-down engines' counts forward, consumers diff them across a round."""
 
 
 class RolloutEngine(abc.ABC):

@@ -24,7 +24,14 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
-from megatron_rl.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine, forward_completions
+from megatron_rl.rollout.engine import (
+    CUMULATIVE_COUNTERS,
+    Completion,
+    EngineStats,
+    GenerationRequest,
+    RolloutEngine,
+    forward_completions,
+)
 from megatron_rl.rollout.migration import MigrationRecord
 
 logger = logging.getLogger(__name__)
@@ -401,7 +408,7 @@ class EnginePool(RolloutEngine):
         return EngineStats(
             running=sum(p.running for p in parts),
             waiting=sum(p.waiting for p in parts),
-            preemptions=sum(p.preemptions for p in parts),
+            **{key: sum(getattr(p, key) for p in parts) for key in CUMULATIVE_COUNTERS},
             kv_cache_usage=sum(parts[i].kv_cache_usage for i in active) / len(active),
             capacity=sum(parts[i].capacity for i in active),
             extra={

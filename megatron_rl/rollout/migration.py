@@ -9,6 +9,7 @@ the parts are merged back together here. Pure logic: no Ray or vLLM.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 
@@ -50,14 +51,14 @@ def continuation_request(
         )
     if remaining == 0:
         return None
-    return GenerationRequest(
+    # Everything else (sampling settings, speculation and its draft group and references) carries
+    # over unchanged.
+    return dataclasses.replace(
+        original,
         request_id=new_request_id,
         prompt_ids=list(original.prompt_ids) + list(generated_token_ids),
         max_tokens=remaining,
         seed=continuation_seed(original.seed, len(generated_token_ids)),
-        temperature=original.temperature,
-        top_p=original.top_p,
-        return_logprobs=original.return_logprobs,
     )
 
 

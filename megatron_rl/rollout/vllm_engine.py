@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
 from megatron_rl.config import RolloutConfig
+from megatron_rl.rollout import speculative
 from megatron_rl.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine
 from megatron_rl.rollout.vllm_stats import StatsSink, stat_logger_factory
 from megatron_rl.rollout.vllm_weight_push import TensorPushReceiver, completion_version, read_push_manifest
@@ -106,6 +107,7 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
         self.model_path = str(model_path)
         self.max_model_len = max_model_len
         self.on_gpu = torch.cuda.is_available()
+        speculative.check_proposer(cfg.speculative, self.on_gpu)
         # A directory of per-rank shards from the resharder (elastic-TP switch) is loaded with
         # vLLM's sharded_state loader: each rank copies its own file, nothing is re-sharded.
         shards = read_rollout_manifest(model_path)
@@ -142,6 +144,7 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
             env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             # The legacy integer-GiB variable would override the fractional size passed below.
             env["VLLM_CPU_KVCACHE_SPACE"] = None
+        env.update(speculative.engine_env(cfg.speculative))  # the drafter's options, read in vLLM's workers
         try:
             with _scoped_env(env):
                 self._llm = self._start(seed, logprobs_mode, dtype)
@@ -169,6 +172,7 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
             enable_log_requests=False,
             load_format=self._load_format,
             worker_extension_cls=vllm_worker_ext.EXTENSION,  # load_rank_shards: per-rank in-place reload
+            **speculative.engine_kwargs(cfg.speculative),  # drafts proposed per request (rollout.speculative)
             # The tensor weight push's receiving end (megatron_rl.rollout.weight_receiver); idle
             # until init_weight_transfer_engine, so file syncs are unaffected.
             weight_transfer_config=WeightTransferConfig(backend=weight_receiver.BACKEND),
@@ -228,6 +232,7 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
             # FINAL_ONLY: one output per request, holding all tokens; an abort still yields the
             # partial tokens generated so far.
             output_kind=RequestOutputKind.FINAL_ONLY,
+            extra_args=speculative.request_extra_args(request),  # the drafter's settings for this request
         )
 
     @property
@@ -434,7 +439,7 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
         """
         sink = self._stats
         idle = not self._inflight
-        return EngineStats(
+        return sink.spec.fill(EngineStats(
             running=0 if idle else sink.running,
             waiting=0 if idle else sink.waiting + sink.skipped_waiting,
             preemptions=sink.preemptions,
@@ -448,7 +453,7 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
                 "weight_version": self._version,
                 "sleeping": self._sleeping,
             },
-        )
+        ))
 
     async def shutdown(self) -> None:
         """Abort what is pending, stop vLLM's processes and remove this engine's scratch dir."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from megatron_rl.rollout.speculative import SpecCounters
+
 
 class StatsSink:
     """Receives vLLM scheduler/iteration stats via the stat-logger hook of AsyncLLM.
@@ -23,6 +25,8 @@ class StatsSink:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.updated_at = 0.0
+        self.spec = SpecCounters()
+        """Decode steps and draft/accept counts (speculative decoding)."""
 
     def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
         """Fold one engine step's stats into the running totals."""
@@ -35,6 +39,7 @@ class StatsSink:
             self.prefix_cache_queries += int(getattr(prefix, "queries", 0))
             self.prefix_cache_hits += int(getattr(prefix, "hits", 0))
             self.updated_at = time.monotonic()
+        self.spec.record(scheduler_stats, iteration_stats)
         if iteration_stats is not None:
             self.preemptions += iteration_stats.num_preempted_reqs
             self.generation_tokens += iteration_stats.num_generation_tokens

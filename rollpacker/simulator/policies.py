@@ -30,6 +30,7 @@ from rollpacker.simulator.costs import RewardModel, TrainModel
 from rollpacker.simulator.engine_model import EngineModel
 from rollpacker.simulator.engine_sim import EngineRun, SimRequest, simulate_engine
 from rollpacker.simulator.lengths import LengthModel, PromptDraw
+from rollpacker.simulator.speculation import SpeculativeEngine
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,10 @@ class Features:
     eta_r: float = 1.25
     stream_start: float = 0.5
     """Fraction of a long round's prompts complete before the stream trainer takes GPUs."""
+    spec_acceptance: float = 0.0
+    """Speculative decoding in long rounds: per-draft-token acceptance rate (0: off)."""
+    spec_tokens: int = 0
+    """Speculative decoding in long rounds: draft tokens per sequence and step (0: off)."""
 
 
 @dataclass
@@ -134,6 +139,8 @@ def simulate_step(cl: Cluster, feat: Features, state: PolicyState, rng: random.R
     else:
         tp = cl.base_tp
     engine = cl.engine_for_tp(tp)
+    if kind == "long" and feat.spec_tokens > 0:
+        engine = SpeculativeEngine.wrap(engine, feat.spec_acceptance, feat.spec_tokens)
     rnd = _run_round(cl, engine, prompts, per_prompt, need, r0, rng,
                      stream=feat.stream_trainer and kind == "long", stream_start=feat.stream_start)
     state.queue.extend(rnd.incomplete)

@@ -122,13 +122,17 @@ def run_policy(cl: Cluster, feat: Features, steps: int, seed: int, name: str) ->
     return Summary(name, [simulate_step(cl, feat, state, rng) for _ in range(steps)], cl.total_gpus)
 
 
-def cumulative(cl: Cluster, steps: int, seed: int, eta_p: float, eta_r: float) -> list[Summary]:
-    """Baseline, then RollPacker's mechanisms added one by one (the paper's table order)."""
+def cumulative(cl: Cluster, steps: int, seed: int, eta_p: float, eta_r: float,
+               spec: tuple[float, int] | None = None) -> list[Summary]:
+    """Baseline, then RollPacker's mechanisms added one by one (the paper's table order); with
+    ``spec`` = (acceptance, draft tokens), speculative decoding of long rounds last."""
     f = Features(eta_p=eta_p, eta_r=eta_r)
     stages = [("baseline (veRL)", f), ("tail batching", replace(f, tail_batching=True))]
     stages.append(("+ reward scheduler", replace(stages[-1][1], reward_scheduler=True)))
     stages.append(("+ planner", replace(stages[-1][1], planner=True)))
     stages.append(("+ stream trainer", replace(stages[-1][1], stream_trainer=True)))
+    if spec is not None:
+        stages.append(("+ speculation (long)", replace(stages[-1][1], spec_acceptance=spec[0], spec_tokens=spec[1])))
     return [run_policy(cl, feat, steps, seed, name) for name, feat in stages]
 
 

@@ -72,3 +72,28 @@ def test_weight_sync_benchmark_splits_pushes_and_ends_with_speedup_and_bandwidth
     assert out[-1] == "tensor bandwidth fraction of memcpy: 2.00"  # 1 GB in 0.1 s = 10 GB/s vs 5 GB/s
     assert summary["tensor"]["seconds"] == {"median": 0.25, "min": pytest.approx(0.225), "max": pytest.approx(0.3)}
     assert any(line.startswith("| memcpy") for line in out)
+
+
+def test_speculative_benchmark_columns_from_metrics_rows():
+    from tools.benchmark_speculative import column_figures
+
+    def row(step, rt, rollout, drafted=0.0, accepted=0.0, **extra):
+        return {"step": step, "round_type": rt, "time/step": rollout + 1.0, "time/rollout": rollout, "time/train": 0.5,
+                "time/logprob": 0.25, "time/weight_sync": 0.1, "time/reward": 0.05, "reward/mean": 0.5,
+                "rollout/spec/draft_tokens": drafted, "rollout/spec/accepted_tokens": accepted,
+                "rollout/spec/decode_steps": 10.0, "rollout/aborted_tokens": 3.0, "rollout/wasted_tokens": 5.0, **extra}
+
+    rows = [row(0, "short", 2.0, **{"val/pass@1": 0.25, "rollout/history/true_long": 1.0}),
+            row(1, "long", 4.0, drafted=10.0, accepted=4.0, **{"rollout/history/false_long": 1.0}),
+            row(2, "short", 2.0, **{"val/pass@1": 0.5, "rollout/history/false_short": 1.0})]
+    f = column_figures(rows)
+    assert f["loop_time"] == pytest.approx(11.0)
+    assert f["long_rollout_time"] == pytest.approx(4.0) and f["split"]["rollout_short"] == pytest.approx(4.0)
+    # other = loop time minus every timed phase: 3 x (1.0 - 0.5 - 0.25 - 0.1 - 0.05)
+    assert f["split"]["other"] == pytest.approx(0.3)
+    assert f["acceptance"] == pytest.approx(0.4) and f["long_decode_steps"] == 10.0
+    assert (f["pass@1_initial"], f["pass@1"]) == (0.25, 0.5)
+    assert f["history"]["precision"] == pytest.approx(0.5) and f["history"]["recall"] == pytest.approx(0.5)
+    assert f["aborted_tokens"] == 9.0 and f["wasted_tokens"] == 15.0
+    no_long = column_figures([rows[0]])
+    assert no_long["long_rollout_time"] is None and no_long["acceptance"] is None

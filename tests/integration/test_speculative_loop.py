@@ -1,0 +1,75 @@
+"""The loop with speculative decoding on (tail batching, 'suffix' drafts in every round type):
+the step metrics carry rollout/spec/* from the engines' counters, drafts are proposed and some
+accepted, and the engine/trainer logprob parity holds every step (<= 1e-4), so the accepted
+tokens are the policy's own. Runs on the SFT'd tiny model (its responses repeat across a group,
+so drafts get accepted; the random-init model's near-uniform output would reject nearly all)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import tests.integration.test_train_loop as loop
+
+pytestmark = pytest.mark.integration
+
+MODEL = loop.REPO / "artifacts" / "tiny-qwen2.5"
+
+
+@pytest.mark.skipif(not MODEL.is_dir(), reason=f"{MODEL} missing: run tools/make_tiny_model.py")
+def test_loop_reports_speculation_and_stays_on_policy(tmp_path: Path):
+    run_dir, steps = tmp_path / "run", 3
+    args = loop._overrides(MODEL, run_dir, steps, [
+        "scheduler.name=tail_batching", "data.eval_every=0", "rollout.max_new_tokens=64",
+        "rollout.speculative.method=suffix", "rollout.speculative.rounds=short,long",
+    ])
+    proc = loop._run_train(args, tmp_path / "log.txt")
+    rc = proc.wait(timeout=900)
+    log = (tmp_path / "log.txt").read_text()
+    assert rc == 0, log[-4000:]
+    rows = loop._read_jsonl(run_dir / "metrics.jsonl")
+    assert len(rows) == steps
+    for r in rows:
+        assert r["rollout/logprob_abs_diff_max"] <= 1e-4, r
+        assert r["rollout/spec/decode_steps"] > 0
+        assert r["rollout/spec/draft_tokens"] >= r["rollout/spec/accepted_tokens"] >= 0
+        assert 0.0 <= r["rollout/spec/acceptance_rate"] <= 1.0
+        rt = r["round_type"]
+        assert r[f"round/{rt}/spec_decode_steps"] == r["rollout/spec/decode_steps"]
+    assert sum(r["rollout/spec/draft_tokens"] for r in rows) > 0
+    assert sum(r["rollout/spec/accepted_tokens"] for r in rows) > 0
+    accepted = [r for r in rows if r["rollout/spec/drafts"] > 0]
+    assert all(r["rollout/spec/mean_accepted_length"] >= 1.0 for r in accepted)
+
+
+@pytest.mark.skipif(not MODEL.is_dir(), reason=f"{MODEL} missing: run tools/make_tiny_model.py")
+def test_loop_keeps_rollout_history_over_epochs_and_checkpoints_it(tmp_path: Path):
+    """8 prompts, P0=4: the data cursor wraps after two short rounds, so later rounds see prompts
+    of an earlier epoch; history routing and the drafter's references run on the real stack, the
+    prediction is scored, and the final checkpoint holds the history."""
+    from megatron_rl.checkpoint import CheckpointManager
+
+    run_dir, steps = tmp_path / "run", 6
+    args = loop._overrides(MODEL, run_dir, steps, [
+        "scheduler.name=tail_batching", "data.eval_every=0", "rollout.max_new_tokens=64",
+        "data.builtin_num_prompts=8", "scheduler.history_routing=true",
+        "rollout.speculative.method=suffix", "rollout.speculative.rounds=short,long",
+    ])
+    proc = loop._run_train(args, tmp_path / "log.txt")
+    rc = proc.wait(timeout=900)
+    log = (tmp_path / "log.txt").read_text()
+    assert rc == 0, log[-4000:]
+    rows = loop._read_jsonl(run_dir / "metrics.jsonl")
+    assert len(rows) == steps
+    for r in rows:
+        assert r["rollout/logprob_abs_diff_max"] <= 1e-4, r
+    assert rows[-1]["rollout/history/prompts"] == 8  # every prompt of the set is remembered
+    assert rows[-1]["rollout/history/tokens"] > 0
+    # Later epochs: each launched prompt with an earlier outcome is scored or routed.
+    informed = sum(r["rollout/history/true_long"] + r["rollout/history/false_long"] + r["rollout/history/true_short"]
+                   + r["rollout/history/false_short"] + r["rollout/history/routed"] for r in rows)
+    assert informed > 0
+    state = CheckpointManager.load_driver_state(run_dir / "checkpoints" / f"step_{steps:06d}")
+    history = state["scheduler"]["history"]["prompts"]
+    assert len(history) == 8 and all(outcome in ("short", "long") for _, _, outcome, _, _ in history)
+    assert any(responses for *_, responses in history)
