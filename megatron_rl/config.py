@@ -109,6 +109,18 @@ class RolloutConfig:
     """Colocated GPUs: put the engines to sleep (vLLM sleep mode level 1: weights to host memory,
     KV cache freed) once a step's rollout is done, so training can use that memory; they wake
     before the weight sync. On CPU it runs but vLLM frees nothing."""
+    # -- low-precision rollout (megatron_rl.quantization) --
+    quantization: str = "none"
+    """Low-precision rollout: 'none', 'int8' (W8A8: int8 per-channel weights, dynamic per-token
+    int8 activations, compressed-tensors format; CPU and GPU) or 'fp8' (FP8 E4M3 per-channel
+    weights, dynamic per-token activations, modelopt's FP8 export; GPUs of compute capability
+    8.9+). At every weight sync the trainer's weights are quantized on their way to the engines,
+    scales computed from the weights themselves; embeddings, the output layer and norms stay in
+    the engine's precision. The engines start from the quantized initial checkpoint."""
+    quantization_tis_cap: float = 2.0
+    """With rollout.quantization on and algorithm.tis_cap 0: the truncated-importance-sampling
+    cap the run uses instead (corrects the quantized engine's logprob gap; logged at start-up).
+    0 trains on quantized rollouts without TIS; an explicit algorithm.tis_cap wins."""
 
 
 @dataclass

