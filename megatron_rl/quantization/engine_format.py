@@ -38,8 +38,6 @@ IGNORED_MODULES = ["lm_head"]
 
 FP8_ALGO = "FP8_PER_CHANNEL_PER_TOKEN"
 HF_QUANT_CONFIG = "hf_quant_config.json"
-EMBED_KEY = "model.embed_tokens.weight"
-LM_HEAD_KEY = "lm_head.weight"
 
 
 def _int8_args(symmetric: bool, strategy: str, dynamic: bool) -> dict:
@@ -120,14 +118,13 @@ def quantize_hf_checkpoint(hf_path: str | Path, target: str | Path, spec: QuantS
                            dtype: torch.dtype | None = None) -> Path:
     """The HF checkpoint ``hf_path`` as a quantized checkpoint in ``target`` (replaced as a
     whole): what the first engines of a quantized run start from. The unquantized tensors are
-    cast to ``dtype`` when given (the engine's); a tied model gets ``lm_head.weight`` (vLLM's CPU
-    reload keeps a separate head, see ``rollout.weight_sync``). Returns ``target``."""
+    cast to ``dtype`` when given (the engine's). A tied model's checkpoint keeps no
+    ``lm_head.weight``, as the HF one (vLLM unties the engine's config when it finds one, and the
+    sharded sync writes for the architecture the trainer sees). Returns ``target``."""
     from safetensors.torch import save_file
 
     hf_path, target = Path(hf_path), Path(target)
     tensors = _read_hf_tensors(hf_path)
-    if LM_HEAD_KEY not in tensors and EMBED_KEY in tensors:
-        tensors[LM_HEAD_KEY] = tensors[EMBED_KEY].clone()
     if dtype is not None:
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     out = {name: t.contiguous() for name, t in quantize_tensors(sorted(tensors.items()), spec)}
@@ -144,10 +141,20 @@ def quantize_hf_checkpoint(hf_path: str | Path, target: str | Path, spec: QuantS
     return target
 
 
-def attention_scale_params(num_layers: int) -> dict[str, torch.Tensor]:
-    """State-dict entries a quantized engine adds to each attention layer: the KV-cache scale
-    parameters of vLLM's ``BaseKVCacheMethod`` (``q/k/v/prob_scale``, -1.0 = "not in the
-    checkpoint", replaced by defaults at load). vLLM's sharded_state loader refuses a rank file
-    that lacks any state-dict entry, so rank files of quantized engines carry them."""
-    return {f"model.layers.{layer}.self_attn.attn.{name}": torch.tensor(-1.0, dtype=torch.float32)
-            for layer in range(num_layers) for name in ("q_scale", "k_scale", "v_scale", "prob_scale")}
+def attention_scale_params(num_layers: int, spec: QuantSpec) -> dict[str, torch.Tensor]:
+    """State-dict entries a quantized engine adds to each attention layer, with the values they
+    are created with (= "not in the checkpoint"; no KV-cache quantization here). vLLM's
+    sharded_state loader refuses a rank file that lacks any state-dict entry, so rank files of
+    quantized engines carry them:
+
+    * int8 (``CompressedTensorsKVCacheMethod``): ``q/k/v_scale`` ones and ``q/k/v_zero_point``
+      zeros, shape ``[1]``;
+    * fp8 (modelopt's, vLLM's ``BaseKVCacheMethod``): ``q/k/v/prob_scale`` scalars -1.0.
+    """
+    if spec.method == "int8":
+        per_layer = {f"{kind}_{what}": torch.full((1,), 1.0 if what == "scale" else 0.0)
+                     for kind in ("q", "k", "v") for what in ("scale", "zero_point")}
+    else:
+        per_layer = {f"{kind}_scale": torch.tensor(-1.0) for kind in ("q", "k", "v", "prob")}
+    return {f"model.layers.{layer}.self_attn.attn.{name}": value.clone()
+            for layer in range(num_layers) for name, value in per_layer.items()}

@@ -60,7 +60,7 @@ def engine_state_dict(tensors: Mapping[str, torch.Tensor], arch: Qwen2Arch,
         for buffer in ATTENTION_SCALE_BUFFERS:
             out[f"model.layers.{layer}.self_attn.attn.{buffer}"] = torch.tensor(1.0, dtype=torch.float32)
     if quantization is not None:
-        out.update(attention_scale_params(arch.num_layers))
+        out.update(attention_scale_params(arch.num_layers, quantization))
     return out
 
 
