@@ -101,10 +101,25 @@ class RolloutConfig:
     """Where the trainer writes the weights for the engine to reload (also the rank files an
     elastic-TP switch starts new engines from); empty uses a per-run dir in /dev/shm (or the run
     dir when /dev/shm is missing), deleted when the run ends. A directory given here is kept."""
-    weight_sync_format: str = "sharded"
-    """'sharded': the trainer ranks move their shards through the resharder into one file per
-    engine TP rank, and each engine rank reloads only its own file in place. 'hf': trainer rank
-    0 gathers the whole model and writes HF safetensors; every engine rank reads all of it."""
+    weight_sync_format: str = "tensor"
+    """'tensor': every trainer rank sends each engine rank exactly its slice, cut from its own
+    shards, as tensors in bounded buckets through vLLM's weight-transfer API (shared memory on
+    CPU / CUDA IPC on GPU within a node, a gloo / NCCL group across nodes); the engines load them
+    in place; no files, no fan-out, and new engines of an elastic-TP switch start from dummy
+    weights and get a push. 'sharded': the trainer ranks move their shards through the resharder
+    into one file per engine TP rank, and each engine rank reloads only its own file in place.
+    'hf': trainer rank 0 gathers the whole model and writes HF safetensors; every engine rank
+    reads all of it."""
+    weight_push_bucket_mb: float = 64.0
+    """'tensor' sync: largest bucket (MiB); each trainer rank holds weight_push_buffers of them."""
+    weight_push_buffers: int = 2
+    """'tensor' sync: buckets in flight per trainer rank (packing overlaps the engines' copies)."""
+    weight_push_timeout_s: float = 120.0
+    """'tensor' sync: longest wait of either side for the other; a dead or stalled engine or
+    trainer rank is then an error naming it, the rank and the policy version."""
+    weight_push_channel: str = "auto"
+    """'tensor' sync: 'auto' (shared memory / CUDA IPC for engines on a trainer rank's node, the
+    push group for the others) or 'network' (the push group for every engine)."""
     sleep_during_train: bool = False
     """Colocated GPUs: put the engines to sleep (vLLM sleep mode level 1: weights to host memory,
     KV cache freed) once a step's rollout is done, so training can use that memory; they wake

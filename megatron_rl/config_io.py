@@ -184,7 +184,11 @@ def validate(cfg: RunConfig, arch: dict | None = None, device: str | None = None
         scheduler_path(cfg.scheduler.name)
     except PluginError as exc:
         raise ConfigError(str(exc)) from None
-    _choice(cfg.rollout.weight_sync_format, ("hf", "sharded"), "rollout.weight_sync_format")
+    _choice(cfg.rollout.weight_sync_format, ("hf", "sharded", "tensor"), "rollout.weight_sync_format")
+    _choice(cfg.rollout.weight_push_channel, ("auto", "network"), "rollout.weight_push_channel")
+    if cfg.rollout.weight_push_bucket_mb <= 0 or cfg.rollout.weight_push_timeout_s <= 0:
+        raise ConfigError("rollout.weight_push_bucket_mb and rollout.weight_push_timeout_s must be > 0")
+    _positive(cfg.rollout.weight_push_buffers, "rollout.weight_push_buffers")
     _choice(cfg.algorithm.advantage, ("grpo", "drgrpo"), "algorithm.advantage")
     _choice(cfg.algorithm.loss_agg, ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"), "algorithm.loss_agg")
     _choice(cfg.algorithm.kl_type, ("k1", "k3"), "algorithm.kl_type")

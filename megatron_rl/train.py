@@ -122,7 +122,8 @@ def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict
     if stop is not None:
         stop.install()  # after ray.init, which sets its own SIGTERM handler (an immediate sys.exit)
     policy = engine = rewards = None
-    sweep_dead_sync_dirs()  # weight copies of SIGKILLed runs on this host (memory)
+    sweep_dead_push_rings()
+    sweep_dead_sync_dirs()  # weight copies and push rings of SIGKILLed runs on this host (memory)
     sync_dir = Path(cfg.rollout.weight_sync_dir or default_sync_dir(run_dir))
     fanout_source = ""
     try:
@@ -159,6 +160,17 @@ def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict
         if not cfg.rollout.weight_sync_dir:  # ours: a user-given directory is left as it is
             _remove_weights(sync_dir, fanout_source)
         ray.shutdown()
+        sweep_dead_sync_dirs()  # a trainer rank killed before closing its push ring (its pid is gone now)
+
+
+def sweep_dead_push_rings() -> None:
+    """Push rings live in each trainer rank's per-process run dir under /dev/shm, which the sweep of
+    dead runs' dirs covers; without a writable /dev/shm they go to the temp dir: sweep that too."""
+    from megatron_rl.distributed.local_state import sweep_dead_run_dirs
+    from megatron_rl.rollout.push_protocol import shm_root
+
+    if shm_root() != Path("/dev/shm"):
+        sweep_dead_run_dirs(shm_root())
 
 
 def _quantized_start(cfg: RunConfig, run_dir: Path, sync_dir: Path, device: str) -> str:

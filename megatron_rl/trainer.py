@@ -87,7 +87,8 @@ class Trainer:
         self.start_step = 0
         self.colocation = Colocation(self.cfg, parts.policy, parts.engine, on_cpu=parts.on_cpu)
         dtype = engine_dtype(self.cfg.model.hf_path, on_gpu=not parts.on_cpu)
-        transport = make_transport(self.cfg.rollout.weight_sync_format, parts.policy, parts.weight_sync_dir, dtype)
+        transport = make_transport(self.cfg.rollout.weight_sync_format, parts.policy, parts.weight_sync_dir, dtype,
+                                   self.cfg, on_gpu=not parts.on_cpu)
         self.weight_sync = WeightSync(transport, parts.policy, parts.engine, self.colocation, parts.fan_out)
         for plugin in self.plugins:
             plugin.attach(self)

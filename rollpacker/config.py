@@ -65,6 +65,9 @@ class PlannerConfig:
     """Online rule: this many consecutive rounds of a type without preemption halve its TP."""
     max_tp: int = 0
     """Largest rollout TP to consider; 0 means one node's GPUs (on CPU: the rollout devices)."""
+    min_tp: int = 0
+    """Smallest rollout TP the online rule may halve to; 0 means the smallest starting TP (of
+    rollout.tensor_parallel_size, ``profile`` and ``initial_tp``), which is known to fit in memory."""
 
 
 register_section("stream", StreamConfig, "Stream trainer: gradients on completed groups while a round still generates.")
@@ -127,6 +130,7 @@ def validate_planner(cfg: RunConfig) -> None:
         raise ConfigError(f"planner.growth: must be >= 1.0, got {pl.growth}")
     _positive(pl.quiet_rounds, "planner.quiet_rounds")
     _positive(pl.max_tp, "planner.max_tp", allow_zero=True)
+    _positive(pl.min_tp, "planner.min_tp", allow_zero=True)
     devices = cfg.rollout.tensor_parallel_size * cfg.rollout.num_engines
     if pl.profile:
         from rollpacker.tp_profile import ProfileError, load_profile

@@ -7,14 +7,16 @@ the round ``after_rollout`` feeds the round's preemption count to the planner's 
 rule (preemptions up > growth -> double TP; quiet rounds -> halve TP). The planner's state is
 training state and goes into the checkpoint.
 
-How weights reach engines of the new TP: the old engines are shut down, the trainer ranks move
-their Megatron shards straight into vLLM's TP layout for the new size with the resharding
-executor (``megatron_rl.resharding``: point to point, size-bounded buckets, every byte once) and
-write one file per engine rank (vLLM's ``sharded_state`` format) into the weight-sync directory
-(``WeightSync.write_for_new_engines``, with the trainer made resident for it when offloaded);
-the new engines start from it, each rank loading only its own file, tagged with the current
-policy version. Later syncs of those engines go through the same directory
-(``rollout.weight_sync_format``).
+How weights reach engines of the new TP: the old engines are shut down, then with the tensor
+weight sync (``rollout.weight_sync_format=tensor``, the default) the new engines start from the
+model's config and tokenizer only, with dummy weights, refusing requests, and get a tensor push
+of the current policy version right after they are up (``WeightSync.write_for_new_engines`` /
+``load_new_engines``): no model copy on disk. With the file formats the trainer ranks move their
+Megatron shards straight into vLLM's TP layout for the new size with the resharding executor
+(``megatron_rl.resharding``: point to point, size-bounded buckets, every byte once) and write one
+file per engine rank (vLLM's ``sharded_state`` format) into the weight-sync directory (with the
+trainer made resident for it when offloaded); the new engines start from it, each rank loading
+only its own file, tagged with the current policy version.
 """
 from __future__ import annotations
 
@@ -60,7 +62,10 @@ class ElasticTP(TrainerPlugin):
             async def write(new_tp: int) -> tuple[str, dict[str, float]]:
                 return await self.loop.weight_sync.write_for_new_engines(new_tp, self.loop.version)
 
-            self._switch_metrics = await self.rollout.switch(tp, write)
+            async def load(engines) -> dict[str, float]:
+                return await self.loop.weight_sync.load_new_engines(engines, self.loop.version)
+
+            self._switch_metrics = await self.rollout.switch(tp, write, load)
         self._preemptions_at_start = (await self.rollout.stats()).preemptions
         self._switch_s = self.clock() - start
         return {}
@@ -79,7 +84,8 @@ class ElasticTP(TrainerPlugin):
             "planner/next_tp": float(decision.new_tp),
             "planner/switched": float(bool(self._switch_metrics)),
         }
-        for key in ("switch_s", "reshard_mb", "reshard_s", "reshard_rounds", "fanout_mb", "fanout_nodes", "fanout_s"):
+        for key in ("switch_s", "reshard_mb", "reshard_s", "reshard_rounds", "fanout_mb", "fanout_nodes", "fanout_s",
+                    "push_mb", "push_s", "push_setup_s"):
             if key in self._switch_metrics:
                 m[f"planner/{key}"] = self._switch_metrics[key]
         return m

@@ -148,17 +148,25 @@ def planner_for_run(cfg: RunConfig, sizes: list[int]) -> ElasticTPPlanner:
 
     A round type starts at its ``planner.initial_tp`` entry, else at its fastest legal TP in
     ``planner.profile``, else at ``rollout.tensor_parallel_size``; growth and quiet rounds come
-    from ``planner.growth`` / ``planner.quiet_rounds``. Raises ValueError naming the options when
-    a starting TP is not among ``sizes``.
+    from ``planner.growth`` / ``planner.quiet_rounds``. The online rule never goes below
+    ``planner.min_tp``, by default the smallest starting TP: the planner knows nothing of memory,
+    and a TP smaller than any configured or measured one may not hold the weights plus one
+    sequence (its engines would not start). Raises ValueError naming the options when a starting
+    TP is not among ``sizes`` or below the floor.
     """
     initial = {kind: cfg.rollout.tensor_parallel_size for kind in ("short", "long", "baseline")}
     if cfg.planner.profile:
         initial.update(fastest_tp(load_profile(cfg.planner.profile), sizes))
     initial.update(parse_initial_tp(cfg.planner.initial_tp))
+    devices = cfg.rollout.tensor_parallel_size * cfg.rollout.num_engines
     illegal = {kind: tp for kind, tp in initial.items() if tp not in sizes}
     if illegal:
-        devices = cfg.rollout.tensor_parallel_size * cfg.rollout.num_engines
         raise ValueError(f"planner.initial_tp / rollout.tensor_parallel_size: {illegal} not among the legal rollout "
                          f"TP sizes {sizes} for this model on {devices} devices")
+    floor = cfg.planner.min_tp or min(initial.values())
+    below = {kind: tp for kind, tp in initial.items() if tp < floor}
+    if below:
+        raise ValueError(f"planner.min_tp={floor}: starting TPs {below} are below it")
+    sizes = [tp for tp in sizes if tp >= floor]
     return ElasticTPPlanner(sizes=sizes, initial=initial, growth=cfg.planner.growth,
                             quiet_rounds=cfg.planner.quiet_rounds)

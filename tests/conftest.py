@@ -64,3 +64,21 @@ def gsm8k_dir() -> Path:
     if not (path / "train.jsonl").is_file():
         pytest.skip(f"GSM8K data not found at {path} (expected ../shared/data/gsm8k beside the repo)")
     return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """The tiny models' byte-level tokenizer with Qwen's chat template, saved once per session."""
+    from megatron_rl.model.tiny import build_tokenizer
+
+    path = tmp_path_factory.mktemp("tok")
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir: Path):
+    """That tokenizer, loaded the way reward workers and the trainer load one."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)

@@ -14,10 +14,12 @@ final validation reward of each, and a last line ``speedup: X.XX`` = baseline tr
 start-up of Ray/engines/trainer is excluded because it is identical for both). Results go to
 <out>/benchmark.json and, with tools/plot_timeline.py, to <out>/timeline.png.
 
-``--compare weight_sync`` runs the baseline scheduler twice, ``rollout.weight_sync_format`` hf vs
-sharded, and adds the mean weight-sync time per step and their ratio (``weight-sync speedup:``);
-give it a larger model (e.g. a random one from ``megatron_rl.model.tiny.build_tiny_qwen2``) so
-the sync moves enough bytes to measure.
+``--compare weight_sync`` times the weight sync alone, three formats in one run (hf files,
+sharded files, tensor push; ``--repeats`` pushes each) against an in-memory copy of the same
+bytes, with each push split into transport and the engine's own load (``tools/benchmark_weight_sync.py``,
+which it runs); give it a larger model (e.g. the 70M random one of the README) so the sync moves
+enough bytes to measure. Its last two lines are ``weight-sync speedup (tensor vs sharded):`` and
+``tensor bandwidth fraction of memcpy:``.
 
 ``--compare old_logprobs`` runs the baseline scheduler twice, ``algorithm.recompute_old_logprobs``
 true vs false (the separate scoring forward vs the training forward's own logprobs).
@@ -61,8 +63,7 @@ COMPARISONS = {
     "schedulers": [("baseline", "baseline", [], "baseline"), ("tail_batching", "tail_batching", [], "RollPacker")],
     "stream": [("tail_batching", "tail_batching", ["stream.enabled=false"], "no stream"),
                ("stream", "tail_batching", ["stream.enabled=true"], "stream")],
-    "weight_sync": [("sync_hf", "baseline", ["rollout.weight_sync_format=hf"], "hf sync"),
-                    ("sync_sharded", "baseline", ["rollout.weight_sync_format=sharded"], "sharded sync")],
+    "weight_sync": [],  # its own benchmark: tools/benchmark_weight_sync.py
     "old_logprobs": [("recompute", "baseline", ["algorithm.recompute_old_logprobs=true"], "recompute"),
                      ("fused", "baseline", ["algorithm.recompute_old_logprobs=false"], "train fwd")],
 }
@@ -191,8 +192,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="baseline vs tail batching; tail batching without vs with the stream trainer; "
                              "the HF vs the sharded weight sync, or recomputed vs training-forward old "
                              "logprobs (baseline scheduler)")
+    parser.add_argument("--repeats", type=int, default=3, help="--compare weight_sync: timed pushes per format")
     parser.add_argument("overrides", nargs="*", help="extra dotted config overrides for both runs")
     args = parser.parse_args(argv)
+    if args.compare == "weight_sync":
+        from tools.benchmark_weight_sync import main as weight_sync_main
+
+        return weight_sync_main(["--model", args.model, "--out", str(Path(args.out) / "weight_sync"),
+                                 "--repeats", str(args.repeats), *args.overrides])
     if not (Path(args.model) / "config.json").is_file():
         print(f"no model at {args.model}: build it with python tools/make_tiny_model.py --out {args.model}",
               file=sys.stderr)
@@ -231,9 +238,6 @@ def main(argv: list[str] | None = None) -> int:
         long_speedup = base["long"]["step_time_mean"] / tb["long"]["step_time_mean"]
         results["long_round_speedup"] = long_speedup
         print(f"long-round speedup: {long_speedup:.2f}")
-    if args.compare == "weight_sync":
-        results["weight_sync_speedup"] = base["weight_sync_time_mean"] / tb["weight_sync_time_mean"]
-        print(f"weight-sync speedup: {results['weight_sync_speedup']:.2f}")
     results.update({"steps": steps, "speedup": speedup, "length_median": median, "length_max": longest})
     (out / "benchmark.json").write_text(json.dumps(results, indent=2))
     try:

@@ -33,7 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+
+from tools.spawn_ranks import run_ranks  # noqa: E402
 
 MB = 1 << 20
 BENCH_MODEL = {"hidden_size": 768, "num_layers": 8, "num_heads": 12, "num_kv_heads": 4, "intermediate_size": 3072}
@@ -125,23 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             from megatron_rl.model.tiny import build_tiny_qwen2
 
             args.model = str(build_tiny_qwen2(Path(scratch) / "model-70m", seed=0, **BENCH_MODEL))
-        from socket import socket
-
-        with socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        ctx = mp.get_context("spawn")
-        queue = ctx.Queue()
-        procs = [ctx.Process(target=_rank_main, args=(r, args, port, queue)) for r in range(args.world)]
-        for p in procs:
-            p.start()
-        try:
-            res = queue.get(timeout=3600)
-        finally:
-            for p in procs:
-                p.join(120)
-                if p.is_alive():
-                    p.kill()
+        res = run_ranks(_rank_main, args.world, args, timeout_s=3600)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     print(f"model {args.model}: {res['params_rank0'] / 1e6:.1f}M parameters on rank 0; TP{args.tp} PP{args.pp} "

@@ -32,7 +32,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 from megatron_rl.model.hf_weights import hf_to_megatron_shard  # noqa: E402
 from megatron_rl.model.qwen2 import Qwen2Arch  # noqa: E402
@@ -40,6 +39,7 @@ from megatron_rl.resharding.execute import allocate_destinations, execute_plan  
 from megatron_rl.resharding.layouts import MegatronLayout, VLLMLayout, logical_shapes  # noqa: E402
 from megatron_rl.resharding.plan import build_plan  # noqa: E402
 from megatron_rl.resharding.transport import TorchDistributedTransport  # noqa: E402
+from tools.spawn_ranks import run_ranks  # noqa: E402
 
 MB = 1 << 20
 
@@ -190,23 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="best of N")
     args = parser.parse_args(argv)
     _layouts(args)  # validate before spawning
-    from socket import socket
-
-    with socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, args, port, queue)) for r in range(args.world)]
-    for p in procs:
-        p.start()
-    try:
-        res = queue.get(timeout=1800)
-    finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
+    res = run_ranks(_rank_main, args.world, args, timeout_s=1800, join_s=60)
     copy_s = _plain_copy_seconds(res["dst_bytes"], args.repeats)
     print(f"{res['src']} -> {res['dst']}, {args.placement} on {args.world} gloo processes; "
           f"destination shards {res['dst_bytes'] / MB:.1f} MB; bucket {args.bucket_mb} MB; best of {args.repeats}")

@@ -7,8 +7,11 @@ mechanism, with an eta_P x eta_R sweep and the paper's figures side by side.
     python tools/simulate.py --recipe examples/qwen2.5/tiny_cpu.yaml --engine-constants cpu.json \
         --train-s-per-token 2e-5                                                # calibrated CPU run
 
-Prints the assumed inputs, a table (step time, bubble fraction, short/long rounds, speedup),
-the sweep, and a last line ``speedup: X.XX`` (baseline step time / full RollPacker step time).
+Prints the assumed inputs (with the cost of one weight sync per ``rollout.weight_sync_format``,
+``megatron_rl.planning.weight_sync_cost``), a table (step time, bubble fraction, short/long
+rounds, speedup), the sweep, the seconds per step spent on weight sync with files vs tensors (the
+whole policy rerun with each format's sync), and a last line ``speedup: X.XX`` (baseline step
+time / full RollPacker step time, with the recipe's own format).
 """
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ import rollpacker.plugins  # noqa: E402,F401  (RollPacker's config sections, as 
 from megatron_rl.config_io import ConfigError, load_config  # noqa: E402
 from megatron_rl.planning.architectures import resolve_shape  # noqa: E402
 from megatron_rl.planning.memory import GPUS  # noqa: E402
+from megatron_rl.planning.weight_sync_cost import describe as describe_sync  # noqa: E402
+from megatron_rl.planning.weight_sync_cost import sync_seconds  # noqa: E402
 from rollpacker.simulator.costs import TrainModel  # noqa: E402
 from rollpacker.simulator.engine_model import EngineModel, GpuEfficiency  # noqa: E402
 from rollpacker.simulator.lengths import EmpiricalLengths, LengthModel, LogNormalLengths  # noqa: E402
@@ -113,7 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     t = cluster.train
     train_desc = (f"measured {t.s_per_token:g} s/token" if t.s_per_token else
                   f"FLOPs on {t.gpus} GPUs at MFU {t.mfu}, PP {t.pp} bubble")
-    print(f"  training: {train_desc}, fixed {t.fixed_s:g} s, weight sync {t.sync_s:.1f} s")
+    print(f"  training: {train_desc}, fixed {t.fixed_s:g} s, weight sync {t.sync_s:.1f} s"
+          + ("" if args.sync_s is not None else f" ({cfg.rollout.weight_sync_format})"))
+    sync = {fmt: sync_seconds(cfg, shape, fmt) for fmt in ("sharded", "hf", "tensor")}
+    print(f"  weight sync per step by format (bf16; assumed {describe_sync()}):")
+    for fmt, phases in sync.items():
+        split = ", ".join(f"{k} {v:.2f}" for k, v in phases.items() if k != "total" and v)
+        print(f"    {fmt:<8} {phases['total']:7.2f} s  ({split})")
     rw = cluster.reward
     print(f"  reward: {rw.workers} workers, median {rw.median_s:g} s, hang fraction {rw.hang_fraction:g}, "
           f"timeout {rw.timeout_s:g} s")
@@ -138,6 +149,15 @@ def main(argv: list[str] | None = None) -> int:
     print("\neta sweep (all mechanisms on):")
     for ep, er, s in sweep(cluster, args.steps, args.seed, args.sweep_eta_p, args.sweep_eta_r):
         print(f"  {s.line(base)}")
+    if args.sync_s is None:
+        print("\nweight sync, files vs tensors (the whole policy and veRL's baseline, same seeds):")
+        for fmt, phases in sync.items():
+            runs = cumulative(replace(cluster, train=replace(cluster.train, sync_s=phases["total"])), args.steps,
+                              args.seed, args.eta_p, args.eta_r)
+            share = lambda s: sum(x.sync_s for x in s.steps) / sum(x.step_s for x in s.steps)  # noqa: E731
+            print(f"  {fmt:<8} {phases['total']:6.2f} s per sync, {runs[-1].sync_per_step:6.2f} s/step spent on "
+                  f"weight sync (TP switches sync again): RollPacker step {runs[-1].mean_step_s:6.1f} s "
+                  f"({share(runs[-1]):5.1%} sync), baseline {runs[0].mean_step_s:6.1f} s ({share(runs[0]):5.1%})")
     print(f"\nspeedup: {base.mean_step_s / table[-1].mean_step_s:.2f}")
     return 0
 

@@ -30,6 +30,10 @@ WeightsWriter = Callable[[int], Awaitable[tuple[str, dict[str, float]]]]
 """``write(tp)``: writes the current weights for engines of TP ``tp``; returns the directory to
 start them from and figures for the switch's metrics."""
 
+WeightsLoader = Callable[[RolloutEngine], Awaitable[dict[str, float]]]
+"""``load(engines)``: brings freshly started engines to the current weights (a tensor push);
+returns figures for the switch's metrics."""
+
 
 class ElasticRollout(RolloutEngine):
     """The current engines plus the ability to rebuild them at another TP (see module docstring)."""
@@ -82,8 +86,21 @@ class ElasticRollout(RolloutEngine):
     async def abort(self, request_ids: list[str]) -> None:
         await self._engine.abort(request_ids)
 
-    async def reload_weights(self, weights_dir: str, version: int) -> None:
-        await self._engine.reload_weights(weights_dir, version)
+    async def reload_weights(self, weights_dir: str, version: int) -> dict | None:
+        return await self._engine.reload_weights(weights_dir, version)
+
+    async def weight_receivers(self) -> list[tuple[str, str]]:
+        """The current engines' replicas (new ids after a switch: the push is set up again)."""
+        return await self._engine.weight_receivers()
+
+    async def open_weight_receiver(self, init_infos: list[dict]) -> None:
+        await self._engine.open_weight_receiver(init_infos)
+
+    async def receive_weights(self, sync_id: int, version: int) -> list[dict]:
+        return await self._engine.receive_weights(sync_id, version)
+
+    async def close_weight_receiver(self) -> None:
+        await self._engine.close_weight_receiver()
 
     async def stats(self) -> EngineStats:
         st = await self._engine.stats()
@@ -114,10 +131,13 @@ class ElasticRollout(RolloutEngine):
             self._pump.cancel()
         await self._engine.shutdown()
 
-    async def switch(self, tp: int, write_weights: WeightsWriter) -> dict[str, float]:
-        """Rebuild the engines at ``tp`` from what ``write_weights(tp)`` writes. The old engines
-        are shut down first, so on a colocated GPU their memory is free while the trainer
-        exports. Returns ``{'switch_s', 'old_tp', 'new_tp'}`` plus the writer's figures."""
+    async def switch(self, tp: int, write_weights: WeightsWriter,
+                     load_weights: WeightsLoader | None = None) -> dict[str, float]:
+        """Rebuild the engines at ``tp`` from what ``write_weights(tp)`` writes, then, when given,
+        ``load_weights(new_engines)`` (a tensor push into engines started without weights). The
+        old engines are shut down first, so on a colocated GPU their memory is free while the
+        trainer exports. Returns ``{'switch_s', 'old_tp', 'new_tp'}`` plus the writer's and the
+        loader's figures."""
         if self._in_flight:
             raise RuntimeError(f"elastic rollout: cannot switch TP with {len(self._in_flight)} requests in flight "
                                f"(e.g. {sorted(self._in_flight)[:3]}); switch between rounds")
@@ -132,6 +152,8 @@ class ElasticRollout(RolloutEngine):
         model_dir, figures = await write_weights(tp)
         self._engine = await self._factory(tp, model_dir)
         self.tp = tp
+        if load_weights is not None:
+            figures = {**figures, **await load_weights(self._engine)}
         self.switches += 1
         elapsed = time.monotonic() - start
         log.info("rollout TP %d -> %d in %.1f s (engines started from %s)", old_tp, tp, elapsed, model_dir)

@@ -119,6 +119,30 @@ class RolloutEngine(abc.ABC):
         """Route to released engines again (a pool); nothing to do for a single engine."""
         return {}
 
+    # ------------------------------------------------------------------ tensor weight push
+    # The engine side of ``rollout.tensor_transport`` (vLLM's weight-transfer API). Every list is
+    # one entry per engine *replica* (one TP group each), in the same order as weight_receivers().
+
+    async def weight_receivers(self) -> list[tuple[str, str]]:
+        """(receiver id, Ray node id) of each replica; the id changes when an engine is replaced
+        (e.g. rebuilt by an elastic-TP switch), so a new push set-up is needed."""
+        raise NotImplementedError(f"{type(self).__name__} takes no tensor weight push "
+                                  "(use rollout.weight_sync_format=sharded or hf)")
+
+    async def open_weight_receiver(self, init_infos: list[dict]) -> None:
+        """Join a push set-up (vLLM ``init_weight_transfer_engine``), one init info per replica."""
+        raise NotImplementedError(f"{type(self).__name__} takes no tensor weight push")
+
+    async def receive_weights(self, sync_id: int, version: int) -> list[dict[str, float]]:
+        """Take push ``sync_id`` while the trainer ranks send it, load it in place and tag later
+        completions with ``version``; returns each replica's figures (the slowest rank's seconds,
+        ``load_s``, ``transport_s``, bytes). Like :meth:`reload_weights`: never with requests in
+        flight. A failed push leaves the engine refusing requests (its weights are half new)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no tensor weight push")
+
+    async def close_weight_receiver(self) -> None:
+        """Leave the push set-up (vLLM ``shutdown_weight_transfer_engine``); no-op when none."""
+
     @abc.abstractmethod
     async def stats(self) -> EngineStats:
         """Current load: running, waiting, preemptions, KV usage."""

@@ -352,14 +352,44 @@ class EnginePool(RolloutEngine):
             self._asleep = False
             await self._restore()
 
-    async def reload_weights(self, weights_dir: str, version: int) -> None:
+    async def reload_weights(self, weights_dir: str, version: int) -> dict | None:
         """Restore released engines and wake every sleeping one (a sleeping pool too: an engine
-        cannot reload asleep), then reload every engine concurrently, so all serve ``version``."""
+        cannot reload asleep), then reload every engine concurrently, so all serve ``version``.
+        Returns the slowest engine's figures."""
         async with self._lock:
-            self._asleep = False
-            if self._released or self._sleeping:
-                await self._restore()
-            await asyncio.gather(*(e.reload_weights(weights_dir, version) for e in self.engines))
+            await self._ready_for_weights()
+            figures = await asyncio.gather(*(e.reload_weights(weights_dir, version) for e in self.engines))
+        figures = [f for f in figures if f]
+        return {k: max(f.get(k, 0.0) for f in figures) for k in figures[0]} if figures else None
+
+    async def _ready_for_weights(self) -> None:
+        self._asleep = False
+        if self._released or self._sleeping:
+            await self._restore()
+
+    async def weight_receivers(self) -> list[tuple[str, str]]:
+        """Every engine's replicas, engine by engine."""
+        return [r for e in self.engines for r in await e.weight_receivers()]
+
+    async def open_weight_receiver(self, init_infos: list[dict]) -> None:
+        """Hand each engine its replicas' init infos (in :meth:`weight_receivers` order)."""
+        counts = [len(await e.weight_receivers()) for e in self.engines]
+        if sum(counts) != len(init_infos):
+            raise ValueError(f"EnginePool: {len(init_infos)} init infos for {sum(counts)} replicas")
+        starts = list(itertools.accumulate([0] + counts))
+        await asyncio.gather(*(e.open_weight_receiver(init_infos[a:b])
+                               for e, a, b in zip(self.engines, starts, starts[1:])))
+
+    async def receive_weights(self, sync_id: int, version: int) -> list[dict]:
+        """Like :meth:`reload_weights`: released engines back and sleeping ones woken first (every
+        replica must take the push the trainer ranks are sending), then all at once."""
+        async with self._lock:
+            await self._ready_for_weights()
+            per_engine = await asyncio.gather(*(e.receive_weights(sync_id, version) for e in self.engines))
+        return [f for figures in per_engine for f in figures]
+
+    async def close_weight_receiver(self) -> None:
+        await asyncio.gather(*(e.close_weight_receiver() for e in self.engines))
 
     # ------------------------------------------------------------------ stats and shutdown
 

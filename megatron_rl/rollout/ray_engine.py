@@ -78,9 +78,25 @@ class EngineActor:
         """Forward to VLLMEngine.stats."""
         return await self._engine.stats()
 
-    async def reload_weights(self, weights_dir: str, version: int) -> None:
+    async def reload_weights(self, weights_dir: str, version: int) -> dict | None:
         """Forward to VLLMEngine.reload_weights (the directory must be on this actor's node)."""
-        await self._engine.reload_weights(weights_dir, version)
+        return await self._engine.reload_weights(weights_dir, version)
+
+    async def weight_receivers(self) -> list[tuple[str, str]]:
+        """Forward to VLLMEngine.weight_receivers (its workers run on this actor's node)."""
+        return await self._engine.weight_receivers()
+
+    async def open_weight_receiver(self, init_infos: list[dict]) -> None:
+        """Forward to VLLMEngine.open_weight_receiver."""
+        await self._engine.open_weight_receiver(init_infos)
+
+    async def receive_weights(self, sync_id: int, version: int) -> list[dict]:
+        """Forward to VLLMEngine.receive_weights."""
+        return await self._engine.receive_weights(sync_id, version)
+
+    async def close_weight_receiver(self) -> None:
+        """Forward to VLLMEngine.close_weight_receiver."""
+        await self._engine.close_weight_receiver()
 
     async def sleep(self) -> None:
         """Forward to VLLMEngine.sleep (release device memory; nothing may be in flight)."""
@@ -188,9 +204,21 @@ class RayEngineClient(RolloutEngine):
         """Abort requests on the actor's engine."""
         await self._call("abort", list(request_ids))
 
-    async def reload_weights(self, weights_dir: str, version: int) -> None:
+    async def reload_weights(self, weights_dir: str, version: int) -> dict | None:
         """Reload weights on the actor's engine from a directory on its node."""
-        await self._call("reload_weights", weights_dir, version)
+        return await self._call("reload_weights", weights_dir, version)
+
+    async def weight_receivers(self) -> list[tuple[str, str]]:
+        return await self._call("weight_receivers")
+
+    async def open_weight_receiver(self, init_infos: list[dict]) -> None:
+        await self._call("open_weight_receiver", init_infos)
+
+    async def receive_weights(self, sync_id: int, version: int) -> list[dict]:
+        return await self._call("receive_weights", sync_id, version)
+
+    async def close_weight_receiver(self) -> None:
+        await self._call("close_weight_receiver")
 
     async def sleep(self) -> None:
         """Put the actor's engine to sleep (frees its device memory where the backend can)."""

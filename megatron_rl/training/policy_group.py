@@ -83,9 +83,13 @@ class TrainerRank:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    def node_address(self) -> tuple[str, str]:
+        """(Ray node id, IP address) of this rank's node."""
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
 
 _RANK_HELPERS = {"set_num_threads": TrainerRank.set_num_threads, "write_hf_weights": TrainerRank.write_hf_weights,
-                 "node_id": TrainerRank.node_id}
+                 "node_id": TrainerRank.node_id, "node_address": TrainerRank.node_address}
 """Calls answered by the rank itself rather than its MegatronWorker."""
 
 
@@ -166,6 +170,30 @@ class PolicyGroup:
         total = {k: sum(r[k] for r in per_rank) for k in ("bytes_sent", "bytes_received", "bytes_local")}
         total.update(seconds=max(r["seconds"] for r in per_rank), rounds=max(r["rounds"] for r in per_rank))
         return total
+
+    async def rank_nodes(self) -> list[tuple[str, str]]:
+        """(Ray node id, IP address) of every rank, in rank order."""
+        return [tuple(x) for x in await self._all("node_address")]
+
+    async def open_weight_push(self, spec: dict) -> list[dict]:
+        """Set up a tensor weight push on every rank (``training.weight_push``); each rank's
+        ring path, IPC handle and plan fingerprint, and rank 0's push-group port."""
+        return await self._all("open_weight_push", spec)
+
+    async def join_weight_push(self, key: str, port: int) -> None:
+        """Every rank enters the push group (the engines' workers join at the same time)."""
+        await self._all("join_weight_push", key, port)
+
+    async def push_weights(self, key: str, sync_id: int, version: int) -> dict[str, float]:
+        """One push from every rank; bytes summed, seconds of the slowest rank."""
+        per_rank = await self._all("push_weights", key, sync_id, version)
+        total = {k: sum(r[k] for r in per_rank) for k in ("bytes", "net_bytes")}
+        total.update({k: max(r[k] for r in per_rank) for k in ("pack_s", "wait_s", "net_s", "seconds")})
+        return total
+
+    async def close_weight_push(self, key: str) -> None:
+        """Tear push ``key`` down on every rank."""
+        await self._all("close_weight_push", key)
 
     async def rank0_node_id(self) -> str:
         """Ray node id of global rank 0 (where the weight directories are written)."""

@@ -20,6 +20,9 @@ from dataclasses import dataclass
 from megatron_rl.config import RunConfig
 from megatron_rl.planning.architectures import ModelShape
 from megatron_rl.planning.memory import GpuSpec
+from megatron_rl.planning.weight_sync_cost import SyncAssumptions, sync_seconds
+
+_SYNC = SyncAssumptions()
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,8 @@ class TrainModel:
     fixed_s: float = 1.0
     """Optimizer step, logprob pass set-up, metrics: per step."""
     sync_s: float = 3.0
-    """Weight sync trainer -> engines (also paid again when the rollout TP changes)."""
+    """Weight sync trainer -> engines (also paid again when the rollout TP changes); from_recipe
+    charges the recipe's ``rollout.weight_sync_format`` (``planning.weight_sync_cost``)."""
     s_per_token: float = 0.0
     """Measured seconds per trained token; when > 0 it replaces the FLOP model."""
     recompute: str = "none"
@@ -50,7 +54,11 @@ class TrainModel:
 
     @classmethod
     def from_recipe(cls, cfg: RunConfig, shape: ModelShape, gpu: GpuSpec, mfu: float = 0.4,
-                    sync_gb_per_s: float = 10.0, host_gb_per_s: float = 25.0) -> "TrainModel":
+                    sync: SyncAssumptions = _SYNC, host_gb_per_s: float = 25.0,
+                    sync_format: str | None = None) -> "TrainModel":
+        """The recipe's training time model; its weight sync is ``rollout.weight_sync_format``'s
+        (or ``sync_format``'s) cost under ``sync``'s link speeds
+        (``megatron_rl.planning.weight_sync_cost``)."""
         p = cfg.parallel
         gpus = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size * p.data_parallel_size
         offload_s = 0.0
@@ -63,7 +71,7 @@ class TrainModel:
         return cls(shape.total_params, shape.arch.num_layers, shape.arch.hidden_size, gpus, gpu.bf16_tflops * 1e12, mfu,
                    p.pipeline_model_parallel_size, p.data_parallel_size, cfg.optimizer.micro_batch_tokens,
                    cfg.model.use_reference_model or cfg.algorithm.kl_coef > 0,
-                   sync_s=shape.total_params * 2 / (sync_gb_per_s * 1e9),
+                   sync_s=sync_seconds(cfg, shape, sync_format, sync)["total"],
                    recompute=p.recompute_granularity, offload_s=offload_s)
 
     def time(self, seq_tokens: list[int]) -> float:

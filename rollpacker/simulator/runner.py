@@ -41,6 +41,11 @@ class Summary:
     def mean_step_s(self) -> float:
         return sum(s.step_s for s in self.steps) / len(self.steps)
 
+    @property
+    def sync_per_step(self) -> float:
+        """Mean weight-sync seconds per step (a rollout-TP switch pays one more sync)."""
+        return sum(s.sync_s for s in self.steps) / len(self.steps)
+
     def mean_of(self, round_type: str) -> float | None:
         xs = [s.step_s for s in self.steps if s.round_type == round_type]
         return sum(xs) / len(xs) if xs else None
@@ -58,7 +63,7 @@ class Summary:
                 parts.append(f"{kind} {m:7.1f} s x{sum(s.round_type == kind for s in self.steps)}")
         mean = lambda f: sum(f(s) for s in self.steps) / len(self.steps)  # noqa: E731
         parts.append(f"rollout {mean(lambda s: s.rollout_s):6.1f} reward {mean(lambda s: s.reward_wait_s):5.1f} "
-                     f"train {mean(lambda s: s.train_s):6.1f} s")
+                     f"train {mean(lambda s: s.train_s):6.1f} sync {mean(lambda s: s.sync_s):5.1f} s")
         parts.append(f"preempt/step {mean(lambda s: s.preemptions):6.0f}")
         tps = sorted({s.tp for s in self.steps})
         parts.append("rollout TP " + "/".join(map(str, tps)))

@@ -4,6 +4,8 @@ Each request "decodes" one token per tick, up to a length chosen by ``length_fn(
 (capped by max_tokens), at most ``capacity`` requests at a time. Abort works like vLLM's: the
 request ends at once with finish_reason 'abort' and its partial tokens. Sleep follows the engine
 contract: refused with requests in flight, and a sleeping engine refuses submits and reloads.
+Tensor weight pushes follow it too (one replica; receive refused in flight, asleep or before
+``open_weight_receiver``), with made-up figures.
 Always used beside tests on the real vLLM engine.
 """
 from __future__ import annotations
@@ -86,6 +88,24 @@ class FakeEngine(RolloutEngine):
         if self.asleep:
             raise RuntimeError("FakeEngine is asleep: reload refused; wake_up() first")
         self.version = version
+
+    async def weight_receivers(self) -> list[tuple[str, str]]:
+        return [(f"fake-{id(self)}", "fake-node")]
+
+    async def open_weight_receiver(self, init_infos: list[dict]) -> None:
+        if len(init_infos) != 1:
+            raise ValueError(f"FakeEngine is one replica, got {len(init_infos)} init infos")
+        self.push_init = init_infos[0]
+
+    async def receive_weights(self, sync_id: int, version: int) -> list[dict[str, float]]:
+        if self.running or self.waiting:
+            raise RuntimeError("receive_weights with requests in flight")
+        if self.asleep:
+            raise RuntimeError("FakeEngine is asleep: push refused; wake_up() first")
+        if getattr(self, "push_init", None) is None:
+            raise RuntimeError("receive_weights before open_weight_receiver")
+        self.version = version
+        return [{"bytes": 1e6, "seconds": 0.01, "load_s": 0.004, "transport_s": 0.006}]
 
     async def sleep(self) -> None:
         if self.running or self.waiting:

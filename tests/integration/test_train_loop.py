@@ -69,6 +69,8 @@ def test_loop_runs_on_policy_with_engine_parity(tiny_model_dir, tmp_path):
         assert 0.0 < r["rollout/engine_occupancy"] <= 1.0
         # Engine sampled with the weights the trainer just synced: logprobs agree (fp32).
         assert r["rollout/logprob_abs_diff_max"] <= 1e-4, r["rollout/logprob_abs_diff_max"]
+        # The default sync: a tensor push, no file, one copy of the model per step.
+        assert r["weight_sync/push_mb"] > 0 and "weight_sync/reshard_mb" not in r
         assert r["batch/samples_trained"] == P0 * R0
     assert "val/pass@1" in rows[0] and "val/pass@1" in rows[1] and "val/pass@1" in rows[2]
     assert rows[0]["val/policy_version"] == 0.0
@@ -106,10 +108,16 @@ def test_sigkill_mid_step_then_resume_loses_and_repeats_no_prompt(tiny_model_dir
     assert rc == 0, (tmp_path / "log2.txt").read_text()[-4000:]
     log2 = (tmp_path / "log2.txt").read_text()
     assert "resumed from" in log2
-    killed_sync_dir = Path(re.search(r"weights for the engines go to (\S+)",
-                                     (tmp_path / "log1.txt").read_text()).group(1))
+    log1 = (tmp_path / "log1.txt").read_text()
+    killed_sync_dir = Path(re.search(r"weights for the engines go to (\S+)", log1).group(1))
     assert not killed_sync_dir.parent.exists(), "the resumed run's start-up did not sweep the killed run's weights"
-    assert f"removed {killed_sync_dir.parent}" in log2
+    # The killed run's trainer ranks could not remove their push rings (shared memory): the
+    # resumed run's start-up sweep finds them in their dead owners' per-process dirs.
+    rings = re.search(r"weight push push1 set up: .*; rings (.+)$", log1, re.M).group(1).split()
+    assert len(rings) == 2
+    for ring in map(Path, rings):
+        assert not ring.parents[1].exists(), f"{ring} was not swept"
+        assert f"removed {ring.parents[1]}" in log2
     trained = _read_jsonl(run_dir / "trained_prompts.jsonl")
     assert [r["step"] for r in trained] == list(range(steps))
     got = [pid for r in trained for pid in r["prompt_ids"]]

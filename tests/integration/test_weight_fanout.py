@@ -1,10 +1,13 @@
-"""Weight directories reach engines on other nodes: a two-node Ray cluster on this machine
-(``ray.cluster_utils.Cluster``: two raylets, each its own node id and object store) copies a
-weight-sync directory from the head node to the worker node through the object store.
+"""Weights reach engines on other nodes, on a two-node Ray cluster on this machine
+(``ray.cluster_utils.Cluster``: two raylets, each its own node id and object store).
 
-Both "nodes" share this machine's filesystem, so the copy lands on the same path as the source:
-the test checks that the write ran on the other node (the directory was replaced: new inode),
-that every byte is identical, and that no temp or old directory is left behind.
+* Files: a weight-sync directory is copied from the head node to the worker node through the
+  object store. Both "nodes" share this machine's filesystem, so the copy lands on the same path
+  as the source: the test checks that the write ran on the other node (the directory was
+  replaced: new inode), that every byte is identical, and that no temp or old directory is left.
+* Tensors (the default sync): trainer ranks on the head node push into one engine on the head
+  node (their shared-memory rings) and one on the worker node (the gloo push group, wired by
+  Ray node id, not by host name) in the same push; both then match transformers' logprobs.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import os
 import pytest
 import torch
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +92,61 @@ def test_the_copies_are_removed_on_the_other_node_at_the_end(two_nodes, tmp_path
     (root / ".weights.fanout-tmp").mkdir()  # left by a fan-out cut short
     remove_on_nodes(str(root / "weights"), [worker])
     assert not root.exists()
+
+
+def test_a_tensor_push_reaches_an_engine_on_each_node(two_nodes, tmp_path, tmp_path_factory):
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from megatron_rl.config import RolloutConfig
+    from megatron_rl.model.tiny import build_tiny_qwen2
+    from megatron_rl.rollout.engine_pool import EnginePool
+    from megatron_rl.rollout.push_protocol import LOCAL, NET
+    from megatron_rl.rollout.ray_engine import RayEngineClient
+    from megatron_rl.rollout.tensor_transport import PushOptions, TensorTransport
+    from tests.helpers.engine_io import generate
+    from tests.helpers.push_writer import RayTrainer
+    from tests.integration._engine_checks import PROMPT, hf_logprobs
+
+    ray, head, worker = two_nodes
+    start = build_tiny_qwen2(tmp_path / "start", seed=5, num_layers=2)
+    pushed = build_tiny_qwen2(tmp_path / "pushed", seed=6, num_layers=2)
+    cfg = RolloutConfig(max_num_seqs=4, cpu_kv_cache_gib=0.125)
+
+    def on(node):
+        return {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=False)}
+
+    engines = [RayEngineClient.create(str(start), cfg, 0, 256, actor_options=on(n), start_timeout_s=None)
+               for n in (head, worker)]
+    ray.get([e.actor.ready.remote() for e in engines], timeout=600)
+    pool = EnginePool(engines)
+    trainer = RayTrainer(pushed, tp=2, actor_options=on(head))
+    try:
+        push = TensorTransport(trainer, str(tmp_path / "w"), "float32",
+                               PushOptions(trainer=(2, 1, 1), hf_path=str(pushed), bucket_bytes=32 << 10,
+                                           timeout_s=60.0))
+
+        async def main():
+            assert [n for _, n in await pool.weight_receivers()] == [head, worker]
+            figures = await push.load(pool, 4)
+            spec = push._setup.spec
+            from megatron_rl.rollout.engine import GenerationRequest
+
+            requests = [GenerationRequest(f"r{i}", PROMPT, max_tokens=12, seed=i) for i in range(4)]
+            out = await generate(pool, requests)
+            per_engine = (await pool.stats()).extra["per_engine"]
+            return figures, spec, out, [e.extra["generation_tokens"] for e in per_engine]
+
+        figures, spec, out, tokens_per_engine = asyncio.run(main())
+        assert spec.wiring == [[LOCAL, NET], [LOCAL, NET]]
+        # Each trainer rank packed its share once and sent it again over gloo to the worker node.
+        assert figures["push_net_mb"] == pytest.approx(figures["push_mb"], rel=1e-6)
+        assert figures["push_replicas"] == 2.0
+        for completion in out.values():
+            assert completion.weight_version == 4
+            expected = hf_logprobs(pushed, list(completion.token_ids))
+            assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=1e-4)
+        assert len(out) == 4
+        assert all(n > 0 for n in tokens_per_engine), tokens_per_engine  # both engines generated
+    finally:
+        trainer.shutdown()
+        asyncio.run(pool.shutdown())

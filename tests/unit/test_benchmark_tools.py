@@ -53,3 +53,22 @@ def test_plot_timeline_writes_png(tmp_path):
 def test_plot_timeline_missing_file_is_clear(tmp_path):
     with pytest.raises(FileNotFoundError, match="rollout_timeline.jsonl"):
         plot_timeline(tmp_path, tmp_path, tmp_path / "x.png")
+
+
+def test_weight_sync_benchmark_splits_pushes_and_ends_with_speedup_and_bandwidth(capsys):
+    from tools.benchmark_weight_sync import report, split
+
+    # Files: transport = the push without the engine's load; the tensor push: without the tail
+    # after the last byte reached the engine (its loaders' busy time may overlap the transport).
+    assert split("sharded", 0.5, {"weight_sync/engine_load_s": 0.2}) == pytest.approx((0.3, 0.2))
+    assert split("hf", 2.0, {"weight_sync/engine_s": 1.5}) == pytest.approx((0.5, 1.5))
+    tensor = {"weight_sync/push_s": 0.25, "weight_sync/push_transport_s": 0.1, "weight_sync/push_load_s": 0.2}
+    assert split("tensor", 0.26, tensor) == pytest.approx((0.11, 0.2))
+    rows = lambda s, t, ld: [{"seconds": s * f, "transport_s": t * f, "load_s": ld * f} for f in (0.9, 1.0, 1.2)]  # noqa: E731
+    summary = report({"sharded": {"rows": rows(0.5, 0.3, 0.2), "parity": 2e-6},
+                      "tensor": {"rows": rows(0.25, 0.1, 0.15), "parity": 1e-6}}, int(1e9), (5.0, [4.0, 5.0, 6.0]))
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-2] == "weight-sync speedup (tensor vs sharded): 2.00"
+    assert out[-1] == "tensor bandwidth fraction of memcpy: 2.00"  # 1 GB in 0.1 s = 10 GB/s vs 5 GB/s
+    assert summary["tensor"]["seconds"] == {"median": 0.25, "min": pytest.approx(0.225), "max": pytest.approx(0.3)}
+    assert any(line.startswith("| memcpy") for line in out)

@@ -27,15 +27,6 @@ from megatron_rl.reward.workers import RewardHandle, RewardPool
 from megatron_rl.sample import Prompt, Sample
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> Path:
-    from megatron_rl.model.tiny import build_tokenizer
-
-    path = tmp_path_factory.mktemp("tok")
-    build_tokenizer().save_pretrained(path)
-    return path
-
-
 def unavailable() -> Exception:
     import ray
 

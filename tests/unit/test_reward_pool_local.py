@@ -10,22 +10,6 @@ from megatron_rl.reward.workers import RewardPool
 from megatron_rl.sample import Prompt, Sample
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> Path:
-    from megatron_rl.model.tiny import build_tokenizer
-
-    path = tmp_path_factory.mktemp("tok")
-    build_tokenizer().save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_dir: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tokenizer_dir)
-
-
 def make_sample(tokenizer, prompt_id: str, index: int, text: str, answer: str) -> Sample:
     """A finished response whose tokens spell ``text`` (byte-level: one token per byte) + EOS."""
     ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]

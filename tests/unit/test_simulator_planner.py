@@ -25,8 +25,10 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "examples/qwen2.5/qwen2.5_14b_math_4x8_tp2pp2cp2_rtp2.yaml"
 # Small batches and short responses keep each simulated round cheap; the layout stays the
 # recipe's (32 rollout GPUs as 16 engines x TP2, 8 GPUs a node: legal TPs 1/2/4/8).
+# planner.min_tp=1 lets the rule go below the recipe's TP 2 (the default floor is the smallest
+# starting TP), so every branch of the rule is reachable.
 SMALL = ["data.prompts_per_step=4", "data.responses_per_prompt=2", "rollout.max_new_tokens=512",
-         "data.max_prompt_tokens=256"]
+         "data.max_prompt_tokens=256", "planner.min_tp=1"]
 
 
 def cluster(*overrides: str):
@@ -109,7 +111,7 @@ def test_simulated_preemptions_drive_the_same_decisions_as_the_planner():
     """No scripting: engines with a KV cache small enough that rounds preempt (two TP-2 engines of
     16k tokens; TP scales the KV cache). Each round type is planned on its own; the simulator's TPs
     equal the planner's on the same (round type, preemptions) sequence."""
-    cfg = load_config(RECIPE, ["rollout.num_engines=2", "data.prompts_per_step=16", "data.responses_per_prompt=8",
+    cfg = load_config(RECIPE, ["rollout.num_engines=2", "data.prompts_per_step=16", "data.responses_per_prompt=8", "planner.min_tp=1",
                                "rollout.max_new_tokens=4096", "data.max_prompt_tokens=256"])
     engine = EngineModel(step_s=0.01, per_seq_s=5e-5, per_ctx_token_s=5e-8, prefill_token_s=3e-5,
                          kv_capacity_tokens=16_000, max_num_seqs=256, tp=2, gpus=2)
@@ -125,3 +127,17 @@ def test_simulated_preemptions_drive_the_same_decisions_as_the_planner():
     assert len(set(tps["long"])) > 1, tps
     assert any(b > a for a, b in zip(tps["short"], tps["short"][1:])), tps
     assert any(b < a for a, b in zip(tps["short"], tps["short"][1:])), tps
+
+
+def test_by_default_the_rule_never_halves_below_the_smallest_starting_tp():
+    """The planner knows nothing of memory: without planner.min_tp it stops at the recipe's TP 2
+    (known to fit), where the same quiet rounds would otherwise take it to TP 1."""
+    cfg = load_config(RECIPE, [o for o in SMALL if not o.startswith("planner.min_tp")])
+    sizes = planner_mod.legal_tp_sizes(BUILTIN_SHAPES["qwen2.5-14b"].arch, 8, 32)
+    rounds = [("long", c) for c in COUNTS]
+    floored = planner_replay(cfg, sizes, rounds)
+    free = planner_replay(load_config(RECIPE, SMALL), sizes, rounds)
+    assert min(free) == 1 and min(floored) == 2 and max(floored) == 4
+    assert floored[:11] == free[:11]  # identical until the halving that would cross the floor
+    with pytest.raises(ValueError, match="planner.min_tp=4: starting TPs"):
+        planner_replay(load_config(RECIPE, [*SMALL, "planner.min_tp=4"]), sizes, rounds)
