@@ -137,6 +137,46 @@ def quantize_tensors(tensors: Iterable[tuple[str, torch.Tensor]],
         yield scale_name(name), scales if spec.method == "int8" else scales.reshape(-1)
 
 
+def quantize_slices(name: str, full: torch.Tensor, dim: int, ranges: Iterable[tuple[int, int]],
+                    spec: QuantSpec | None) -> list[tuple[str, torch.Tensor]]:
+    """The quantization step on an engine rank's part of one HF tensor, where only that part
+    exists: the tensor weight push's receiver stages each HF tensor full-size but writes only
+    the ``ranges`` (first row, rows) along ``dim`` that its rank keeps (``weight_receiver``).
+
+    Same numbers as :func:`quantize_tensors` on the rank's resharded tensor (the sharded sync):
+    ``dim`` 0 (column-parallel rows) quantizes each received row on its own; ``dim`` 1
+    (row-parallel columns) takes each row's amax over every received column together (the
+    rank's whole slice, which may come in several pieces). Returns ``[(name, full)]`` for a
+    tensor that is not quantized (or ``spec`` None), else the low-precision weight and its
+    scale, full-size with only the received part written (``torch.empty`` elsewhere: vLLM's
+    loaders cut out exactly that part)."""
+    if spec is None or not is_quantized_weight(name):
+        return [(name, full)]
+    from megatron_rl.quantization.modelopt_ops import quantize_rows
+
+    if full.dim() != 2 or dim not in (0, 1):
+        raise ValueError(f"{name}: expected a 2-D weight split along dim 0 or 1, got shape "
+                         f"{tuple(full.shape)} and dim {dim}")
+    ranges = sorted(ranges)
+    if not ranges:
+        raise ValueError(f"{name}: no received rows to quantize")
+    qweight = torch.empty(full.shape, dtype=spec.weight_dtype, device=full.device)
+    if dim == 0:
+        scales = torch.empty((full.shape[0], 1), dtype=torch.float32, device=full.device)
+        for start, length in ranges:
+            block = full.narrow(0, start, length)
+            block_scales = row_scales(block, spec)
+            qweight.narrow(0, start, length).copy_(quantize_rows(block, block_scales, spec.method))
+            scales.narrow(0, start, length).copy_(block_scales)
+    else:
+        amax = torch.stack([full.narrow(1, start, length).detach().float().abs().amax(dim=1)
+                            for start, length in ranges]).amax(dim=0, keepdim=False)[:, None]
+        scales = amax.clamp(min=_AMAX_FLOOR) / spec.qmax
+        for start, length in ranges:
+            qweight.narrow(1, start, length).copy_(quantize_rows(full.narrow(1, start, length), scales, spec.method))
+    return [(name, qweight), (scale_name(name), scales if spec.method == "int8" else scales.reshape(-1))]
+
+
 def quantize_state_dict(state_dict: Mapping[str, torch.Tensor], spec: QuantSpec | None) -> dict[str, torch.Tensor]:
     """:func:`quantize_tensors` over a whole state dict."""
     return dict(quantize_tensors(state_dict.items(), spec))

@@ -23,7 +23,7 @@ from typing import Iterator
 import torch
 
 from megatron_rl.model.arch import Qwen2Arch
-from megatron_rl.quantization.scheme import is_quantized_weight, scale_name
+from megatron_rl.quantization.scheme import QuantSpec, is_quantized_weight, scale_name
 from megatron_rl.resharding.layouts import VLLMLayout, logical_shapes
 
 
@@ -98,6 +98,24 @@ def scale_pieces(tensors: dict[str, torch.Tensor], arch: Qwen2Arch, tp: int, ran
                 full[name] = torch.empty((shapes[seg.logical][0], *local.shape[1:]), dtype=local.dtype)
             full[name].narrow(0, seg.logical_start, seg.length).copy_(local.narrow(0, seg.local_start, seg.length))
     yield from full.items()
+
+
+ENGINE_FORMATS = {"compressed-tensors": "int8", "modelopt": "fp8"}
+"""vLLM's ``ModelConfig.quantization`` of the checkpoints ``quantization.engine_format`` writes
+-> the rollout.quantization method they carry."""
+
+
+def engine_weight_spec(quantization: str | None) -> QuantSpec | None:
+    """The weight quantization an engine whose ``ModelConfig.quantization`` is ``quantization``
+    expects in its weight loads (None: unquantized). What the tensor push's receiver quantizes
+    with (``weight_receiver``): the engine's own checkpoint format decides, so trainer and engine
+    cannot disagree. Only the weights' method matters there (activation scales are the kernel's)."""
+    if not quantization:
+        return None
+    if quantization not in ENGINE_FORMATS:
+        raise ValueError(f"weight push into an engine quantized as {quantization!r}: only "
+                         f"{sorted(ENGINE_FORMATS)} (rollout.quantization int8 / fp8) are supported")
+    return QuantSpec(ENGINE_FORMATS[quantization])
 
 
 def quantization_summary(model: torch.nn.Module) -> dict[str, dict[str, str | None]]:

@@ -197,3 +197,66 @@ def test_sharded_rank_files_match_the_hf_sync(tmp_path, spec, tp):
                         assert torch.equal(got.view(torch.uint8), hf_sync[seg.logical].view(torch.uint8))
                 checked += 1
         assert checked == 7 * arch.num_layers  # q, k, v, gate, up segments + o, down per layer
+
+
+@pytest.mark.parametrize("spec", [INT8, FP8], ids=["int8", "fp8"])
+@pytest.mark.parametrize("trainer, tp", [((1, 1, 1), 1), ((2, 1, 1), 1), ((1, 1, 1), 2), ((2, 1, 1), 2), ((2, 2, 1), 4)])
+def test_tensor_push_receiver_quantizes_as_the_sharded_sync(tmp_path, spec, trainer, tp):
+    """The tensor push's receiver (StagedLoader with a quantized engine's spec), fed the buckets
+    the trainer ranks pack (pack_bucket, Megatron shards from the trainer's own HF conversion),
+    hands vLLM's loaders at every row/column an engine rank keeps bit-identical weights and
+    scales to the sharded sync's quantized rank file of that rank (resharder + quantize_tensors,
+    then hf_pieces + scale_pieces as the engine feeds it), also when the trainer's TP differs
+    from the engine's (a row-parallel slice arriving from several trainer ranks); unquantized
+    tensors pass through in full precision."""
+    from megatron_rl.model.hf_weights import hf_to_megatron_shard
+    from megatron_rl.model.qwen2 import read_qwen2_arch
+    from megatron_rl.model.tiny import build_tiny_qwen2
+    from megatron_rl.resharding import MegatronLayout, VLLMLayout, allocate_destinations, build_plan, execute_plan
+    from megatron_rl.resharding.layouts import logical_shapes
+    from megatron_rl.resharding.push_plan import build_push_plan, pack_bucket
+    from megatron_rl.resharding.rollout_shards import engine_state_dict
+    from megatron_rl.rollout.quantized_engine import scale_pieces
+    from megatron_rl.rollout.vllm_worker_ext import hf_pieces
+    from megatron_rl.rollout.weight_receiver import StagedLoader
+    from megatron_rl.training.weights_io import LazySafetensors
+
+    model = build_tiny_qwen2(tmp_path / "m", seed=6)
+    arch, hf = read_qwen2_arch(model), LazySafetensors(model)
+    layout = MegatronLayout(arch, *trainer)
+    shards = {r: hf_to_megatron_shard(hf, arch, layout.coords(r)[0], trainer[0], layout.coords(r)[1], trainer[1])
+              for r in range(layout.num_shards)}
+    push = build_push_plan(arch, *trainer, tp, 16 << 10, 4)  # small buckets: tensors split across them
+    files = build_plan(MegatronLayout(arch, 1, 1), VLLMLayout(arch, tp), [0], [0] * tp)
+    dests = allocate_destinations(files, 0, torch.float32)
+    execute_plan(files, {0: hf_to_megatron_shard(hf, arch, 0, 1, 0, 1)}, dests, None, proc=0)
+    for rank in range(tp):
+        fed: dict[str, torch.Tensor] = {}
+        loader = StagedLoader(push.needed[rank], logical_shapes(arch), lambda batch, fed=fed: fed.update(batch),
+                              torch.float32, torch.device("cpu"), arch.tie_word_embeddings, quantization=spec)
+        for bucket in push.for_engine(rank):
+            flat = torch.full((bucket.numel,), float("nan"))
+            pack_bucket(bucket, shards[bucket.src_rank], flat)
+            loader.feed(loader.add(bucket, flat))
+        assert loader.missing() == []
+        rank_file = engine_state_dict(dests[rank], arch, spec)
+        reference = dict(hf_pieces(rank_file, arch, tp, rank)) | dict(scale_pieces(rank_file, arch, tp, rank))
+        assert set(fed) == set(reference)  # weights, scales, the tied head: nothing missing, nothing extra
+        quantized = 0
+        for tspec in VLLMLayout(arch, tp).tensors(rank):
+            for seg in tspec.segments:
+                got = fed[seg.logical].narrow(tspec.dim, seg.logical_start, seg.length)
+                want = reference[seg.logical].narrow(tspec.dim, seg.logical_start, seg.length)
+                assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (
+                    rank, seg)
+                if not is_quantized_weight(seg.logical):
+                    assert got.dtype == torch.float32
+                    continue
+                assert got.dtype == spec.weight_dtype
+                got_s, want_s = fed[scale_name(seg.logical)], reference[scale_name(seg.logical)]
+                if tspec.dim == 0:  # column-parallel: this rank's rows of the scale
+                    got_s, want_s = got_s.narrow(0, seg.logical_start, seg.length), want_s.narrow(0, seg.logical_start,
+                                                                                              seg.length)
+                assert torch.equal(got_s, want_s), (rank, seg)
+                quantized += 1
+        assert quantized == 7 * arch.num_layers
