@@ -130,8 +130,10 @@ class RolloutConfig:
     int8 activations, compressed-tensors format; CPU and GPU) or 'fp8' (FP8 E4M3 per-channel
     weights, dynamic per-token activations, modelopt's FP8 export; GPUs of compute capability
     8.9+). At every weight sync the trainer's weights are quantized on their way to the engines,
-    scales computed from the weights themselves; embeddings, the output layer and norms stay in
-    the engine's precision. The engines start from the quantized initial checkpoint."""
+    scales computed from the weights themselves (files: by the trainer ranks that write them;
+    the tensor push: by each engine rank on the slice it receives); embeddings, the output layer
+    and norms stay in the engine's precision. The engines start from the quantized initial
+    checkpoint."""
     quantization_tis_cap: float = 2.0
     """With rollout.quantization on and algorithm.tis_cap 0: the truncated-importance-sampling
     cap the run uses instead (corrects the quantized engine's logprob gap; logged at start-up).

@@ -313,9 +313,14 @@ def main(argv: list[str] | None = None) -> int:
     print_report(results["throughput"], results["curves"], args)
     print(f"\nbenchmark wall time {results['wall_s'] / 60:.1f} min; results in {out / 'quantization.json'}")
     if results["throughput"]:
-        largest = max(results["throughput"], key=lambda r: r["params_m"])
-        print(f"rollout speedup (int8 vs full precision): {largest['speedup_median']:.2f}")
+        print(speedup_line(results["throughput"]))
     return 0
+
+
+def speedup_line(throughput: list[dict]) -> str:
+    """The benchmark's last line: the median int8/full tokens/s ratio on the largest model."""
+    largest = max(throughput, key=lambda r: r["params_m"])
+    return f"rollout speedup (int8 vs full precision): {largest['speedup_median']:.2f}"
 
 
 if __name__ == "__main__":
