@@ -5,7 +5,10 @@
   default and says so at start-up; every step reports a trainer/engine logprob gap above what
   a full-precision engine shows (<= 1e-4 in the other loop tests: the engines really are int8)
   yet small, and TIS weights that move away from 1;
-* with the HF sync and TIS turned off: the start-up says so, no TIS metrics, the gap reported.
+* with the HF sync and TIS turned off: the start-up says so, no TIS metrics, the gap reported;
+* with the tensor push (the default sync) and elastic TP: the engines quantize what they receive,
+  and the TP-2 engine of each switch starts from a quantized config and dummy weights, then the
+  push; the same gap bounds hold (no NaN, no full-precision engine).
 """
 from __future__ import annotations
 
@@ -55,3 +58,13 @@ def test_int8_loop_with_hf_sync_and_tis_off(tiny_model_dir, tmp_path):
     rows, log = _run(tiny_model_dir, tmp_path, 2, ["rollout.weight_sync_format=hf", "rollout.quantization_tis_cap=0"])
     assert "truncated importance sampling OFF" in log
     assert all("train/tis_weight_mean" not in r for r in rows)
+
+
+def test_int8_loop_with_elastic_tp_and_the_tensor_push(tiny_model_dir, tmp_path):
+    rows, log = _run(tiny_model_dir, tmp_path, 3, [
+        "scheduler.name=tail_batching", "rollout.num_engines=2", "planner.enabled=true",
+        "planner.initial_tp=short:1,long:2", "scheduler.eta_prompts=2.0"])  # weight_sync_format: the default
+    assert [r["planner/rollout_tp"] for r in rows] == [1.0, 2.0, 1.0]
+    assert [r["planner/switched"] for r in rows] == [0.0, 1.0, 1.0]
+    assert all(r["weight_sync/push_mb"] > 0 for r in rows), rows  # every sync was a tensor push
+    assert "Failed to load weights" not in log
