@@ -151,6 +151,20 @@ class RolloutConfig:
     before the weight sync. On CPU it runs but vLLM frees nothing."""
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     """Speculative decoding (``rollout.speculative.*``): drafted tokens verified by the engine."""
+    # -- low-precision rollout (megatron_rl.quantization) --
+    quantization: str = "none"
+    """Low-precision rollout: 'none', 'int8' (W8A8: int8 per-channel weights, dynamic per-token
+    int8 activations, compressed-tensors format; CPU and GPU) or 'fp8' (FP8 E4M3 per-channel
+    weights, dynamic per-token activations, modelopt's FP8 export; GPUs of compute capability
+    8.9+). At every weight sync the trainer's weights are quantized on their way to the engines,
+    scales computed from the weights themselves (files: by the trainer ranks that write them;
+    the tensor push: by each engine rank on the slice it receives); embeddings, the output layer
+    and norms stay in the engine's precision. The engines start from the quantized initial
+    checkpoint."""
+    quantization_tis_cap: float = 2.0
+    """With rollout.quantization on and algorithm.tis_cap 0: the truncated-importance-sampling
+    cap the run uses instead (corrects the quantized engine's logprob gap; logged at start-up).
+    0 trains on quantized rollouts without TIS; an explicit algorithm.tis_cap wins."""
 
 
 @dataclass

@@ -279,6 +279,7 @@ def validate(cfg: RunConfig, arch: dict | None = None, device: str | None = None
         if cfg.rollout.tensor_parallel_size > cfg.cluster.gpus_per_node:
             raise ConfigError("rollout.tensor_parallel_size: a TP group must fit in one node "
                               f"({cfg.cluster.gpus_per_node} GPUs)")
+    _validate_quantization(cfg, device)
     for check in _VALIDATORS:  # plug-in packages' sections (e.g. RollPacker's stream, planner)
         check(cfg)
     if arch is not None:
@@ -330,6 +331,37 @@ def _validate_reward_scaling(cfg: RunConfig) -> None:
         _positive(getattr(r, key), f"reward.{key}")
     if r.code_timeout_max_s < r.code_timeout_min_s:
         raise ConfigError("reward.code_timeout_max_s must be >= reward.code_timeout_min_s")
+
+
+QUANTIZATION_METHODS = ("none", "int8", "fp8")
+"""rollout.quantization values (megatron_rl.quantization.scheme.METHODS)."""
+
+
+def _validate_quantization(cfg: RunConfig, device: str) -> None:
+    _choice(cfg.rollout.quantization, QUANTIZATION_METHODS, "rollout.quantization")
+    _positive(cfg.rollout.quantization_tis_cap, "rollout.quantization_tis_cap", allow_zero=True)
+    if cfg.rollout.quantization == "fp8" and device == "cpu":
+        raise ConfigError("rollout.quantization=fp8 needs GPUs (vLLM's FP8 linear kernels take bf16/fp16 "
+                          "activations; the CPU engine runs float32): use rollout.quantization=int8 on CPU")
+
+
+def resolve_quantization_tis(cfg: RunConfig) -> str:
+    """Quantized rollout turns truncated importance sampling on by default: with
+    rollout.quantization on and algorithm.tis_cap 0, set tis_cap to rollout.quantization_tis_cap.
+    Returns the start-up message saying what was decided (empty without quantization)."""
+    r, a = cfg.rollout, cfg.algorithm
+    if r.quantization == "none":
+        return ""
+    if a.tis_cap > 0:
+        return (f"rollout.quantization={r.quantization}: truncated importance sampling on with the given "
+                f"algorithm.tis_cap={a.tis_cap:g}")
+    if r.quantization_tis_cap > 0:
+        a.tis_cap = r.quantization_tis_cap
+        return (f"rollout.quantization={r.quantization}: truncated importance sampling on by default "
+                f"(algorithm.tis_cap={a.tis_cap:g}, from rollout.quantization_tis_cap) to correct the quantized "
+                "engine's logprob gap; rollout.quantization_tis_cap=0 turns it off")
+    return (f"rollout.quantization={r.quantization}: truncated importance sampling OFF "
+            "(rollout.quantization_tis_cap=0): the engine/trainer logprob gap goes uncorrected")
 
 
 # parallel.recompute_granularity values; megatron_rl.model.qwen2 maps them to TransformerConfig.

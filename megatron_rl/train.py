@@ -25,6 +25,7 @@ from megatron_rl.config_io import (
     load_config,
     read_hf_architecture,
     resolve_device,
+    resolve_quantization_tis,
     validate,
 )
 from megatron_rl.graceful_stop import GracefulStop
@@ -93,6 +94,9 @@ def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict
     validate(cfg, arch, device)
     if cfg.algorithm.kl_coef > 0:
         cfg.model.use_reference_model = True
+    quantization_note = resolve_quantization_tis(cfg)  # quantized rollout: TIS on unless turned off
+    if quantization_note:
+        log.info(quantization_note)
     run_dir = Path(cfg.trainer.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
@@ -129,7 +133,9 @@ def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict
             # Load the trainer before vLLM claims its share of the GPU, then move it out of the way.
             asyncio.run(policy.load_hf(cfg.model.hf_path))
             asyncio.run(policy.offload_for_rollout())
-        engine = create_engine_client(cfg, cfg.model.hf_path, engine_actor_options(cfg, device))
+        engine_start = _quantized_start(cfg, run_dir, sync_dir, device) if cfg.rollout.quantization != "none" \
+            else cfg.model.hf_path
+        engine = create_engine_client(cfg, engine_start, engine_actor_options(cfg, device))
         engine, plugins = build_plugins(PluginSetup(cfg, device, engine, _engine_factory(cfg, device)))
         rewards = RewardPool.from_run_config(cfg)
         if not cfg.trainer.offload_during_rollout:
@@ -165,6 +171,23 @@ def sweep_dead_push_rings() -> None:
 
     if shm_root() != Path("/dev/shm"):
         sweep_dead_run_dirs(shm_root())
+
+
+def _quantized_start(cfg: RunConfig, run_dir: Path, sync_dir: Path, device: str) -> str:
+    """Quantized rollout: vLLM takes the quantization from the checkpoint it starts from, so the
+    engines start from the initial weights quantized as every sync sends them. One node: in the
+    weight directory (the first sync replaces it); several: in the run directory, which every
+    node reads like model.hf_path."""
+    from megatron_rl.quantization.engine_format import quantize_hf_checkpoint
+    from megatron_rl.quantization.scheme import quant_spec
+    from megatron_rl.rollout.weight_sync import engine_dtype
+
+    spec = quant_spec(cfg.rollout.quantization, engine_dtype(cfg.model.hf_path, on_gpu=device != "cpu"))
+    target = sync_dir if cfg.cluster.num_nodes == 1 else run_dir / "quantized_engine_start"
+    quantize_hf_checkpoint(cfg.model.hf_path, target, spec)
+    log.info("rollout.quantization=%s: engines start from %s (%s, activations %ssymmetric)", spec.method, target,
+             cfg.model.hf_path, "" if spec.activation_symmetric else "a")
+    return str(target)
 
 
 def _remove_weights(sync_dir: Path, fanout_source: str) -> None:

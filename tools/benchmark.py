@@ -29,6 +29,9 @@ and ``speedup:``.
 ``--compare old_logprobs`` runs the baseline scheduler twice, ``algorithm.recompute_old_logprobs``
 true vs false (the separate scoring forward vs the training forward's own logprobs).
 
+``--compare quantization`` (tools/benchmark_quantization.py, its own options): full-precision vs
+int8 rollout: engine throughput on larger random models and training curves on the tiny model.
+
 ``--compare stream`` runs tail batching twice, stream trainer off and on (``stream.enabled``),
 and adds the long-round step time of each, their ratio (``long-round speedup:``) and the stream
 metrics (start point, fraction trained before the rollout ended, training hidden under rollout).
@@ -70,6 +73,19 @@ COMPARISONS = {
     "old_logprobs": [("recompute", "baseline", ["algorithm.recompute_old_logprobs=true"], "recompute"),
                      ("fused", "baseline", ["algorithm.recompute_old_logprobs=false"], "train fwd")],
 }
+
+
+# Comparisons with a module (and options) of their own: --compare NAME runs MODULE.main(argv).
+OWN_MODULES = {"quantization": "tools.benchmark_quantization"}
+
+
+def _own_module(argv: list[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        name = arg.split("=", 1)[1] if arg.startswith("--compare=") else (
+            argv[i + 1] if arg == "--compare" and i + 1 < len(argv) else None)
+        if name in OWN_MODULES:
+            return OWN_MODULES[name]
+    return None
 
 
 def benchmark_config(args, scheduler: str, steps: int, run_dir: Path, extra: list[str] = ()) -> RunConfig:
@@ -163,6 +179,11 @@ def print_table(base: dict, tb: dict, labels: tuple[str, str] = ("baseline", "Ro
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if own := _own_module(argv):
+        import importlib
+
+        return importlib.import_module(own).main(argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(REPO / "artifacts/tiny-qwen2.5"))
     parser.add_argument("--out", default=str(REPO / "runs/benchmark"))
@@ -173,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--eval-prompts", type=int, default=128)
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--compare", choices=sorted(COMPARISONS), default="schedulers",
+    parser.add_argument("--compare", choices=sorted([*COMPARISONS, *OWN_MODULES]), default="schedulers",
                         help="baseline vs tail batching; tail batching without vs with the stream trainer; "
                              "the HF vs the sharded weight sync, or recomputed vs training-forward old "
                              "logprobs (baseline scheduler)")

@@ -29,7 +29,7 @@ Metrics are floats already divided by the batch totals, so the caller combines m
 data-parallel ranks, with an all-reduce SUM) by adding them:
 
 * token metrics (``clip_frac_low``, ``clip_frac_high``, ``clip_frac_dual``, ``approx_kl_old``, ``kl_ref``,
-  ``tis_weight_mean``, ``entropy_proxy``, ``ratio_mean``): sum over this microbatch's response
+  ``tis_weight_mean``, ``tis_weight_abs_dev``, ``entropy_proxy``, ``ratio_mean``): sum over this microbatch's response
   tokens / ``num_tokens_total`` -> the batch token mean after summing;
 * ``pg_loss`` and ``kl_loss``: the two parts of ``loss``, aggregated exactly like it;
 * ``num_tokens``, ``num_seqs``: this microbatch's counts (sums give the totals).
@@ -251,4 +251,6 @@ def _metrics(
     if tis_weight is not None:
         metrics["tis_weight_mean"] = token_sum(tis_weight)
         metrics["tis_clip_frac"] = token_sum((tis_weight >= cfg.tis_cap).to(maskf.dtype))
+        # How far the correction moves tokens from weight 1 (quantized rollout: its size).
+        metrics["tis_weight_abs_dev"] = token_sum((tis_weight - 1.0).abs())
     return metrics

@@ -27,6 +27,8 @@ import torch
 
 from megatron_rl.files import replace_dir
 from megatron_rl.model.qwen2 import Qwen2Arch
+from megatron_rl.quantization.engine_format import attention_scale_params, write_model_files
+from megatron_rl.quantization.scheme import QuantSpec, quantize_tensors
 from megatron_rl.resharding.execute import ReshardStats, allocate_destinations, execute_plan
 from megatron_rl.resharding.layouts import EMBED, LM_HEAD, MegatronLayout, VLLMLayout
 from megatron_rl.resharding.plan import ReshardPlan, build_plan
@@ -40,19 +42,25 @@ SHARD_FILE = "model-rank-{rank}-part-0.safetensors"
 ATTENTION_SCALE_BUFFERS = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
 
 
-def engine_state_dict(tensors: Mapping[str, torch.Tensor], arch: Qwen2Arch) -> dict[str, torch.Tensor]:
+def engine_state_dict(tensors: Mapping[str, torch.Tensor], arch: Qwen2Arch,
+                      quantization: QuantSpec | None = None) -> dict[str, torch.Tensor]:
     """One vLLM rank's resharded tensors (``VLLMLayout`` names) as its ``model.state_dict()``:
 
     * tied embeddings: vLLM's LM head *is* the embedding, and sharded_state keeps one name per
       storage, the smaller one, ``lm_head.weight``;
-    * plus the attention scale buffers (see ``ATTENTION_SCALE_BUFFERS``).
+    * plus the attention scale buffers (see ``ATTENTION_SCALE_BUFFERS``);
+    * ``quantization`` (rollout.quantization): the linear weights quantized per rank
+      (``quantization.scheme.quantize_tensors``: low-precision weight + ``weight_scale``) and the
+      quantized engine's KV-cache scale parameters.
     """
-    out = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    out = {name: t.detach().to("cpu").contiguous() for name, t in quantize_tensors(tensors.items(), quantization)}
     if arch.tie_word_embeddings:
         out[LM_HEAD] = out.pop(EMBED)
     for layer in range(arch.num_layers):
         for buffer in ATTENTION_SCALE_BUFFERS:
             out[f"model.layers.{layer}.self_attn.attn.{buffer}"] = torch.tensor(1.0, dtype=torch.float32)
+    if quantization is not None:
+        out.update(attention_scale_params(arch.num_layers, quantization))
     return out
 
 
@@ -75,13 +83,6 @@ def read_rollout_manifest(directory: str | Path) -> dict | None:
     if missing:
         raise ValueError(f"{path}: rollout shards missing: {missing}")
     return manifest
-
-
-def _copy_model_files(hf_path: str | Path, target: Path) -> None:
-    """config.json, tokenizer and generation files of the HF checkpoint (not its weights)."""
-    for item in Path(hf_path).iterdir():
-        if item.is_file() and not item.name.endswith(".safetensors") and item.name != "model.safetensors.index.json":
-            shutil.copy2(item, target / item.name)
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,7 @@ def write_rollout_shards(
     version: int,
     transport,
     dtype: torch.dtype,
+    quantization: QuantSpec | None = None,
 ) -> ReshardStats:
     """Collective over ``transport``'s group (the group the plan was built on).
 
@@ -140,6 +142,9 @@ def write_rollout_shards(
             completions with it).
         transport: :class:`~megatron_rl.resharding.transport.TorchDistributedTransport`.
         dtype: dtype of the message buffers and of the written tensors (the engine's dtype).
+        quantization: rollout.quantization's spec, or None: each writer quantizes its ranks'
+            linear weights before saving (the resharder moves ``dtype`` bytes), and the
+            directory's config.json carries the engine's ``quantization_config``.
 
     Returns this rank's :class:`ReshardStats` (bytes sent/received/copied locally, seconds).
     """
@@ -156,14 +161,15 @@ def write_rollout_shards(
     from safetensors.torch import save_file
 
     for shard, tensors in destinations.items():
-        save_file(engine_state_dict(tensors, arch), str(tmp / SHARD_FILE.format(rank=shard)),
+        save_file(engine_state_dict(tensors, arch, quantization), str(tmp / SHARD_FILE.format(rank=shard)),
                   metadata={"format": "pt"})
     del destinations
     transport.barrier()  # every shard file is complete
     if rank == 0:
-        _copy_model_files(hf_path, tmp)
+        write_model_files(hf_path, tmp, quantization)
         manifest = {"format": FORMAT, "tensor_parallel_size": shard_plan.rollout_tp, "version": version,
                     "dtype": str(dtype).removeprefix("torch."), "hf_path": str(hf_path),
+                    "quantization": quantization.method if quantization is not None else "none",
                     "writers": shard_plan.writers,
                     "bytes_moved": (plan.sent_numel + plan.local_numel) * torch.empty((), dtype=dtype).element_size()}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))

@@ -59,6 +59,9 @@ class PushOptions:
     timeout_s: float = 120.0
     device: str = "cpu"
     network_only: bool = False
+    quantization: str = "none"
+    """rollout.quantization: engines started for a push are quantized engines (their config
+    says so); the engines quantize what they receive (``weight_receiver``)."""
 
 
 class WeightPushError(RuntimeError):
@@ -89,7 +92,7 @@ class TensorTransport(WeightTransport):
         options = PushOptions(trainer=(tp, pp, dp), hf_path=cfg.model.hf_path,
                               bucket_bytes=int(r.weight_push_bucket_mb * (1 << 20)), num_slots=r.weight_push_buffers,
                               timeout_s=r.weight_push_timeout_s, device="cuda" if on_gpu else "cpu",
-                              network_only=r.weight_push_channel == "network")
+                              network_only=r.weight_push_channel == "network", quantization=r.quantization)
         return cls(writer, directory, dtype, options)
 
     def __init__(self, writer: PushWriter, directory: str, dtype: str, options: PushOptions) -> None:
@@ -105,7 +108,10 @@ class TensorTransport(WeightTransport):
 
     async def new_engine_dir(self, tp: int, version: int) -> str:
         """New engines start from config and tokenizer only (dummy weights), then get a push."""
-        return str(write_push_start_dir(self.options.hf_path, self.directory, tp, version))
+        from megatron_rl.quantization.scheme import quant_spec
+
+        spec = quant_spec(self.options.quantization, self.dtype)
+        return str(write_push_start_dir(self.options.hf_path, self.directory, tp, version, quantization=spec))
 
     async def load(self, engine: RolloutEngine, version: int) -> dict[str, float]:
         figures = await self._ensure_setup(engine)

@@ -392,6 +392,9 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
             # syncs go through the default loader, which shards the HF tensors itself.
             await self._llm.collective_rpc("update_config", args=({"load_config": {"load_format": "auto"}},))
             self._load_format = "auto"
+        if self.cfg.quantization != "none":  # vLLM's own reload breaks oneDNN int8 layers (quantized_engine)
+            await self._llm.collective_rpc("reload_quantized", args=(str(path.resolve()),))
+            return
         await self._llm.collective_rpc(
             "reload_weights", kwargs=dict(weights_path=str(path.resolve()), is_checkpoint_format=True)
         )

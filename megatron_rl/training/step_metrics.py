@@ -11,7 +11,7 @@ import torch
 LOSS_METRICS = frozenset({"loss", "pg_loss", "kl_loss"})
 """Divided by the loss normaliser N (tokens or sequences, see algorithm.loss_agg) at the end."""
 TOKEN_METRICS = frozenset({"clip_frac_low", "clip_frac_high", "approx_kl_old", "ratio_mean", "entropy_proxy",
-                           "kl_ref", "tis_weight_mean", "tis_clip_frac"})
+                           "kl_ref", "tis_weight_mean", "tis_clip_frac", "tis_weight_abs_dev"})
 """Divided by the batch's response tokens at the end."""
 
 

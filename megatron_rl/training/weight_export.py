@@ -1,8 +1,8 @@
 """The trainer's weights (and gradients) out of the Megatron shards: the HF export for the
 file-based weight sync and checks, and per-rank vLLM shards through the resharder (the sharded
 weight sync and elastic-TP switches). A mixin of :class:`~megatron_rl.training.megatron_worker.MegatronWorker`
-(it uses the worker's ``model``, ``arch``, ``hf_path``, ``layout``, ``rollout_shard_plans``
-and offload state)."""
+(it uses the worker's ``model``, ``arch``, ``hf_path``, ``layout``, ``rollout_shard_plans``,
+``cfg`` and offload state)."""
 from __future__ import annotations
 
 import torch
@@ -37,8 +37,11 @@ class WeightExport:
             tp, pp = self.layout.tensor_model_parallel_size, self.layout.pipeline_model_parallel_size
             trainer = MegatronLayout(self.arch, tp, pp, torch.distributed.get_world_size() // (tp * pp))
             plans[key] = plan_rollout_shards(self.arch, trainer, rollout_tp, transport, torch_dtype)
+        from megatron_rl.quantization.scheme import quant_spec
+
         stats = write_rollout_shards(local_views(self.model), plans[key], directory, hf_path=self.hf_path,
-                                     version=version, transport=transport, dtype=torch_dtype)
+                                     version=version, transport=transport, dtype=torch_dtype,
+                                     quantization=quant_spec(self.cfg.rollout.quantization, dtype))
         return stats_dict(stats)
 
     @with_training_state

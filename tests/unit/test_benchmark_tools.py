@@ -1,4 +1,5 @@
 """tools/benchmark.py's period arithmetic and summaries; tools/plot_timeline.py's picture."""
+import argparse
 import json
 
 import pytest
@@ -97,3 +98,34 @@ def test_speculative_benchmark_columns_from_metrics_rows():
     assert f["aborted_tokens"] == 9.0 and f["wasted_tokens"] == 15.0
     no_long = column_figures([rows[0]])
     assert no_long["long_rollout_time"] is None and no_long["acceptance"] is None
+
+
+def test_quantization_benchmark_summary_report_and_last_line(capsys):
+    from tools.benchmark import _own_module
+    from tools.benchmark_quantization import print_report, speedup_line, summarize_curve
+
+    assert _own_module(["--compare", "quantization", "--repeats", "3"]) == "tools.benchmark_quantization"
+    assert _own_module(["--compare=quantization"]) == "tools.benchmark_quantization"
+    assert _own_module(["--compare", "weight_sync"]) is None
+    rows = [{"step": s, "reward/mean": 0.1 * s, "reward/accuracy": 0.05 * s, "rollout/logprob_abs_diff_mean": 0.01,
+             "rollout/logprob_abs_diff_max": 0.1 + s, "rollout/tokens_per_s": 100.0 + s, "time/step": 2.0,
+             "time/weight_sync": 0.5, "train/tis_weight_mean": 1.0, "train/tis_weight_abs_dev": 0.01,
+             "train/tis_clip_frac": 0.0} for s in range(12)]
+    rows[0]["val/pass@1"], rows[9]["val/pass@1"] = 0.4, 0.5  # eval before step 0 and after step 9
+    c = summarize_curve(rows, "int8 + TIS")
+    assert c["reward_windows"] == pytest.approx([0.45, 1.05]) and c["steps"] == 12
+    assert c["val_pass1"] == [(0, 0.4), (10, 0.5)] and c["gap_max"] == 11.1
+    assert c["tokens_per_s_median"] == 105.5 and c["loop_time"] == 24.0
+    full = dict(c, label="full precision", tis_weight_mean=None)
+    tp = [{"model": "/x/small", "params_m": 70.0, "fp32_mb": 280.0, "speedup_median": 1.5,
+           "speedup_per_repeat": {"median": 1.4, "min": 1.1, "max": 1.9},
+           "full": {"median": 100.0, "min": 90.0, "max": 120.0, "gap_mean": 1e-6, "gap_max": 1e-5},
+           "int8": {"median": 150.0, "min": 140.0, "max": 160.0, "gap_mean": 1e-2, "gap_max": 0.1}}]
+    tp.append(dict(tp[0], model="/x/large", params_m=121.0, speedup_median=2.25))
+    print_report(tp, {"full": full, "int8_tis": c}, argparse.Namespace(repeats=3, batch=8, tokens=16, model="tiny",
+                                                                         prompts_per_step=4, responses=2,
+                                                                         eval_prompts=8))
+    out = capsys.readouterr().out
+    assert "| small (70M, 280 MB fp32) | 100 [90-120] | 150 [140-160] | 1.50 (1.40 [1.10-1.90])" in out
+    assert "| val pass@1 at step 10 | 0.500 | 0.500 |" in out and "| TIS weight mean | - | 1.0000 |" in out
+    assert speedup_line(tp) == "rollout speedup (int8 vs full precision): 2.25"  # the largest model's

@@ -142,6 +142,7 @@ def test_truncated_importance_sampling() -> None:
     assert loss.item() == pytest.approx(-0.933940, abs=1e-6)
     assert metrics["tis_weight_mean"] == pytest.approx(0.933940, abs=1e-6)
     assert metrics["tis_clip_frac"] == pytest.approx(0.5)
+    assert metrics["tis_weight_abs_dev"] == pytest.approx((0.5 + 0.632121) / 2, abs=1e-6)  # mean |w - 1|
     loss.backward()
     assert logp.grad.tolist() == pytest.approx([-0.75, -0.183940], abs=1e-6)
 
