@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "gpu" / "run_on_device.sh"
 RAN_ON_CPU = {"model_setup", "cuda_ipc", "nccl_groups", "bf16_train_step", "recompute", "offload",
-              "memory_estimator", "decode", "train_throughput", "simulator_calibration"}
+              "memory_estimator", "decode", "train_throughput", "simulator_calibration", "quantize_export"}
 SKIPPED_ON_CPU = {"transformer_engine", "distributed_optimizer", "decode_cuda_graph"}
 
 
@@ -77,6 +77,11 @@ def test_parts_measured_what_they_claim(cpu_run):
     assert len(f["decode"]["runs"]) == 3 * 2  # batch sizes x prompt lengths of the CPU sizes
     assert f["train_throughput"]["points"][0]["tokens_per_s"] > 0
     assert "speedup:" in f["simulator_calibration"]["measured constants"]["speedup"]
+    for method in ("fp8", "int8"):  # rollout.quantization's sync step, through modelopt
+        q = f["quantize_export"][method]
+        assert q["tensors_quantized"] > 0 and q["gb_per_s"] > 0 and q["max_error_over_bound"] <= 1.0
+        assert q["bit_mismatch_fraction"] == 0.0  # on CPU modelopt rounds exactly as torch does
+    assert f["quantize_export"]["fp8"]["quantization_config"]["quant_method"] == "modelopt"
 
 
 def test_calibration_files_load_in_the_simulator(cpu_run):

@@ -31,6 +31,8 @@ SPECS: list[PartSpec] = [
     _spec("decode_cuda_graph", 120, 30, "the same decode replayed as CUDA graphs (as vLLM runs it), logits vs eager "
           "-> engine_constants_graph.json", cpu_skip="CUDA graphs need a GPU"),
     _spec("train_throughput", 120, 120, "Megatron tokens/s and MFU -> train_calibration.json"),
+    _spec("quantize_export", 150, 120, "rollout.quantization's sync step on the device: modelopt fp8 / int8 vs "
+          "torch rounding, error bound, high-precision layers untouched, engine-format export"),
     _spec("simulator_calibration", 60, 120, "tools/simulate.py runs on the measured figures",
           needs=("decode", "train_throughput")),
 ]
@@ -41,7 +43,7 @@ _WHERE = {
     "bf16_train_step": "megatron_parts", "transformer_engine": "megatron_parts", "recompute": "megatron_parts",
     "offload": "memory_parts", "distributed_optimizer": "megatron_parts", "memory_estimator": "memory_parts",
     "decode": "perf_parts", "decode_cuda_graph": "perf_parts", "train_throughput": "perf_parts",
-    "simulator_calibration": "perf_parts",
+    "simulator_calibration": "perf_parts", "quantize_export": "quant_part",
 }
 
 
