@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,10 +30,11 @@ from megatron_rl.rollout.migration import continuation_request
 from megatron_rl.rollout.vllm_engine import VLLMEngine
 from tests.helpers.engine_io import collect, generate
 from tests.helpers.engine_io import run as run_with_timeout
+from tests.helpers.sft_model import SFT_MODEL, ensure_sft_tiny_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
 
-MODEL = Path(__file__).resolve().parents[2] / "artifacts" / "tiny-qwen2.5"
+MODEL = SFT_MODEL
 MAX_MODEL_LEN = 1024
 K = 6
 """Positions compared by the distribution test."""
@@ -43,9 +43,11 @@ SAMPLES = 1000
 ALPHA = 1e-3
 """Family-wise false-alarm rate of the distribution test (over the K positions)."""
 
-if not MODEL.is_dir():
-    pytest.skip(f"{MODEL} missing: run tools/make_tiny_model.py --out artifacts/tiny-qwen2.5",
-                allow_module_level=True)
+
+@pytest.fixture(scope="module", autouse=True)
+def _sft_model():
+    """MODEL is the SFT'd tiny model: built first on a machine that has none."""
+    assert ensure_sft_tiny_model() == MODEL
 
 
 class _Engine(VLLMEngine):

@@ -10,13 +10,19 @@ from pathlib import Path
 import pytest
 
 import tests.integration.test_train_loop as loop
+from tests.helpers.sft_model import SFT_MODEL, ensure_sft_tiny_model
 
 pytestmark = pytest.mark.integration
 
-MODEL = loop.REPO / "artifacts" / "tiny-qwen2.5"
+MODEL = SFT_MODEL
 
 
-@pytest.mark.skipif(not MODEL.is_dir(), reason=f"{MODEL} missing: run tools/make_tiny_model.py")
+@pytest.fixture(scope="module", autouse=True)
+def _sft_model():
+    """MODEL is the SFT'd tiny model: built first on a machine that has none."""
+    assert ensure_sft_tiny_model() == MODEL
+
+
 def test_loop_reports_speculation_and_stays_on_policy(tmp_path: Path):
     run_dir, steps = tmp_path / "run", 3
     args = loop._overrides(MODEL, run_dir, steps, [
@@ -42,7 +48,6 @@ def test_loop_reports_speculation_and_stays_on_policy(tmp_path: Path):
     assert all(r["rollout/spec/mean_accepted_length"] >= 1.0 for r in accepted)
 
 
-@pytest.mark.skipif(not MODEL.is_dir(), reason=f"{MODEL} missing: run tools/make_tiny_model.py")
 def test_loop_keeps_rollout_history_over_epochs_and_checkpoints_it(tmp_path: Path):
     """8 prompts, P0=4: the data cursor wraps after two short rounds, so later rounds see prompts
     of an earlier epoch; history routing and the drafter's references run on the real stack, the
