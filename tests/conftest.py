@@ -19,9 +19,10 @@ def _no_shared_memory_left_behind():
     """Remove the /dev/shm segments this session's killed engines could not (see helpers/shm)."""
     from tests.helpers import shm
 
-    before = shm.segments()
+    before, dirs_before = shm.segments(), shm.run_dirs()
     yield
     shm.remove_unmapped(shm.segments() - before)
+    shm.remove_dead_run_dirs(shm.run_dirs() - dirs_before)
 
 
 def _cuda_available() -> bool:

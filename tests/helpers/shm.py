@@ -43,3 +43,26 @@ def remove_unmapped(new: set[str]) -> list[str]:
         except FileNotFoundError:
             pass
     return removed
+
+
+def run_dirs() -> set[str]:
+    """Names of the per-run weight dirs in /dev/shm (``megatron_rl-<host>-<uid>-<pid>``)."""
+    from megatron_rl.distributed.local_state import RUN_DIR_PREFIX
+
+    return {p.name for p in SHM.glob(f"{RUN_DIR_PREFIX}-*")} if SHM.is_dir() else set()
+
+
+def remove_dead_run_dirs(new: set[str]) -> list[str]:
+    """Remove the dirs of ``new`` that belong to dead runs of this host and user (a trainer rank
+    killed with SIGKILL, or a Ray actor killed at cluster teardown, cannot remove its own);
+    the trainer's start-up would sweep them too, but the suite leaves nothing behind."""
+    import shutil
+
+    from megatron_rl.distributed.local_state import dead_run_dirs
+
+    removed = []
+    for path in dead_run_dirs(SHM):
+        if path.name in new:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+    return removed

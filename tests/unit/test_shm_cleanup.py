@@ -29,3 +29,27 @@ def test_only_unmapped_segments_are_removed():
             shared_memory.SharedMemory(name=orphan_name).unlink()
         except FileNotFoundError:
             pass
+
+
+@pytest.mark.skipif(not shm.SHM.is_dir(), reason="no /dev/shm on this machine")
+def test_only_new_dead_run_dirs_are_removed():
+    import os
+    import shutil
+    import subprocess
+
+    from megatron_rl.distributed.local_state import run_dir_name
+
+    done = subprocess.Popen(["true"])
+    done.wait()  # its pid is now dead: what a SIGKILLed trainer rank leaves behind
+    dead, live = shm.SHM / run_dir_name(done.pid), shm.SHM / run_dir_name(os.getpid())
+    old_dead = shm.SHM / run_dir_name(done.pid + 1_000_000)  # dead too, but not new this session
+    for path in (dead / "weights", live, old_dead):
+        path.mkdir(parents=True)
+    try:
+        new = {dead.name, live.name}
+        assert new <= shm.run_dirs()
+        assert shm.remove_dead_run_dirs(new) == [dead.name]
+        assert not dead.exists() and live.is_dir() and old_dead.is_dir()
+    finally:
+        for path in (dead, live, old_dead):
+            shutil.rmtree(path, ignore_errors=True)
