@@ -88,6 +88,13 @@ CUMULATIVE_COUNTERS = ("preemptions", "decode_steps", "drafts", "draft_tokens", 
 engines carry the shut-down engines' counts forward, consumers diff them across a round."""
 
 
+class CapabilityAbsent(NotImplementedError):
+    """An optional capability this engine or transport does not offer (e.g. the tensor weight
+    push on an engine without a receiver). A deliberate answer of the contract, not missing code:
+    the caller picks another path (``rollout.weight_sync_format=sharded``). A subclass of
+    NotImplementedError, so code that catches that keeps working."""
+
+
 class RolloutEngine(abc.ABC):
     """Async engine interface. All methods are coroutines run on one event loop."""
 
@@ -150,19 +157,19 @@ class RolloutEngine(abc.ABC):
     async def weight_receivers(self) -> list[tuple[str, str]]:
         """(receiver id, Ray node id) of each replica; the id changes when an engine is replaced
         (e.g. rebuilt by an elastic-TP switch), so a new push set-up is needed."""
-        raise NotImplementedError(f"{type(self).__name__} takes no tensor weight push "
+        raise CapabilityAbsent(f"{type(self).__name__} takes no tensor weight push "
                                   "(use rollout.weight_sync_format=sharded or hf)")
 
     async def open_weight_receiver(self, init_infos: list[dict]) -> None:
         """Join a push set-up (vLLM ``init_weight_transfer_engine``), one init info per replica."""
-        raise NotImplementedError(f"{type(self).__name__} takes no tensor weight push")
+        raise CapabilityAbsent(f"{type(self).__name__} takes no tensor weight push")
 
     async def receive_weights(self, sync_id: int, version: int) -> list[dict[str, float]]:
         """Take push ``sync_id`` while the trainer ranks send it, load it in place and tag later
         completions with ``version``; returns each replica's figures (the slowest rank's seconds,
         ``load_s``, ``transport_s``, bytes). Like :meth:`reload_weights`: never with requests in
         flight. A failed push leaves the engine refusing requests (its weights are half new)."""
-        raise NotImplementedError(f"{type(self).__name__} takes no tensor weight push")
+        raise CapabilityAbsent(f"{type(self).__name__} takes no tensor weight push")
 
     async def close_weight_receiver(self) -> None:
         """Leave the push set-up (vLLM ``shutdown_weight_transfer_engine``); no-op when none."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING, AsyncContextManager, Awaitable, Callable, Protocol
 
-from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.rollout.engine import CapabilityAbsent, RolloutEngine
 
 if TYPE_CHECKING:
     from megatron_rl.config import RunConfig
@@ -94,7 +94,7 @@ class WeightTransport(abc.ABC):
     async def new_engine_dir(self, tp: int, version: int) -> str:
         """Elastic switch, when :attr:`starts_engines_empty`: the directory engines of TP ``tp``
         start from *without* weights (they get :meth:`load` right after they are up)."""
-        raise NotImplementedError(f"{type(self).__name__} starts new engines from rank files")
+        raise CapabilityAbsent(f"{type(self).__name__} starts new engines from rank files")
 
 
 class HFFiles(WeightTransport):
