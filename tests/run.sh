@@ -34,7 +34,7 @@ mkdir -p "$RAY_TMPDIR/ray" "$XDG_CACHE_HOME" "$WANDB_DIR"
 args=("$@")
 [ ${#args[@]} -gt 0 ] || args=(tests)
 set +e
-"$ROOT/.venv/bin/python" -m pytest -q -rs --durations=15 --basetemp="$RUN_TMP/pt" "${args[@]}"
+"$ROOT/.venv/bin/python" -m pytest -q -rs --durations=40 --basetemp="$RUN_TMP/pt" "${args[@]}"
 rc=$?
 set -e
 if [ $rc -eq 5 ]; then

@@ -14,7 +14,10 @@ weights, kernels and cache. Shapes:
   most, siblings in one draft group per prompt, no earlier responses (a short round);
 * ``narrow``: ``--narrow-prompts`` x ``--narrow-responses`` of ``--narrow-tokens`` at most, with
   ``--references`` earlier responses of each prompt as the drafter's references (a long round
-  with rollout history; the references come from a first, undrafted pass of the same prompts).
+  with rollout history; the references are sampled at ``--temperature`` by a first, undrafted
+  pass of the same prompts). Decoded at ``--narrow-temperature`` (default 0, greedy): then both
+  arms generate exactly the same tokens (speculation is lossless), so their times compare the
+  same work; sampled, a few sequences' lengths vary more between repeats than drafts change.
 
 The arms alternate (off, on, on, off, ...) over ``--repeats`` so that a drift in the machine's
 load hits both alike. Prints, per shape and arm, the median [range] of wall time, decode steps,
@@ -49,11 +52,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--wide-prompts", type=int, default=20)
     ap.add_argument("--wide-responses", type=int, default=5)
     ap.add_argument("--wide-tokens", type=int, default=96)
-    ap.add_argument("--narrow-prompts", type=int, default=4)
-    ap.add_argument("--narrow-responses", type=int, default=4)
+    ap.add_argument("--narrow-prompts", type=int, default=16)
+    ap.add_argument("--narrow-responses", type=int, default=1)
     ap.add_argument("--narrow-tokens", type=int, default=320)
     ap.add_argument("--references", type=int, default=4, help="earlier responses per prompt (narrow shape)")
-    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--temperature", type=float, default=1.0, help="of the wide shape and the references")
+    ap.add_argument("--narrow-temperature", type=float, default=0.0)
     args = ap.parse_args(argv)
     for key in ("repeats", "wide_prompts", "wide_responses", "wide_tokens", "narrow_prompts", "narrow_responses",
                 "narrow_tokens", "draft_tokens"):
@@ -87,15 +91,16 @@ def _requests(tag: str, prompts: list[list[int]], responses: int, max_tokens: in
             for p, ids in enumerate(prompts) for r in range(responses)]
 
 
-async def _measure(engine, requests) -> dict:
+async def _measure(engine, requests) -> tuple[dict, dict]:
     before = await engine.stats()
     got, seconds = await _generate(engine, requests)
     after = await engine.stats()
     steps = after.decode_steps - before.decode_steps
     drafted, accepted = after.draft_tokens - before.draft_tokens, after.accepted_tokens - before.accepted_tokens
     tokens = sum(len(c.token_ids) for c in got.values())
-    return {"seconds": seconds, "decode_steps": steps, "tokens": tokens, "ms_per_token": 1e3 * seconds / max(tokens, 1),
-            "ms_per_step": 1e3 * seconds / max(steps, 1), "draft_tokens": drafted, "accepted_tokens": accepted}
+    figures = {"seconds": seconds, "decode_steps": steps, "tokens": tokens, "ms_per_token": 1e3 * seconds / max(tokens, 1),
+               "ms_per_step": 1e3 * seconds / max(steps, 1), "draft_tokens": drafted, "accepted_tokens": accepted}
+    return figures, got
 
 
 def _prompts(model: str, n: int, offset: int) -> list[list[int]]:
@@ -119,6 +124,7 @@ def run_check(args) -> dict:
     loop = asyncio.new_event_loop()
     engine = VLLMEngine(args.model, cfg, seed=0, max_model_len=1024, runtime_dir=out / "rt")
     results: dict[str, dict[str, list[dict]]] = {"wide": {"off": [], "on": []}, "narrow": {"off": [], "on": []}}
+    identical: dict[str, bool] = {}
     try:
         wide = _prompts(args.model, args.wide_prompts, 0)
         narrow = _prompts(args.model, args.narrow_prompts, 500)
@@ -127,22 +133,29 @@ def run_check(args) -> dict:
             "hist", narrow, args.references, args.narrow_tokens, args.temperature, False, {}, 7)))
         references = {p: [list(history[f"hist-p{p}-r{r}"].token_ids) for r in range(args.references)]
                       for p in range(len(narrow))}
-        shapes = {"wide": (wide, args.wide_responses, args.wide_tokens, {}),
-                  "narrow": (narrow, args.narrow_responses, args.narrow_tokens, references)}
+        shapes = {"wide": (wide, args.wide_responses, args.wide_tokens, args.temperature, {}),
+                  "narrow": (narrow, args.narrow_responses, args.narrow_tokens, args.narrow_temperature, references)}
         for rep in range(args.repeats):
-            for shape, (prompts, responses, tokens, refs) in shapes.items():
+            for shape, (prompts, responses, tokens, temperature, refs) in shapes.items():
+                outputs = {}
                 for arm in (("off", "on") if rep % 2 == 0 else ("on", "off")):
-                    reqs = _requests(f"{shape}-{arm}-{rep}", prompts, responses, tokens, args.temperature,
-                                     arm == "on", refs, 100 * rep)
-                    figures = loop.run_until_complete(_measure(engine, reqs))
+                    reqs = _requests(f"{shape}-{arm}-{rep}", prompts, responses, tokens, temperature, arm == "on",
+                                     refs, 100 * rep)
+                    figures, got = loop.run_until_complete(_measure(engine, reqs))
+                    outputs[arm] = [list(got[r.request_id].token_ids) for r in reqs]
                     results[shape][arm].append(figures)
                     print(f"[spec-check] {shape} drafts {arm:3s} repeat {rep}: {figures['seconds']:.1f} s, "
                           f"{figures['decode_steps']} steps, {figures['tokens']} tokens, "
                           f"{figures['ms_per_token']:.1f} ms/token", flush=True)
+                if temperature == 0.0:  # greedy: lossless speculation gives the very same tokens
+                    same = outputs["on"] == outputs["off"]
+                    identical[shape] = identical.get(shape, True) and same
+                    if not same:
+                        print(f"[spec-check] {shape} repeat {rep}: greedy responses differ with drafts on", flush=True)
     finally:
         loop.run_until_complete(asyncio.wait_for(engine.shutdown(), timeout=120))
         loop.close()
-    summary = {"args": vars(args), "runs": results, "ratio_ms_per_token": {}}
+    summary = {"args": vars(args), "runs": results, "ratio_ms_per_token": {}, "greedy_identical": identical}
     for shape, arms in results.items():
         summary["ratio_ms_per_token"][shape] = (statistics.median(r["ms_per_token"] for r in arms["on"])
                                                 / statistics.median(r["ms_per_token"] for r in arms["off"]))
@@ -165,6 +178,8 @@ def report(summary: dict) -> str:
                          f"{_cell([r['decode_steps'] for r in runs], '.0f')} | {_cell([r['tokens'] for r in runs], '.0f')} | "
                          f"{_cell([r['ms_per_token'] for r in runs], '.1f')} | {_cell([r['ms_per_step'] for r in runs], '.0f')} | "
                          f"{acceptance} |")
+    for shape, same in summary.get("greedy_identical", {}).items():
+        lines.append(f"{shape}: greedy responses with drafts {'identical to' if same else 'DIFFERENT from'} those without")
     ratio = summary["ratio_ms_per_token"]
     lines.append(f"drafts on / off, time per generated token: wide {ratio['wide']:.2f}, narrow {ratio['narrow']:.2f}")
     return "\n".join(lines)

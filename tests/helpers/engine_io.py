@@ -1,9 +1,31 @@
-"""Small async helpers shared by the engine tests (VLLMEngine, its Ray client)."""
+"""Small helpers shared by the engine tests (VLLMEngine, its Ray client)."""
 from __future__ import annotations
 
 import asyncio
 
+import torch
+
 from megatron_rl.rollout.engine import Completion, GenerationRequest, RolloutEngine
+from megatron_rl.rollout.vllm_engine import VLLMEngine
+
+
+class LongRequestsIgnoreEOS(VLLMEngine):
+    """Requests named 'long-*' ignore EOS, so they are guaranteed to run long (tests only: abort
+    and migration need a request that is still running when the test acts)."""
+
+    def _sampling_params(self, request):
+        params = super()._sampling_params(request)
+        if request.request_id.startswith("long-"):
+            params.ignore_eos = True
+        return params
+
+
+def model_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """A transformers model's fp32 logprob of each response token given the prompt and earlier tokens."""
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    return torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1).gather(1, torch.tensor(response)[:, None])[:, 0]
 
 
 def run(loop: asyncio.AbstractEventLoop, coro, timeout: float):

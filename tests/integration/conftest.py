@@ -1,6 +1,7 @@
 """Fixtures shared by integration test modules (each module gets its own instance)."""
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
@@ -24,3 +25,15 @@ def ray_session():
         finally:
             ray.shutdown()
 
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """One event loop per engine test module: AsyncLLM is bound to the loop its output handler
+    runs on, so a module's engines and every call into them share it."""
+    import torch
+
+    torch.set_num_threads(1)
+    event_loop = asyncio.new_event_loop()
+    yield event_loop
+    event_loop.close()

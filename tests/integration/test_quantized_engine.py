@@ -45,14 +45,6 @@ class _Tiny:
 
 
 @pytest.fixture(scope="module")
-def loop():
-    torch.set_num_threads(1)
-    event_loop = asyncio.new_event_loop()
-    yield event_loop
-    event_loop.close()
-
-
-@pytest.fixture(scope="module")
 def models(tiny_model_dir, tmp_path_factory):
     from megatron_rl.model.tiny import build_tiny_qwen2
 

@@ -23,13 +23,6 @@ PROMPT = [10, 20, 30, 40, 50]
 
 
 @pytest.fixture(scope="module")
-def loop():
-    event_loop = asyncio.new_event_loop()
-    yield event_loop
-    event_loop.close()
-
-
-@pytest.fixture(scope="module")
 def client(tiny_model_dir, loop):
     import ray
 

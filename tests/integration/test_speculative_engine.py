@@ -28,7 +28,7 @@ from megatron_rl.config import RolloutConfig, SpeculativeConfig
 from megatron_rl.rollout.engine import GenerationRequest
 from megatron_rl.rollout.migration import continuation_request
 from megatron_rl.rollout.vllm_engine import VLLMEngine
-from tests.helpers.engine_io import collect, generate
+from tests.helpers.engine_io import LongRequestsIgnoreEOS, collect, generate, model_logprobs
 from tests.helpers.engine_io import run as run_with_timeout
 from tests.helpers.sft_model import SFT_MODEL, ensure_sft_tiny_model
 
@@ -50,24 +50,6 @@ def _sft_model():
     assert ensure_sft_tiny_model() == MODEL
 
 
-class _Engine(VLLMEngine):
-    """Requests named 'long-*' ignore EOS, so they are guaranteed to run long (test only)."""
-
-    def _sampling_params(self, request):
-        params = super()._sampling_params(request)
-        if request.request_id.startswith("long-"):
-            params.ignore_eos = True
-        return params
-
-
-@pytest.fixture(scope="module")
-def loop():
-    torch.set_num_threads(1)
-    event_loop = asyncio.new_event_loop()
-    yield event_loop
-    event_loop.close()
-
-
 @pytest.fixture(scope="module")
 def engines(loop, tmp_path_factory):
     """Lazily started engines by method ('off', 'ngram', 'suffix', 'biased'), all shut down at the end."""
@@ -79,8 +61,8 @@ def engines(loop, tmp_path_factory):
         if name not in made:
             cfg = RolloutConfig(max_num_seqs=128, cpu_kv_cache_gib=0.25,
                                 speculative=SpeculativeConfig(method=methods[name], num_speculative_tokens=4))
-            made[name] = _Engine(str(MODEL), cfg, seed=0, max_model_len=MAX_MODEL_LEN,
-                                 runtime_dir=tmp_path_factory.mktemp(f"rt_{name}"))
+            made[name] = LongRequestsIgnoreEOS(str(MODEL), cfg, seed=0, max_model_len=MAX_MODEL_LEN,
+                                               runtime_dir=tmp_path_factory.mktemp(f"rt_{name}"))
         return made[name]
 
     yield get
@@ -101,13 +83,6 @@ def prompts():
 
 def run(loop, coro, timeout: float = 300.0):
     return run_with_timeout(loop, coro, timeout)
-
-
-def hf_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
-    ids = torch.tensor([prompt + response])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0].float()
-    return torch.log_softmax(logits[len(prompt) - 1:-1], -1).gather(1, torch.tensor(response)[:, None])[:, 0]
 
 
 async def counted(engine, requests):
@@ -149,7 +124,7 @@ def test_logprobs_of_speculated_tokens_match_transformers(engines, loop, prompts
     worst = 0.0
     for req in reqs:
         c = got[req.request_id]
-        expected = hf_logprobs(hf, req.prompt_ids, c.token_ids)
+        expected = model_logprobs(hf, req.prompt_ids, c.token_ids)
         worst = max(worst, float((torch.tensor(c.logprobs) - expected).abs().max()))
     assert worst <= 1e-4, worst
 
@@ -254,8 +229,8 @@ def test_abort_migration_and_tensor_push_with_speculation(engines, loop, prompts
     got, drafted, accepted = run(loop, counted(source, reqs))
     after = got["after"]
     assert after.weight_version == 1 and drafted > 0
-    new = hf_logprobs(model, prompts[1], after.token_ids)
-    old = hf_logprobs(AutoModelForCausalLM.from_pretrained(str(MODEL), dtype=torch.float32).eval(),
-                      prompts[1], after.token_ids)
+    new = model_logprobs(model, prompts[1], after.token_ids)
+    old = model_logprobs(AutoModelForCausalLM.from_pretrained(str(MODEL), dtype=torch.float32).eval(),
+                         prompts[1], after.token_ids)
     assert float((torch.tensor(after.logprobs) - new).abs().max()) <= 1e-4
     assert float((new - old).abs().max()) > 0.01  # the push changed the model

