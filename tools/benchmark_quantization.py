@@ -100,16 +100,11 @@ def _prompt(i: int) -> list[int]:
 
 async def _batch(engine, tag: str, n: int, tokens: int) -> tuple[float, list]:
     """Generated tokens/s of ``n`` concurrent requests, and their completions (by request order)."""
-    from megatron_rl.rollout.engine import GenerationRequest
+    from megatron_rl.rollout.engine import GenerationRequest, generate_all
 
     start = time.perf_counter()
-    await asyncio.gather(*(engine.submit(GenerationRequest(f"{tag}-{i}", _prompt(i), max_tokens=tokens, seed=i))
-                           for i in range(n)))
-    done = {}
-    async for completion in engine.completions():
-        done[completion.request_id] = completion
-        if len(done) == n:
-            break
+    done = await generate_all(engine, [GenerationRequest(f"{tag}-{i}", _prompt(i), max_tokens=tokens, seed=i)
+                                       for i in range(n)])
     seconds = time.perf_counter() - start
     ordered = [done[f"{tag}-{i}"] for i in range(n)]
     return sum(len(c.token_ids) for c in ordered) / seconds, ordered

@@ -106,15 +106,12 @@ def _config(args):
 
 async def _parity(policy, engine, version: int) -> float:
     """Largest |trainer - engine| logprob of one sampled completion."""
-    from megatron_rl.rollout.engine import GenerationRequest
+    from megatron_rl.rollout.engine import GenerationRequest, generate_all
     from megatron_rl.sample import Prompt, Sample
 
     prompt = [5, 17, 42, 99, 7, 3, 11, 8]
     rid = f"parity-{version}"
-    await engine.submit(GenerationRequest(rid, prompt, max_tokens=12, seed=version))
-    async for completion in engine.completions():
-        if completion.request_id == rid:
-            break
+    completion = (await generate_all(engine, [GenerationRequest(rid, prompt, max_tokens=12, seed=version)]))[rid]
     if completion.weight_version != version:
         raise RuntimeError(f"the engine's completion carries version {completion.weight_version}, not {version}")
     sample = Sample(prompt=Prompt("parity", prompt, ""), response_index=0, request_id=rid,

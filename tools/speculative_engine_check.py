@@ -70,14 +70,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def _generate(engine, requests) -> tuple[dict, float]:
     """Completions of ``requests`` by id, and the wall time from the first submit to the last one."""
+    from megatron_rl.rollout.engine import generate_all
+
     start = time.perf_counter()
-    await asyncio.gather(*(engine.submit(r) for r in requests))
-    want, got = {r.request_id for r in requests}, {}
-    async for completion in engine.completions():
-        if completion.request_id in want:
-            got[completion.request_id] = completion
-            if len(got) == len(want):
-                break
+    got = await generate_all(engine, requests)
     return got, time.perf_counter() - start
 
 
@@ -103,14 +99,11 @@ async def _measure(engine, requests) -> tuple[dict, dict]:
     return figures, got
 
 
-def _prompts(model: str, n: int, offset: int) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
+def _prompts(tokenizer, n: int, offset: int) -> list[list[int]]:
     from megatron_rl.data.arithmetic import make_problem
     from megatron_rl.data.datasets import apply_chat_template
 
-    tok = AutoTokenizer.from_pretrained(model)
-    return [apply_chat_template(tok, make_problem(offset + i).question) for i in range(n)]
+    return [apply_chat_template(tokenizer, make_problem(offset + i).question) for i in range(n)]
 
 
 def run_check(args) -> dict:
@@ -126,8 +119,11 @@ def run_check(args) -> dict:
     results: dict[str, dict[str, list[dict]]] = {"wide": {"off": [], "on": []}, "narrow": {"off": [], "on": []}}
     identical: dict[str, bool] = {}
     try:
-        wide = _prompts(args.model, args.wide_prompts, 0)
-        narrow = _prompts(args.model, args.narrow_prompts, 500)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        wide = _prompts(tokenizer, args.wide_prompts, 0)
+        narrow = _prompts(tokenizer, args.narrow_prompts, 500)
         # Warm-up (first seeded, logprob-returning calls are slow), and the narrow prompts' history.
         history, _ = loop.run_until_complete(_generate(engine, _requests(
             "hist", narrow, args.references, args.narrow_tokens, args.temperature, False, {}, 7)))

@@ -8,6 +8,7 @@ fake engine for pure scheduling logic.
 from __future__ import annotations
 
 import abc
+import asyncio
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
@@ -158,7 +159,7 @@ class RolloutEngine(abc.ABC):
         """(receiver id, Ray node id) of each replica; the id changes when an engine is replaced
         (e.g. rebuilt by an elastic-TP switch), so a new push set-up is needed."""
         raise CapabilityAbsent(f"{type(self).__name__} takes no tensor weight push "
-                                  "(use rollout.weight_sync_format=sharded or hf)")
+                               "(use rollout.weight_sync_format=sharded or hf)")
 
     async def open_weight_receiver(self, init_infos: list[dict]) -> None:
         """Join a push set-up (vLLM ``init_weight_transfer_engine``), one init info per replica."""
@@ -196,3 +197,21 @@ async def forward_completions(engine: RolloutEngine, deliver: Callable[[Completi
             deliver(completion)
     except Exception as exc:
         fail(exc)
+
+
+async def generate_all(engine: RolloutEngine, requests: list[GenerationRequest]) -> dict[str, Completion]:
+    """Submit ``requests`` and wait until each has its completion; completions of other requests
+    the stream yields meanwhile are passed over. For tools and checks that run one batch at a
+    time: the loop streams completions as they come instead."""
+    await asyncio.gather(*(engine.submit(r) for r in requests))
+    want: set[str] = {r.request_id for r in requests}
+    got: dict[str, Completion] = {}
+    if not want:
+        return got
+    async for completion in engine.completions():
+        if completion.request_id in want:
+            got[completion.request_id] = completion
+            if len(got) == len(want):
+                return got
+    raise RuntimeError(f"the engine's completion stream ended with {len(want) - len(got)} of {len(want)} "
+                       "requests still unanswered")

@@ -69,14 +69,15 @@ def _check_method(ctx: Context, model_dir: Path, tensors: dict[str, torch.Tensor
         dequantize,
         is_quantized_weight,
         quant_spec,
+        quantize_tensors,
         rounding_bound,
         scale_name,
     )
 
     spec = quant_spec(method, "bfloat16")
     items = sorted(tensors.items())
-    list(_quantize([i for i in items if is_quantized_weight(i[0])][:1], spec))  # warm-up: kernels, lazy set-up
-    out, seconds = timed(ctx, lambda: dict(_quantize(items, spec)))
+    list(quantize_tensors([i for i in items if is_quantized_weight(i[0])][:1], spec))  # warm-up: kernels, lazy set-up
+    out, seconds = timed(ctx, lambda: dict(quantize_tensors(items, spec)))
     quantized = [n for n in tensors if is_quantized_weight(n)]
     weight_bytes = sum(tensors[n].numel() * tensors[n].element_size() for n in quantized)
     rows_ok = dtype_ok = device_ok = True
@@ -124,12 +125,6 @@ def _check_method(ctx: Context, model_dir: Path, tensors: dict[str, torch.Tensor
                "gb_per_s": weight_bytes / 1e9 / max(seconds, 1e-9), "bit_mismatch_fraction": fraction,
                "max_error_over_bound": worst_over_bound, "quantization_config": qc}
     return checks, figures
-
-
-def _quantize(items, spec):
-    from megatron_rl.quantization.scheme import quantize_tensors
-
-    return quantize_tensors(items, spec)
 
 
 def quantize_export(ctx: Context) -> dict[str, Any]:
