@@ -6,13 +6,15 @@ import asyncio
 import torch
 
 from megatron_rl.rollout.engine import GenerationRequest
+from tests.helpers.engine_io import model_logprobs
+from tests.helpers.engine_io import run as run_with_timeout
 
 PROMPT = [5, 17, 42, 99, 7, 3]
 
 
 def run(loop: asyncio.AbstractEventLoop, coro, timeout: float = 180.0):
     """Run ``coro`` on ``loop`` (the engine's loop) with a timeout."""
-    return loop.run_until_complete(asyncio.wait_for(coro, timeout=timeout))
+    return run_with_timeout(loop, coro, timeout)
 
 
 async def sample(engine, rid: str, max_tokens: int = 16) -> tuple[list[int], list[float], int]:
@@ -29,6 +31,4 @@ def hf_logprobs(model_dir, response: list[int]) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([PROMPT + response])).logits[0]
-    return torch.log_softmax(logits[len(PROMPT) - 1:-1], -1).gather(1, torch.tensor(response)[:, None])[:, 0]
+    return model_logprobs(model, PROMPT, response)

@@ -26,7 +26,6 @@ def ray_session():
             ray.shutdown()
 
 
-
 @pytest.fixture(scope="module")
 def loop():
     """One event loop per engine test module: AsyncLLM is bound to the loop its output handler
