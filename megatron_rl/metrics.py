@@ -255,6 +255,7 @@ class PhaseTimer:
         with self._lock:
             self._totals: dict[str, float] = {}
             self._running: dict[str, float] = {}
+            self._intervals: list[tuple[str, float, float]] = []
             self._step_start = time.perf_counter()
 
     def start(self, name: str) -> None:
@@ -269,9 +270,10 @@ class PhaseTimer:
         with self._lock:
             if name not in self._running:
                 raise RuntimeError(f"timer phase {name!r} was not started")
-            elapsed = time.perf_counter() - self._running.pop(name)
-            self._totals[name] = self._totals.get(name, 0.0) + elapsed
-            return elapsed
+            start, end = self._running.pop(name), time.perf_counter()
+            self._totals[name] = self._totals.get(name, 0.0) + end - start
+            self._intervals.append((name, start, end))
+            return end - start
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -288,6 +290,13 @@ class PhaseTimer:
         """Accumulated seconds per finished phase."""
         with self._lock:
             return dict(self._totals)
+
+    def intervals(self) -> list[tuple[str, float, float]]:
+        """Every finished phase interval as (name, start, end) on the system-wide monotonic clock
+        (``time.perf_counter`` is CLOCK_MONOTONIC on Linux), so a profiler in another process can
+        line its samples up with the loop's phases."""
+        with self._lock:
+            return list(self._intervals)
 
     def summary(self, prefix: str = TIMING_PREFIX) -> dict[str, float]:
         """Phase totals plus 'step' (wall time since reset), keys prefixed for logging."""

@@ -4,6 +4,9 @@
   Tests use it to prove that no prompt is lost or trained twice across a kill and resume.
 * ``rollout_timeline.jsonl``: every engine request of each step (submit, finish, finish
   reason), for ``tools/plot_timeline.py``.
+* ``phases.jsonl``: the (start, end) of every phase of each step (rollout, logprob, train,
+  weight_sync, validation, checkpoint) on the system-wide monotonic clock, for
+  ``tools/profile_loop.py``.
 
 On resume, lines of steps at or after the resumed step are dropped (those steps are redone), so
 each file always describes exactly what the surviving model went through.

@@ -41,6 +41,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_STEP_PHASES = ("rollout", "logprob", "train", "weight_sync")
+"""Phases inside the step (its ``time/*`` metrics); validation and the checkpoint are timed too,
+for ``phases.jsonl``, but stay out of the step's time."""
+
 
 @dataclass
 class TrainerParts:
@@ -105,13 +109,19 @@ class Trainer:
             if self.start_step > 0:
                 await self.weight_sync.push(self.version)  # the engine started from HF weights
             # Validation before training goes into the first step's record (val/policy_version = 0).
-            initial_val = await self._validate() if cfg.data.eval_every and self.start_step == 0 else {}
+            timer = PhaseTimer()
+            initial_val = {}
+            if cfg.data.eval_every and self.start_step == 0:
+                with timer("validation"):
+                    initial_val = await self._validate()
             for step in range(self.start_step, cfg.trainer.steps):
-                metrics = await self._step(step)
+                timer = timer if step == self.start_step else PhaseTimer()
+                metrics = await self._step(step, timer)
                 metrics.update(initial_val)
                 initial_val = {}
                 if cfg.data.eval_every and ((step + 1) % cfg.data.eval_every == 0 or step + 1 == cfg.trainer.steps):
-                    metrics.update(await self._validate())
+                    with timer("validation"):
+                        metrics.update(await self._validate())
                 # Log before saving: a kill in between leaves a line the resumed run drops and
                 # redoes, never a checkpointed step without its metrics line.
                 metrics_log.log(step, metrics)
@@ -119,7 +129,12 @@ class Trainer:
                     plugin.on_step_end(step, metrics)
                 stopping = self.p.stop is not None and self.p.stop.requested and step + 1 < cfg.trainer.steps
                 if self._should_save(step) or stopping:
-                    await self._save(step + 1)
+                    with timer("checkpoint"):
+                        await self._save(step + 1)
+                # Every phase's (start, end) on the system-wide monotonic clock: what a profiler
+                # in another process lines its samples up with (tools/profile_loop.py).
+                self.phase_log.append(step, round_type=metrics["round_type"],
+                                      phases=[[n, s, e] for n, s, e in timer.intervals()])
                 history.append(metrics)
                 if stopping:
                     self.p.stop.stopped_after = step
@@ -130,8 +145,7 @@ class Trainer:
             metrics_log.close()
         return history
 
-    async def _step(self, step: int) -> dict:
-        timer = PhaseTimer()
+    async def _step(self, step: int, timer: PhaseTimer) -> dict:
         step_start = time.monotonic()
         extra: dict[str, float] = {}
         round_type = self.p.scheduler.next_round_type(self.cfg)
@@ -163,7 +177,7 @@ class Trainer:
         self.version += 1
         with timer("weight_sync"):
             extra.update(await self.weight_sync.push(self.version))
-        phases = timer.as_dict()
+        phases = {k: v for k, v in timer.as_dict().items() if k in _STEP_PHASES}
         metrics = loop_metrics.step_metrics(self.cfg, step, self.version, batch, samples, phases,
                                             time.monotonic() - step_start)
         for key in [k for k in extra if k.startswith("time/")]:  # phases timed by their owners
@@ -297,6 +311,7 @@ class Trainer:
     async def _resume_if_asked(self) -> None:
         self.trained_log = StepLog(self.cfg.trainer.run_dir, "trained_prompts.jsonl")
         self.timeline_log = StepLog(self.cfg.trainer.run_dir, "rollout_timeline.jsonl")
+        self.phase_log = StepLog(self.cfg.trainer.run_dir, "phases.jsonl")
         path = self.checkpoints.latest() if self.cfg.trainer.resume else None
         if self.cfg.trainer.resume and path is None:
             log.warning("trainer.resume=true but no checkpoint in %s/checkpoints: starting from step 0",
@@ -320,8 +335,8 @@ class Trainer:
                      if saved else "")
             log.info("resumed from %s at step %d%s", path, self.start_step, where)
         # Steps from start_step on are (re)done: drop what a killed run logged for them.
-        self.trained_log.truncate(self.start_step)
-        self.timeline_log.truncate(self.start_step)
+        for step_log in (self.trained_log, self.timeline_log, self.phase_log):
+            step_log.truncate(self.start_step)
 
 
 def run_trainer(parts: TrainerParts) -> list[dict]:

@@ -8,11 +8,14 @@ number of prompts: a whole number of tail-batching periods (with eta_P = 1.25, f
 then one long round = five steps, which consume exactly the prompts of five baseline steps).
 The long tail comes from the model's own response lengths; nothing is slowed down artificially.
 
-Prints per-round-type and overall step time, rollout time, engine occupancy, wasted tokens,
-final validation reward of each, and a last line ``speedup: X.XX`` = baseline training-loop time
-/ RollPacker training-loop time (every step: rollout, reward, logprobs, train, weight sync;
-start-up of Ray/engines/trainer is excluded because it is identical for both). Results go to
-<out>/benchmark.json and, with tools/plot_timeline.py, to <out>/timeline.png.
+``--seeds N --runs R`` repeats the pair over N seeds and R passes, A B on one (pass, seed) and
+B A on the next, so a drift of this noisy machine's speed hits both runs alike. Prints each run's
+loop times and ratio, then per-round-type and overall step time, rollout time, engine occupancy,
+wasted tokens and validation reward as median [range] over the runs, and a last line
+``speedup: X.XX`` = the median over runs of baseline training-loop time / RollPacker
+training-loop time (every step: rollout, reward, logprobs, train, weight sync; start-up of
+Ray/engines/trainer is excluded because it is identical for both). Results go to
+<out>/benchmark.json and, with tools/plot_timeline.py, to <out>/timeline.png (first run).
 
 ``--compare weight_sync`` times the weight sync alone, three formats in one run (hf files,
 sharded files, tensor push; ``--repeats`` pushes each) against an in-memory copy of the same
@@ -76,7 +79,7 @@ COMPARISONS = {
 
 
 # Comparisons with a module (and options) of their own: --compare NAME runs MODULE.main(argv).
-OWN_MODULES = {"quantization": "tools.benchmark_quantization"}
+OWN_MODULES = {"quantization": "tools.benchmark_quantization", "arms": "tools.benchmark_arms"}
 
 
 def _own_module(argv: list[str]) -> str | None:
@@ -144,38 +147,50 @@ def response_length_tail(run_dir: Path) -> tuple[float, float]:
     return (statistics.median(lengths), max(lengths)) if lengths else (0.0, 0.0)
 
 
-def print_table(base: dict, tb: dict, labels: tuple[str, str] = ("baseline", "RollPacker")) -> None:
-    def row(name, a, b, fmt="{:.2f}"):
-        fa = fmt.format(a) if a is not None else "-"
-        fb = fmt.format(b) if b is not None else "-"
-        ratio = f"{a / b:.2f}x" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else ""
-        print(f"| {name:<34} | {fa:>12} | {fb:>12} | {ratio:>7} |")
+def _cell(values: list, fmt: str) -> str:
+    values = [v for v in values if isinstance(v, (int, float))]
+    if not values:
+        return "-"
+    med, lo, hi = statistics.median(values), min(values), max(values)
+    return fmt.format(med) if len(values) == 1 or lo == hi else f"{fmt.format(med)} [{fmt.format(lo)}-{fmt.format(hi)}]"
 
-    print(f"| {'metric':<34} | {labels[0]:>12} | {labels[1]:>12} |   ratio |")
-    print("| ---------------------------------- | -----------: | -----------: | ------: |")
-    row("training-loop time (s)", base["loop_time"], tb["loop_time"])
-    row("rollout time (s)", base["rollout_time"], tb["rollout_time"])
-    row("step time, all rounds (s)", base["loop_time"] / base["steps"], tb["loop_time"] / tb["steps"])
+
+def table_rows(run: dict) -> list[tuple[str, float | None, str]]:
+    """(metric, value, format) of one run's summary, in table order."""
+    rows = [("training-loop time (s)", run["loop_time"], "{:.1f}"), ("rollout time (s)", run["rollout_time"], "{:.1f}"),
+            ("step time, all rounds (s)", run["loop_time"] / run["steps"], "{:.2f}")]
     for rt in ("short", "long"):
-        if rt in tb:
-            a = base.get(rt, {})
-            row(f"step time, {rt} rounds (s)", a.get("step_time_mean"), tb[rt]["step_time_mean"])
-            row(f"rollout time, {rt} rounds (s)", a.get("rollout_time_mean"), tb[rt]["rollout_time_mean"])
-            row(f"occupancy, {rt} rounds", a.get("occupancy_mean"), tb[rt]["occupancy_mean"])
-    if "stream" in tb:
-        st = tb["stream"]
-        row("stream: start (fraction complete)", None, st["start_fraction"])
-        row("stream: trained before rollout end", None, st["trained_fraction_before_rollout_end"])
-        row("stream: train time hidden (s/round)", None, st["hidden_train_s"])
-        row("stream: train time exposed (s/round)", None, st["exposed_train_s"])
-    row("scoring (logprob) time (s/step)", base["logprob_time_mean"], tb["logprob_time_mean"], "{:.3f}")
-    row("train time (s/step)", base["train_time_mean"], tb["train_time_mean"], "{:.3f}")
-    row("weight sync time (s/step)", base["weight_sync_time_mean"], tb["weight_sync_time_mean"], "{:.3f}")
-    row("engine occupancy (mean)", base["occupancy_mean"], tb["occupancy_mean"])
-    row("wasted tokens (aborted+discarded)", base["wasted_tokens"], tb["wasted_tokens"], "{:.0f}")
-    row("train reward (mean over run)", base["train_reward_mean"], tb["train_reward_mean"], "{:.3f}")
-    row("val pass@1 before training", base["initial_val_pass@1"], tb["initial_val_pass@1"], "{:.3f}")
-    row("val pass@1 after training", base["final_val_pass@1"], tb["final_val_pass@1"], "{:.3f}")
+        part = run.get(rt, {})
+        rows += [(f"step time, {rt} rounds (s)", part.get("step_time_mean"), "{:.2f}"),
+                 (f"rollout time, {rt} rounds (s)", part.get("rollout_time_mean"), "{:.2f}"),
+                 (f"occupancy, {rt} rounds", part.get("occupancy_mean"), "{:.2f}")]
+    st = run.get("stream", {})
+    rows += [("stream: start (fraction complete)", st.get("start_fraction"), "{:.2f}"),
+             ("stream: trained before rollout end", st.get("trained_fraction_before_rollout_end"), "{:.2f}"),
+             ("stream: train time hidden (s/round)", st.get("hidden_train_s"), "{:.2f}"),
+             ("stream: train time exposed (s/round)", st.get("exposed_train_s"), "{:.2f}"),
+             ("scoring (logprob) time (s/step)", run["logprob_time_mean"], "{:.3f}"),
+             ("train time (s/step)", run["train_time_mean"], "{:.3f}"),
+             ("weight sync time (s/step)", run["weight_sync_time_mean"], "{:.3f}"),
+             ("engine occupancy (mean)", run["occupancy_mean"], "{:.2f}"),
+             ("wasted tokens (aborted+discarded)", run["wasted_tokens"], "{:.0f}"),
+             ("train reward (mean over run)", run["train_reward_mean"], "{:.3f}"),
+             ("val pass@1 before training", run["initial_val_pass@1"], "{:.3f}"),
+             ("val pass@1 after training", run["final_val_pass@1"], "{:.3f}")]
+    return rows
+
+
+def print_table(base_runs: list[dict], tb_runs: list[dict], labels: tuple[str, str] = ("baseline", "RollPacker")) -> None:
+    """Median [range] over runs of every figure, both columns; ratio = median of per-run ratios."""
+    print(f"| {'metric':<36} | {labels[0]:>20} | {labels[1]:>20} | {'ratio':>18} |")
+    print("| " + "-" * 36 + " | " + "-" * 19 + ": | " + "-" * 19 + ": | " + "-" * 17 + ": |")
+    for i, (name, _, fmt) in enumerate(table_rows(base_runs[0])):
+        a = [table_rows(r)[i][1] for r in base_runs]
+        b = [table_rows(r)[i][1] for r in tb_runs]
+        if all(v is None for v in a + b):
+            continue
+        ratios = [x / y for x, y in zip(a, b) if isinstance(x, (int, float)) and isinstance(y, (int, float)) and y]
+        print(f"| {name:<36} | {_cell(a, fmt):>20} | {_cell(b, fmt):>20} | {_cell(ratios, '{:.2f}x'):>18} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
                              "logprobs (baseline scheduler)")
     parser.add_argument("--repeats", type=int, default=3, help="--compare weight_sync: timed pushes per format")
     parser.add_argument("overrides", nargs="*", help="extra dotted config overrides for both runs")
-    parser.add_argument("--seeds", type=int, default=3, help="--compare speculative: seeds (three columns each)")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="seeds from --seed (two-run comparisons; --compare speculative defaults to 3)")
+    parser.add_argument("--runs", type=int, default=1, help="passes over the seeds, the two runs interleaved A B / B A")
     args, rest = parser.parse_known_args(argv)
     if args.compare == "speculative":
         from tools.benchmark_speculative import main as speculative_main
@@ -225,44 +242,62 @@ def main(argv: list[str] | None = None) -> int:
     probe = benchmark_config(args, "tail_batching", 1, Path(args.out))
     steps = args.periods * period_steps(probe.scheduler.eta_prompts, args.prompts_per_step)
     out = Path(args.out)
-    results = {}
     runs = COMPARISONS[args.compare]
-    for name, scheduler, extra, _ in runs:
-        run_dir = out / name
-        cfg = benchmark_config(args, scheduler, steps, run_dir, extra)
-        print(f"[benchmark] {name}: {steps} steps x {args.prompts_per_step} prompts x "
-              f"{args.responses} responses -> {run_dir}", flush=True)
-        start = time.monotonic()
-        build_and_run(cfg)
-        results[name] = summarize(read_metrics(run_dir))
-        results[name]["wall_time_with_startup"] = time.monotonic() - start
+    results: dict[str, list[dict]] = {name: [] for name, *_ in runs}
+    first_seed, flip = args.seed, False
+    for rep in range(args.runs):
+        for seed in range(first_seed, first_seed + args.seeds):
+            # A B on one (pass, seed), B A on the next: drift of the machine hits both alike.
+            for name, scheduler, extra, _ in (runs[::-1] if flip else runs):
+                run_dir = out / f"pass{rep}" / f"seed{seed}" / name
+                args.seed = seed
+                cfg = benchmark_config(args, scheduler, steps, run_dir, extra)
+                print(f"[benchmark] pass {rep} seed {seed} {name}: {steps} steps x {args.prompts_per_step} prompts x "
+                      f"{args.responses} responses -> {run_dir}", flush=True)
+                start = time.monotonic()
+                build_and_run(cfg)
+                summary = summarize(read_metrics(run_dir))
+                summary.update(wall_time_with_startup=time.monotonic() - start, seed=seed, run=rep,
+                               run_dir=str(run_dir))
+                results[name].append(summary)
+            flip = not flip
 
     (first, *_), (second, *_) = runs
-    median, longest = response_length_tail(out / first)
     base, tb = results[first], results[second]
+    lengths = [response_length_tail(Path(r["run_dir"])) for r in base]
+    median, longest = statistics.median(m for m, _ in lengths), max(x for _, x in lengths)
     print()
-    print(f"model {args.model}; {steps} steps each; P0={args.prompts_per_step}, R0={args.responses}, "
-          f"max_new_tokens={args.max_new_tokens}, eta_P=eta_R={probe.scheduler.eta_prompts}/"
-          f"{probe.scheduler.eta_responses}")
+    print(f"model {args.model}; {steps} steps each; {args.seeds} seed(s) from {first_seed} x {args.runs} pass(es); "
+          f"P0={args.prompts_per_step}, R0={args.responses}, max_new_tokens={args.max_new_tokens}, "
+          f"eta_P/eta_R={probe.scheduler.eta_prompts}/{probe.scheduler.eta_responses}")
     print(f"{first} response lengths: median {median:.0f}, max {longest:.0f} tokens "
           f"(max/median = {longest / max(median, 1):.1f})")
+    for a, b in zip(base, tb):
+        print(f"  seed {a['seed']} pass {a['run']}: {a['loop_time']:.1f} s / {b['loop_time']:.1f} s = "
+              f"{a['loop_time'] / b['loop_time']:.2f}x")
     print_table(base, tb, (runs[0][3], runs[1][3]))
-    speedup = base["loop_time"] / tb["loop_time"]
-    if args.compare == "stream" and "long" in base and "long" in tb:
-        long_speedup = base["long"]["step_time_mean"] / tb["long"]["step_time_mean"]
-        results["long_round_speedup"] = long_speedup
-        print(f"long-round speedup: {long_speedup:.2f}")
-    results.update({"steps": steps, "speedup": speedup, "length_median": median, "length_max": longest})
-    (out / "benchmark.json").write_text(json.dumps(results, indent=2))
+    speedups = [a["loop_time"] / b["loop_time"] for a, b in zip(base, tb)]
+    speedup = statistics.median(speedups)
+    summary_out = {"steps": steps, "speedup": speedup, "speedups": speedups, "length_median": median,
+                   "length_max": longest, "runs": results}
+    if args.compare == "stream":
+        long_ratios = [a["long"]["step_time_mean"] / b["long"]["step_time_mean"] for a, b in zip(base, tb)
+                       if "long" in a and "long" in b]
+        if long_ratios:
+            summary_out["long_round_speedups"] = long_ratios
+            print(f"long-round speedup: {statistics.median(long_ratios):.2f} "
+                  f"(range {min(long_ratios):.2f}-{max(long_ratios):.2f})")
+    (out / "benchmark.json").write_text(json.dumps(summary_out, indent=2))
     try:
         from tools.plot_timeline import plot_timeline
 
-        plot_timeline(out / first, out / second, out / "timeline.png",
+        plot_timeline(Path(base[0]["run_dir"]), Path(tb[0]["run_dir"]), out / "timeline.png",
                       titles=None if args.compare == "schedulers" else tuple(
                           f"{scheduler.replace('_', ' ')}, {label}" for _, scheduler, _, label in runs))
-        print(f"timeline: {out / 'timeline.png'}")
-    except Exception as exc:  # the numbers above stand without the picture
+        print(f"timeline (first seed, first pass): {out / 'timeline.png'}")
+    except Exception as exc:  # the numbers stand without the picture
         print(f"timeline plot failed: {exc}", file=sys.stderr)
+    print(f"speedup (median of {len(speedups)} runs, range {min(speedups):.2f}-{max(speedups):.2f})")
     print(f"speedup: {speedup:.2f}")
     return 0
 

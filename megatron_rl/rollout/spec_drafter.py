@@ -72,6 +72,34 @@ class _Group:
     migrated requests bring their own)."""
 
 
+def spend_budget(candidates: list[tuple[list[int], int]], budget: int) -> list[list[int]]:
+    """Each row's draft cut so the step drafts at most ``budget`` tokens in all (0: no limit).
+
+    ``candidates`` are (draft, match length) per batch row. Verifying a drafted token costs the
+    target model's compute for it whether it is accepted or not, so with many rows a budget
+    spends it where the match is longest (the likeliest continuation) first, then in row order;
+    one token per row first, then a second one, and so on, so that a long draft does not take the
+    budget from every other row."""
+    if budget <= 0:
+        return [d for d, _ in candidates]
+    order = sorted((i for i, (d, _) in enumerate(candidates) if d), key=lambda i: (-candidates[i][1], i))
+    granted = [0] * len(candidates)
+    left, depth = budget, 0
+    while left > 0:
+        grew = False
+        for i in order:
+            if left == 0:
+                break
+            if granted[i] == depth and len(candidates[i][0]) > depth:
+                granted[i] += 1
+                left -= 1
+                grew = True
+        if not grew:
+            break
+        depth += 1
+    return [d[:g] for (d, _), g in zip(candidates, granted)]
+
+
 class SpecDrafter:
     """vLLM custom proposer: per-request drafts from vLLM's n-gram proposer or the suffix index."""
 
@@ -82,6 +110,7 @@ class SpecDrafter:
         self.method = options.get("method", "suffix")
         self.min_match = int(options.get("min_match", 2))
         self.max_match = int(options.get("max_match", 8))
+        self.step_budget = int(options.get("step_budget", 0))
         if self.method not in ("ngram", "suffix"):
             raise ValueError(f"{ENV_KEY}: unknown drafting method {self.method!r} (ngram or suffix)")
         self.max_model_len = vllm_config.model_config.max_model_len
@@ -116,19 +145,20 @@ class SpecDrafter:
         if self._ngram is not None:
             masked = [s if w else [] for s, w in zip(sampled_token_ids, wants)]
             drafts = self._ngram.propose(self.k, masked, num_tokens_no_spec, token_ids_cpu)
-            return [list(d) if w else [] for d, w in zip(drafts, wants)]
-        out: list[list[int]] = []
-        for i in range(rows):
-            if not wants[i]:
-                out.append([])
-                continue
-            n = int(num_tokens_no_spec[i])
-            context = token_ids_cpu[i, :n].tolist()
-            out.append(self._suffix_draft(req_ids[i], context))
-        return out
+            # No match lengths from vLLM's proposer: a longer draft came from a longer match.
+            candidates = [(list(d), len(d)) if w else ([], 0) for d, w in zip(drafts, wants)]
+        else:
+            candidates = []
+            for i in range(rows):
+                if not wants[i]:
+                    candidates.append(([], 0))
+                    continue
+                n = int(num_tokens_no_spec[i])
+                candidates.append(self._suffix_draft(req_ids[i], token_ids_cpu[i, :n].tolist()))
+        return spend_budget(candidates, self.step_budget)
 
     # ------------------------------------------------------------------ suffix drafting
-    def _suffix_draft(self, req_id: str, context: list[int]) -> list[int]:
+    def _suffix_draft(self, req_id: str, context: list[int]) -> tuple[list[int], int]:
         req = self._requests[req_id]
         group = self._groups[req.group]
         if req.seq_id < 0:
@@ -143,7 +173,7 @@ class SpecDrafter:
             group.index.extend(req.seq_id, context[req.seen:])
             req.seen = len(context)
         room = min(self.k, self.max_model_len - len(context) - 1)
-        return group.index.draft(context, room)
+        return group.index.draft_with_match(context, room)
 
     # ------------------------------------------------------------------ request bookkeeping
     def _request(self, runner: Any, req_id: str) -> _Request:

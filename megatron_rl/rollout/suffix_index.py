@@ -75,8 +75,13 @@ class SuffixIndex:
     def draft(self, context: Sequence[int], max_tokens: int) -> list[int]:
         """Up to ``max_tokens`` tokens that followed the longest indexed suffix of ``context``
         (its most recent occurrence); [] when no suffix of at least ``min_match`` tokens occurs."""
+        return self.draft_with_match(context, max_tokens)[0]
+
+    def draft_with_match(self, context: Sequence[int], max_tokens: int) -> tuple[list[int], int]:
+        """:meth:`draft` and the length of the suffix that matched (0: none): a longer match is a
+        likelier continuation, which a per-step draft budget spends first."""
         if max_tokens <= 0:
-            return []
+            return [], 0
         for n in self.lengths:
             if len(context) < n:
                 continue
@@ -87,5 +92,5 @@ class SuffixIndex:
             seq, end = self._seqs[packed >> 32], packed & 0xFFFFFFFF
             if tuple(seq[end + 1 - n:end + 1]) != tail:
                 continue  # hash collision: not a real match
-            return seq[end + 1:end + 1 + max_tokens]
-        return []
+            return seq[end + 1:end + 1 + max_tokens], n
+        return [], 0

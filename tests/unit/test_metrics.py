@@ -142,6 +142,7 @@ def test_timer_accumulates_phases(monkeypatch):
     timer.start("rollout")
     assert timer.stop("rollout") == 0.5
     assert timer.as_dict() == {"rollout": 2.5}
+    assert timer.intervals() == [("rollout", 1.0, 3.0), ("rollout", 4.0, 4.5)]  # the monotonic clock's own times
     assert timer.summary() == {"time/rollout": 2.5, "time/step": 10.0}
 
 

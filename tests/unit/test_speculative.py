@@ -26,7 +26,8 @@ def test_engine_kwargs_and_env_follow_the_method():
     assert kw == {"method": "custom_class", "model": "megatron_rl.rollout.spec_drafter.SpecDrafter",
                   "num_speculative_tokens": 3}
     env = speculative.engine_env(SpeculativeConfig(method="ngram", min_match_tokens=3, max_match_tokens=5))
-    assert json.loads(env["MEGATRON_RL_SPECULATIVE"]) == {"method": "ngram", "min_match": 3, "max_match": 5}
+    assert json.loads(env["MEGATRON_RL_SPECULATIVE"]) == {"method": "ngram", "min_match": 3, "max_match": 5,
+                                                          "step_budget": 0}
     assert speculative.engine_env(SpeculativeConfig()) == {"MEGATRON_RL_SPECULATIVE": None}
 
 
@@ -95,6 +96,20 @@ def test_suffix_index_drafts_the_continuation_of_the_longest_match():
     idx.extend(a, [16, 17])
     assert idx.draft([14, 15], 2) == [16, 17]
     assert idx.sequence_length(b) == 4 and idx.num_tokens == 12
+    assert idx.draft_with_match([10, 11, 12, 13], 2) == ([14, 15], 4)  # matched on 4 tokens
+    assert idx.draft_with_match([1, 2], 2) == ([], 0)
+
+
+def test_step_budget_goes_to_the_longest_matches_one_token_per_row_at_a_time():
+    from megatron_rl.rollout.spec_drafter import spend_budget
+
+    rows = [([1, 2, 3, 4], 2), ([5, 6, 7, 8], 8), ([], 0), ([9, 10], 4), ([11, 12, 13], 2)]
+    assert spend_budget(rows, 0) == [[1, 2, 3, 4], [5, 6, 7, 8], [], [9, 10], [11, 12, 13]]  # no limit
+    # 5 tokens: one each to the four drafted rows (longest match first), the fifth to the longest.
+    assert spend_budget(rows, 5) == [[1], [5, 6], [], [9], [11]]
+    assert spend_budget(rows, 2) == [[], [5], [], [9], []]
+    assert spend_budget(rows, 100) == spend_budget(rows, 0)
+    assert sum(map(len, spend_budget(rows, 7))) == 7
 
 
 def test_config_validation_names_the_key():
@@ -109,6 +124,10 @@ def test_config_validation_names_the_key():
     cfg = RunConfig()
     cfg.rollout.speculative.num_speculative_tokens = 0
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        validate(cfg)
+    cfg = RunConfig()
+    cfg.rollout.speculative.step_draft_budget = -1
+    with pytest.raises(ConfigError, match="step_draft_budget"):
         validate(cfg)
 
 

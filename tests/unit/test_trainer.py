@@ -257,6 +257,17 @@ def test_steps_are_on_policy_and_plugins_are_called_in_order(tmp_path, tokenizer
     assert sorted(set(round(a, 4) for a in parts.policy.advantages)) == [-0.7071, 0.7071]
     # Without offload/sleep options nothing moves but the weights.
     assert events.count("trainer.offload") == 0 and "engine.sleep" not in events
+    # phases.jsonl: every step's phases in order on the monotonic clock (the profiler's time line),
+    # the last step's checkpoint included; time/* of the step agree with them.
+    records = [json.loads(line) for line in (tmp_path / "run/phases.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1]
+    assert [n for n, _, _ in records[0]["phases"]] == ["rollout", "logprob", "train", "weight_sync"]
+    assert [n for n, _, _ in records[1]["phases"]][-1] == "checkpoint"
+    ends = [t for r in records for _, s, e in r["phases"] for t in (s, e)]
+    assert ends == sorted(ends)
+    for rec, m in zip(records, history):
+        rollout = next(e - s for n, s, e in rec["phases"] if n == "rollout")
+        assert m["time/rollout"] + m["time/reward"] == pytest.approx(rollout, abs=1e-6)
 
 
 def test_stale_samples_are_refused(tmp_path, tokenizer, tokenizer_dir):
