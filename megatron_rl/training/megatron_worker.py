@@ -126,7 +126,7 @@ class MegatronWorker(WeightExport, WeightPush):
         model = build_gpt_model(
             self.arch, tcfg, self.layout.tensor_model_parallel_size,
             pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-            transformer_impl=self.cfg.model.transformer_impl,
+            transformer_impl=self.cfg.model.transformer_impl, local_attention=self.cfg.model.local_attention,
         )
         if tcfg.bf16:
             from megatron.core.transformer.module import Float16Module
@@ -214,7 +214,11 @@ class MegatronWorker(WeightExport, WeightPush):
         token_fields: dict[str, list[list[float]] | None] = {}
         seq_fields: dict[str, list[float]] = {}
         if fields:
-            recompute = self.cfg.algorithm.recompute_old_logprobs  # else the training forward's own
+            recompute = self.cfg.algorithm.recomputes_old_logprobs()  # else the training forward's own
+            if not recompute and any(s.old_logprobs for s in samples):
+                raise ValueError("samples carry old_logprobs but algorithm.recompute_old_logprobs resolves to false "
+                                 "(one optimizer step: the training forward's own logprobs are the old ones); set "
+                                 "algorithm.recompute_old_logprobs=true to train against given old logprobs")
             for i, s in enumerate(samples):
                 if recompute and s.response_ids and len(s.old_logprobs) != len(s.response_ids):
                     raise ValueError(
@@ -280,7 +284,7 @@ class MegatronWorker(WeightExport, WeightPush):
             raise RuntimeError("train_step: gradients from accumulate_gradients are pending; call "
                                "apply_accumulated_gradients or discard_accumulated_gradients first")
         n_mini = self.cfg.algorithm.ppo_mini_batches
-        if n_mini != 1 and not self.cfg.algorithm.recompute_old_logprobs:
+        if n_mini != 1 and not self.cfg.algorithm.recomputes_old_logprobs():
             raise ValueError(f"algorithm.recompute_old_logprobs=false needs algorithm.ppo_mini_batches == 1 "
                              f"(after the first optimizer step the weights are no longer the old policy), got {n_mini}")
         if len(samples) < n_mini * self.dp_size:

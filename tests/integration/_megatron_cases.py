@@ -30,6 +30,7 @@ def policy_loss_cfg(tp: int, pp: int, loss_agg: str, kl_coef: float, tis_cap: fl
     cfg.algorithm.loss_agg = loss_agg
     cfg.algorithm.kl_coef = kl_coef
     cfg.algorithm.tis_cap = tis_cap
+    cfg.algorithm.recompute_old_logprobs = True  # the steps are given their old logprobs
     return cfg
 
 
@@ -148,6 +149,7 @@ def _cfg(tp: int, pp: int, budget: int):
     cfg.optimizer.micro_batch_tokens = budget
     cfg.optimizer.grad_clip = 0.0
     cfg.optimizer.lr = 1e-3
+    cfg.algorithm.recompute_old_logprobs = True  # the steps are given their old logprobs
     return cfg
 
 

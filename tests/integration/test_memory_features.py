@@ -45,6 +45,7 @@ def _cfg(tp: int, pp: int = 1, recompute: str = "none"):
     cfg.optimizer.micro_batch_tokens = 64  # a few microbatches per rank
     cfg.optimizer.grad_clip = 0.0  # the exported gradient is the raw one
     cfg.optimizer.lr = 1e-3
+    cfg.algorithm.recompute_old_logprobs = True  # the steps are given their old logprobs
     return cfg
 
 

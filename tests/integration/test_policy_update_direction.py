@@ -21,6 +21,7 @@ def _update_direction(rank: int, world: int, port: int, model_dir: str, samples)
     cfg.parallel.tensor_model_parallel_size = 2
     cfg.optimizer.lr = 1e-3
     cfg.algorithm.clip_low = cfg.algorithm.clip_high = 0.2
+    cfg.algorithm.recompute_old_logprobs = True  # the step is given its old logprobs
     worker = MegatronWorker(cfg, rank, world, "127.0.0.1", port)
     try:
         worker.load_hf(model_dir)

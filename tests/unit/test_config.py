@@ -19,7 +19,7 @@ def test_recipe_loads_and_overrides_apply():
     assert cfg.rollout.temperature == 0.7
     assert cfg.trainer.run_dir == "/tmp/x"
     assert cfg.trainer.resume is True
-    assert cfg.parallel.tensor_model_parallel_size == 2
+    assert (cfg.parallel.tensor_model_parallel_size, cfg.parallel.data_parallel_size) == (1, 2)
     validate(cfg, TINY_ARCH, device="cpu")
 
 
@@ -145,3 +145,21 @@ def test_readme_config_reference_is_current():
     result = subprocess.run([sys.executable, str(REPO / "tools/config_reference.py"), "--check", str(REPO / "README.md")],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_old_logprob_pass_is_skipped_by_default_only_with_one_optimizer_step(tmp_path):
+    from megatron_rl.config_io import apply_override, load_config
+
+    cfg = load_config(None)
+    assert cfg.algorithm.recompute_old_logprobs is None and not cfg.algorithm.recomputes_old_logprobs()
+    apply_override(cfg, "algorithm.ppo_mini_batches=2")
+    assert cfg.algorithm.recomputes_old_logprobs()  # several optimizer steps: the old policy must be scored
+    for text, want in (("true", True), ("false", False), ("null", None)):
+        apply_override(cfg, f"algorithm.recompute_old_logprobs={text}")
+        assert cfg.algorithm.recompute_old_logprobs is want
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("algorithm:\n  recompute_old_logprobs: true\n")
+    assert load_config(recipe).algorithm.recomputes_old_logprobs()
+    recipe.write_text("algorithm:\n  recompute_old_logprobs: 3\n")
+    with pytest.raises(ConfigError, match="algorithm.recompute_old_logprobs"):
+        load_config(recipe)

@@ -87,7 +87,13 @@ class FakePolicy:
         self.steps += 1
         self.trained.append([s.request_id for s in samples])
         self.advantages.extend(s.advantage for s in samples)
-        return {"loss": 0.5, "num_tokens": float(sum(len(s.response_ids) for s in samples))}
+        metrics = {"loss": 0.5, "num_tokens": float(sum(len(s.response_ids) for s in samples))}
+        if not any(s.old_logprobs for s in samples):
+            # No scoring pass ran (one optimizer step: the default): like the real worker, the
+            # training forward's own logprobs (-0.5 here) are held against the engine's.
+            diffs = [abs(-0.5 - e) for s in samples for e in s.engine_logprobs]
+            metrics.update(logprob_abs_diff_sum=sum(diffs), logprob_abs_diff_max=max(diffs, default=0.0))
+        return metrics
 
     async def accumulate_gradients(self, samples):
         self.events.append("policy.accumulate")
@@ -257,6 +263,10 @@ def test_steps_are_on_policy_and_plugins_are_called_in_order(tmp_path, tokenizer
     assert sorted(set(round(a, 4) for a in parts.policy.advantages)) == [-0.7071, 0.7071]
     # Without offload/sleep options nothing moves but the weights.
     assert events.count("trainer.offload") == 0 and "engine.sleep" not in events
+    # One optimizer step per batch (the default): no scoring pass; the parity above came from the
+    # training forward (algorithm.recompute_old_logprobs unset).
+    assert "policy.logprobs(policy)" not in events and all("time/logprob" not in m or m["time/logprob"] < 0.01
+                                                           for m in history)
     # phases.jsonl: every step's phases in order on the monotonic clock (the profiler's time line),
     # the last step's checkpoint included; time/* of the step agree with them.
     records = [json.loads(line) for line in (tmp_path / "run/phases.jsonl").read_text().splitlines()]
@@ -295,7 +305,7 @@ def test_memory_moves_in_order_around_every_phase(tmp_path, tokenizer, tokenizer
     events = []
     parts = make_parts(tmp_path, tokenizer, tokenizer_dir, events, steps=2,
                        overrides=["trainer.offload_during_rollout=true", "rollout.sleep_during_train=true",
-                                  "trainer.save_every=1"])
+                                  "trainer.save_every=1", "algorithm.recompute_old_logprobs=true"])
     run(parts)
     # The tensor push reads trainer memory: the engines wake, the push runs, then the trainer
     # leaves (the file syncs write first, offload, wake and then reload: the test below).
@@ -311,7 +321,8 @@ def test_file_syncs_write_before_the_memory_moves(tmp_path, tokenizer, tokenizer
     events = []
     parts = make_parts(tmp_path, tokenizer, tokenizer_dir, events, steps=2,
                        overrides=["trainer.offload_during_rollout=true", "rollout.sleep_during_train=true",
-                                  "trainer.save_every=1", "rollout.weight_sync_format=sharded"])
+                                  "trainer.save_every=1", "rollout.weight_sync_format=sharded",
+                                  "algorithm.recompute_old_logprobs=true"])
     run(parts)
     step = ["engine.sleep", "trainer.reload", "policy.logprobs(policy)", "policy.train_step",
             "policy.write_shards(tp1,v{v})", "trainer.offload", "engine.wake_up", "engine.reload(v{v})"]
