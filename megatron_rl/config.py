@@ -293,7 +293,7 @@ class RewardConfig:
     """Code sandbox isolation: 'auto' (namespaces via unshare with a private read-only root when
     a probe run works, else without), 'namespaces' (require them) or 'audit' (never use them).
     Landlock, seccomp, rlimits and the audit hook apply in every mode where the kernel has them;
-    see megatron_rl/reward/sandbox.py."""
+    see megatron_rl/reward/sandbox/__init__.py."""
     sandbox_memory_mb: int = 1024
     """Address-space limit of a sandboxed program in MiB."""
     sandbox_disk_mb: int = 64

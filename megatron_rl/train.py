@@ -106,7 +106,7 @@ def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict
 
     from megatron_rl.data.datasets import load_prompts
     from megatron_rl.distributed.cluster import engine_actor_options, free_port, start_ray, trainer_actor_options
-    from megatron_rl.reward.workers import RewardPool
+    from megatron_rl.reward.pool.reward_pool import RewardPool
     from megatron_rl.rollout.ray_engine import create_engine_client
     from megatron_rl.rollout.weight_sync import default_sync_dir, sweep_dead_sync_dirs
     from megatron_rl.trainer import TrainerParts, run_trainer

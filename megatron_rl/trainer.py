@@ -37,7 +37,7 @@ from megatron_rl.training.colocation import Colocation
 from megatron_rl.training.policy import Policy
 
 if TYPE_CHECKING:
-    from megatron_rl.reward.workers import RewardPool
+    from megatron_rl.reward.pool.reward_pool import RewardPool
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class TrainerParts:
     engine: RolloutEngine
     """The engines, as the plug-in factories left them (e.g. RollPacker's elastic wrapper)."""
     rewards: "RewardPool"
-    """Async scoring of each finished response (``megatron_rl.reward.workers.RewardPool``)."""
+    """Async scoring of each finished response (``megatron_rl.reward.pool.reward_pool.RewardPool``)."""
     train_prompts: list[Prompt]
     eval_prompts: list[Prompt]
     scheduler: RolloutScheduler

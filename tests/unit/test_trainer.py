@@ -212,7 +212,7 @@ class TakeOver(TrainerPlugin):
 def make_parts(tmp_path, tokenizer, tokenizer_dir, events, *, plugins=(), steps=3, stop=None,
                overrides=(), scheduler="baseline", length_fn=lambda r: 12) -> TrainerParts:
     from megatron_rl.config_io import apply_override
-    from megatron_rl.reward.workers import RewardPool
+    from megatron_rl.reward.pool.reward_pool import RewardPool
 
     cfg = RunConfig()
     for assignment in [f"model.hf_path={tokenizer_dir}", f"trainer.run_dir={tmp_path / 'run'}",

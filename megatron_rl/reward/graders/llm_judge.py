@@ -19,7 +19,7 @@ import re
 import time
 from typing import Any
 
-from megatron_rl.reward.math_reward import RewardResult
+from megatron_rl.reward.graders.result import RewardResult
 from megatron_rl.rollout.engine import GenerationRequest, RolloutEngine
 
 DEFAULT_TEMPLATE = (

@@ -5,7 +5,7 @@ Contract of :class:`Dispatcher`:
 * **what is sent**: the response's token ids, the prompt's answer and metadata, a label naming
   it in warnings ('prompt_id#index') and, for code responses, the timeout: the problem's
   adaptive timeout (``reward.adaptive_timeout``, from
-  :class:`~megatron_rl.reward.adaptive_timeout.AdaptiveTimeouts`) or ``reward.code_timeout_max_s``.
+  :class:`~megatron_rl.reward.pool.adaptive_timeout.AdaptiveTimeouts`) or ``reward.code_timeout_max_s``.
   Math responses use the worker's fixed ``reward.timeout_s``. Judge responses are never sent
   (ValueError: the judge scores on the driver). Every task carries an increasing task id, so a
   worker runs its tasks in submission order and can be told to skip some.
@@ -30,11 +30,11 @@ import time
 from typing import Any
 
 from megatron_rl.config import RewardConfig
-from megatron_rl.reward.adaptive_timeout import AdaptiveTimeouts
-from megatron_rl.reward.handles import RewardHandle, apply_outcome, response_label
-from megatron_rl.reward.pool_metrics import RewardStats
-from megatron_rl.reward.scorer import RewardOutcome, route_for
-from megatron_rl.reward.worker_set import WorkerSet
+from megatron_rl.reward.pool.adaptive_timeout import AdaptiveTimeouts
+from megatron_rl.reward.pool.handles import RewardHandle, apply_outcome, response_label
+from megatron_rl.reward.pool.metrics import RewardStats
+from megatron_rl.reward.pool.worker import RewardOutcome, route_for
+from megatron_rl.reward.pool.worker_set import WorkerSet
 from megatron_rl.sample import Sample
 
 logger = logging.getLogger(__name__)

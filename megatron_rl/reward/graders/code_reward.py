@@ -4,7 +4,7 @@ The solution is the last fenced code block of the response (```python, ```py or 
 a response without one scores 0 with status 'no_answer'. Supported test formats, picked from
 the prompt's metadata (datasets put them there; ``Prompt.answer`` is the fallback test text).
 The solution runs in its own process as module ``solution``; the tests run in the sandbox's
-judge process and reach it through plain-data calls (see :mod:`megatron_rl.reward.sandbox`):
+judge process and reach it through plain-data calls (see :mod:`megatron_rl.reward.sandbox.sandbox`):
 
 ===========  ==========================================  =====================================
 style        metadata                                    how it runs
@@ -31,8 +31,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from megatron_rl.reward.math_reward import RewardResult
-from megatron_rl.reward.sandbox import Sandbox, SandboxLimits, SandboxResult
+from megatron_rl.reward.graders.result import RewardResult
+from megatron_rl.reward.sandbox.job import SandboxLimits, SandboxResult
+from megatron_rl.reward.sandbox.sandbox import Sandbox
 
 _FENCE_RE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
 _PY_TAGS = {"python", "py", "python3", "py3"}
@@ -129,7 +130,7 @@ def parse_tests(answer: str, metadata: dict | None) -> CodeTests:
 
 def build_job(solution: str, tests: CodeTests) -> dict:
     """The sandbox job that runs ``solution`` against ``tests`` (the solution and the tests go
-    to different processes: see :mod:`megatron_rl.reward.sandbox`)."""
+    to different processes: see :mod:`megatron_rl.reward.sandbox.sandbox`)."""
     if tests.kind == "stdio":
         return {"kind": "stdio", "solution": solution, "cases": [list(c) for c in tests.cases]}
     if tests.kind == "pytest":

@@ -1,9 +1,9 @@
 """The judge process of a sandbox run: runs the dataset's tests and writes the verdict.
 
-Started by :mod:`megatron_rl.reward.sandbox_run` next to the solution process (``python -I -S
--B -c "...; main()"``), with its job (JSON: the tests, the expected outputs) on stdin. No untrusted
-code ever runs here: the solution is reached only through :class:`sandbox_remote.Remote`, whose
-answers are plain data decoded here or opaque proxies. The verdict goes to a pipe that only this
+Started by :mod:`megatron_rl.reward.sandbox.supervisor` next to the solution process
+(``python -I -S -B -c "...; main()"``), with its job (the tests, the expected outputs) on stdin.
+No untrusted code ever runs here: the solution is reached only through
+:class:`sandbox_remote.Remote`, whose answers are plain data decoded here or opaque proxies. The verdict goes to a pipe that only this
 process holds (the solution process never gets that descriptor, and on the kernel layers cannot
 reach this process: another PID namespace, another landlock domain, no ptrace, no signals), and
 the parent takes a pass only from there.

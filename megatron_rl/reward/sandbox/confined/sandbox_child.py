@@ -1,7 +1,7 @@
 """The solution process of a sandbox run: the only place untrusted code executes.
 
-Started by :mod:`megatron_rl.reward.sandbox_run` as ``python -I -S -B -c "...; main()"`` (inside
-``unshare`` namespaces when they are available). It reads its job (marshal, from the trusted
+Started by :mod:`megatron_rl.reward.sandbox.supervisor` as ``python -I -S -B -c "...; main()"``
+(inside ``unshare`` namespaces when they are available). It reads its job (marshal, from the trusted
 parent: the solution, the setup code, the limits, its pipe descriptors) from stdin, then, before
 any untrusted code runs:
 
@@ -180,8 +180,9 @@ def _sink_text(sink: io.TextIOWrapper) -> str:
 
 
 def _forget_own_directory() -> None:
-    """The bootstrap put this file's directory first on sys.path to import its siblings; the
-    solution must not import the repository's modules."""
+    """The bootstrap put this file's directory (``confined/``, nothing but this process's code)
+    first on sys.path to import its siblings; once they are loaded the solution gets the
+    standard library's path only."""
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [p for p in sys.path if os.path.abspath(p) != here]
 

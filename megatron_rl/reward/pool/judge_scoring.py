@@ -2,9 +2,9 @@
 
 Contract of :class:`JudgeScorer`: a judge response is decoded with the policy tokenizer (loaded
 from the pool's tokenizer path on the first judge response), the judge
-(:class:`~megatron_rl.reward.llm_judge.LLMJudge`) is awaited on the driver's event loop with the
+(:class:`~megatron_rl.reward.graders.llm_judge.LLMJudge`) is awaited on the driver's event loop with the
 question, the reference answer and the decoded response, and its verdict is shaped by length like
-every rule reward (:func:`~megatron_rl.reward.scorer.make_outcome`, source 'judge'). The outcome
+every rule reward (:func:`~megatron_rl.reward.pool.worker.make_outcome`, source 'judge'). The outcome
 goes to the pool's ``collect`` unless the handle was cancelled meanwhile. No worker, queue or
 retry is involved: judge outcomes add no queue wait to the pool's stats. :meth:`close` stops the
 judge engine.
@@ -17,8 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_rl.config import AlgorithmConfig
-from megatron_rl.reward.handles import RewardHandle
-from megatron_rl.reward.scorer import RewardOutcome, make_outcome
+from megatron_rl.reward.pool.handles import RewardHandle
+from megatron_rl.reward.pool.worker import RewardOutcome, make_outcome
 
 
 class JudgeScorer:

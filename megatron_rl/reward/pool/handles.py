@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from megatron_rl.reward.scorer import RewardOutcome
+from megatron_rl.reward.pool.worker import RewardOutcome
 from megatron_rl.sample import Sample
 
 

@@ -1,21 +1,21 @@
 """The driver-side reward scheduler: a pool of reward workers fed one response at a time.
 
-Scoring runs in the workers (:class:`~megatron_rl.reward.scorer.RewardWorker`), never in the
+Scoring runs in the workers (:class:`~megatron_rl.reward.pool.worker.RewardWorker`), never in the
 trainer. A scheduler awaits ``score(sample)`` (or calls ``submit(sample)``) the moment a response
 finishes, so rewards overlap with generation of the rest of the batch; results are written into
 the ``Sample`` in place, and a step waits only for its last reward.
 
 :class:`RewardPool` is a thin facade over one module per concern:
 
-* :mod:`~megatron_rl.reward.worker_set`: the workers (Ray actors with fractional ``num_cpus``, or
+* :mod:`~megatron_rl.reward.pool.worker_set`: the workers (Ray actors with fractional ``num_cpus``, or
   in-process), their placement, load, dispatch policy and autoscaling
-  (:mod:`~megatron_rl.reward.autoscale` decides);
-* :mod:`~megatron_rl.reward.dispatch`: one response's task, its retries when the actor lost it,
+  (:mod:`~megatron_rl.reward.pool.autoscale` decides);
+* :mod:`~megatron_rl.reward.pool.dispatch`: one response's task, its retries when the actor lost it,
   and collecting the outcome into the sample; the blocking ``poll``/``wait``;
-* :mod:`~megatron_rl.reward.cancellation`: dropping results and telling workers to skip;
-* :mod:`~megatron_rl.reward.judge_scoring`: the optional LLM judge, awaited on the driver;
-* :mod:`~megatron_rl.reward.pool_metrics`: the per-step ``reward/*`` metrics;
-* :mod:`~megatron_rl.reward.adaptive_timeout`: per-problem code timeouts (pool state, checkpointed).
+* :mod:`~megatron_rl.reward.pool.cancellation`: dropping results and telling workers to skip;
+* :mod:`~megatron_rl.reward.pool.judge_scoring`: the optional LLM judge, awaited on the driver;
+* :mod:`~megatron_rl.reward.pool.metrics`: the per-step ``reward/*`` metrics;
+* :mod:`~megatron_rl.reward.pool.adaptive_timeout`: per-problem code timeouts (pool state, checkpointed).
 """
 from __future__ import annotations
 
@@ -24,18 +24,15 @@ from collections.abc import Iterator
 from typing import Any
 
 from megatron_rl.config import AlgorithmConfig, RewardConfig, RunConfig
-from megatron_rl.reward import cancellation
-from megatron_rl.reward.adaptive_timeout import AdaptiveTimeouts, TimeoutPolicy
-from megatron_rl.reward.dispatch import MAX_RETRIES, Dispatcher
-from megatron_rl.reward.handles import RewardHandle, apply_outcome
-from megatron_rl.reward.judge_scoring import JudgeScorer
-from megatron_rl.reward.pool_metrics import RewardStats, step_metrics
-from megatron_rl.reward.scorer import REWARD_KINDS, RewardOutcome, RewardWorker, route_for
-from megatron_rl.reward.worker_set import DISPATCH_POLICIES, WorkerSet
+from megatron_rl.reward.pool import cancellation
+from megatron_rl.reward.pool.adaptive_timeout import AdaptiveTimeouts, TimeoutPolicy
+from megatron_rl.reward.pool.dispatch import Dispatcher
+from megatron_rl.reward.pool.handles import RewardHandle
+from megatron_rl.reward.pool.judge_scoring import JudgeScorer
+from megatron_rl.reward.pool.metrics import RewardStats, step_metrics
+from megatron_rl.reward.pool.worker import route_for
+from megatron_rl.reward.pool.worker_set import DISPATCH_POLICIES, WorkerSet
 from megatron_rl.sample import Sample
-
-__all__ = ["RewardPool", "RewardHandle", "RewardOutcome", "RewardWorker", "apply_outcome", "REWARD_KINDS",
-           "DISPATCH_POLICIES", "MAX_RETRIES"]
 
 
 class RewardPool:
@@ -46,7 +43,7 @@ class RewardPool:
     ``reward.max_workers``; ``use_ray=False`` keeps a fixed set of workers in this process and
     scores synchronously inside ``submit`` (unit tests, debugging). Dispatch is 'least_loaded'
     (fewest responses in flight, ties in round-robin order) or 'round_robin'. ``judge`` (an
-    :class:`~megatron_rl.reward.llm_judge.LLMJudge`) scores responses routed to 'judge'.
+    :class:`~megatron_rl.reward.graders.llm_judge.LLMJudge`) scores responses routed to 'judge'.
 
     Public contract (what the trainer, the schedulers, evaluation and tools may call):
 
@@ -70,7 +67,7 @@ class RewardPool:
       cancelled samples are never scored: their reward fields stay as they were, their ``score``
       call returns the unscored sample, they count in ``reward/cancelled`` only (not in
       ``status_counts``, not as errors), and their workers skip or stop the work
-      (:mod:`~megatron_rl.reward.cancellation`; never ``ray.cancel``). Unknown or finished
+      (:mod:`~megatron_rl.reward.pool.cancellation`; never ``ray.cancel``). Unknown or finished
       samples are ignored.
     * sync API: ``submit(sample) -> RewardHandle`` (not for judge responses: ValueError),
       ``poll(handles, timeout_s)`` -> (done, pending), ``wait(handles, timeout_s)`` -> samples in
@@ -119,7 +116,7 @@ class RewardPool:
         and for ``reward.kind='judge'`` a judge engine on ``reward.judge_model``."""
         judge = None
         if cfg.reward.kind == "judge":
-            from megatron_rl.reward.llm_judge import create_judge
+            from megatron_rl.reward.graders.llm_judge import create_judge
 
             judge = create_judge(cfg.reward, cfg.rollout, cfg.trainer.seed, use_ray=use_ray)
         return cls(cfg.reward, cfg.model.hf_path, cfg.rollout.max_new_tokens, cfg.algorithm,
@@ -207,7 +204,7 @@ class RewardPool:
 
     def cancel(self, handles: list[RewardHandle]) -> None:
         """Drop these responses: their results are never applied, and their workers stop the work
-        (see :mod:`~megatron_rl.reward.cancellation` for how, and why not ``ray.cancel``)."""
+        (see :mod:`~megatron_rl.reward.pool.cancellation` for how, and why not ``ray.cancel``)."""
         cancellation.cancel(handles, self._workers, self.stats)
 
     # ------------------------------------------------------------------ metrics, shutdown

@@ -1,5 +1,5 @@
 """Reward-pool autoscaling policy (pure logic, no Ray; applied by
-:class:`~megatron_rl.reward.worker_set.WorkerSet`).
+:class:`~megatron_rl.reward.pool.worker_set.WorkerSet`).
 
 The pool grows when responses queue up behind busy workers and shrinks when workers sit idle:
 

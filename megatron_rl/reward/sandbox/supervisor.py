@@ -1,6 +1,6 @@
 """One sandbox run: start the solution and judge processes, supervise them, read the verdict.
 
-The parent's half of :mod:`megatron_rl.reward.sandbox` (which documents the design). The
+The parent's half of a run (:mod:`megatron_rl.reward.sandbox` documents the design). The
 processes are wired with four pipes: judge -> solution and solution -> judge (the wire), judge
 -> parent (the verdict; only the judge holds its write end) and solution -> parent (the layers
 it applied, written and closed before any untrusted code runs). Jobs travel as anonymous
@@ -10,9 +10,12 @@ on a path the solution could open.
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import json
+import logging
 import marshal
 import os
+import py_compile
 import select
 import shutil
 import signal
@@ -20,19 +23,46 @@ import subprocess
 import tempfile
 import threading
 import time
+from pathlib import Path
 
-from megatron_rl.reward.sandbox import _CANCEL_POLL_S, _MAX_FILES, SandboxLimits, SandboxResult, _layers
+from megatron_rl.reward.sandbox.job import SandboxLimits, SandboxResult, layer_names
 
+logger = logging.getLogger(__name__)
+
+CANCEL_POLL_S = 0.1
+"""How often a run checks its cancel event and (without a private root) the disk use."""
+CONFINED_DIR = Path(__file__).resolve().parent / "confined"
+"""The code of the two confined interpreters: the one directory their bootstrap puts on
+``sys.path`` (the interpreters start with ``-I -S``: the standard library and nothing else), so
+no project or third-party module is importable there."""
+_MAX_FILES = 100_000
 _MAX_WIRE_BYTES = 256 << 20
 _JUDGE_LOG_BYTES = 64 << 10
 _EXIT_GRACE_S = 0.2
-
+_compiled = False
 
 _BOOT = "import sys; sys.path.insert(0, {here!r}); import {module}; {module}.main()"
 
 
 def _boot(module: str) -> list[str]:
-    return ["-c", _BOOT.format(here=os.path.dirname(os.path.abspath(__file__)), module=module)]
+    return ["-c", _BOOT.format(here=str(CONFINED_DIR), module=module)]
+
+
+def precompile_confined() -> None:
+    """Byte-compile the confined interpreters' modules once per process (they run with ``-B``
+    and would otherwise compile them on every start). Best effort: a read-only checkout just
+    runs slower."""
+    global _compiled
+    if _compiled:
+        return
+    for source in sorted(CONFINED_DIR.glob("*.py")):
+        cached = importlib.util.cache_from_source(str(source))
+        try:
+            if not os.path.exists(cached) or os.path.getmtime(cached) < source.stat().st_mtime:
+                py_compile.compile(str(source), cfile=cached, doraise=True)
+        except (OSError, py_compile.PyCompileError) as exc:
+            logger.debug("cannot byte-compile %s: %s", source, exc)
+    _compiled = True
 
 
 def _widen(fd: int) -> None:
@@ -59,7 +89,7 @@ def _job_file(payload: dict):
 def execute(plan: dict, job: dict, limits: SandboxLimits, cancel: threading.Event | None, *, base_dir,
             system_paths: list[str], python: str) -> SandboxResult:
     """Run ``job`` under ``plan`` (see ``Sandbox._choose_plan``) and return the result."""
-    layers = _layers(plan)
+    layers = layer_names(plan)
     work = os.path.realpath(tempfile.mkdtemp(prefix="rl-sandbox-", dir=base_dir))
     judge_dir = os.path.realpath(tempfile.mkdtemp(prefix="rl-judge-", dir=base_dir))
     pipes: list[int] = []
@@ -153,7 +183,7 @@ def _supervise(solution, judge, verdict_fd: int, report_fd: int, deadline: float
     caps = {j_out: _JUDGE_LOG_BYTES, verdict_fd: 1 << 20, report_fd: 1 << 16}
     open_fds, reason = set(bufs), ""
     kill_at = drain_until = None
-    poll_s = _CANCEL_POLL_S if cancel is not None or poll_dir else 0.5
+    poll_s = CANCEL_POLL_S if cancel is not None or poll_dir else 0.5
 
     def stop(why: str, grace: float = 0.0) -> None:
         nonlocal reason, kill_at, drain_until

@@ -141,7 +141,7 @@ def _sigkill(pid: int) -> None:
 
 
 _SERVER_CODE = (
-    "import sys; from megatron_rl.reward.isolated_call import _fork_server_main; "
+    "import sys; from megatron_rl.reward.sandbox.isolated_call import _fork_server_main; "
     "_fork_server_main(int(sys.argv[1]), sys.argv[2])"
 )
 

@@ -3,9 +3,9 @@
 Contract:
 
 * **placement**: with ``remote=True`` (needs ``ray.init`` first) every worker is a Ray actor of
-  :class:`~megatron_rl.reward.scorer.RewardWorker` with ``num_cpus=reward.worker_num_cpus`` (light
+  :class:`~megatron_rl.reward.pool.worker.RewardWorker` with ``num_cpus=reward.worker_num_cpus`` (light
   actors must not block the placement groups of the trainer and engines), no GPU, one restart,
-  and a second concurrency group :data:`~megatron_rl.reward.scorer.CONTROL_GROUP` for control
+  and a second concurrency group :data:`~megatron_rl.reward.pool.worker.CONTROL_GROUP` for control
   calls; with ``remote=False`` the workers are plain objects in this process (unit tests,
   debugging) whose grading children start on their first response.
 * **dispatch** (:meth:`WorkerSet.pick`): 'least_loaded' (fewest responses in flight, ties in
@@ -13,10 +13,10 @@ Contract:
 * **load**: the set tracks each worker's in-flight Ray refs (:meth:`track` / :meth:`release`);
   finished refs are pruned whenever loads are read.
 * **autoscaling** (:meth:`rescale`, Ray sets only): the decision of
-  :class:`~megatron_rl.reward.autoscale.ScalePolicy` within ``reward.min_workers`` ..
+  :class:`~megatron_rl.reward.pool.autoscale.ScalePolicy` within ``reward.min_workers`` ..
   ``reward.max_workers``, one worker at a time; a new worker counts as starting (and is never
   retired for being idle) until its ``ping`` answers. Busy-worker time and scaling events are
-  recorded in the pool's :class:`~megatron_rl.reward.pool_metrics.RewardStats`.
+  recorded in the pool's :class:`~megatron_rl.reward.pool.metrics.RewardStats`.
 """
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ import time
 from typing import Any
 
 from megatron_rl.config import AlgorithmConfig, RewardConfig
-from megatron_rl.reward.autoscale import ScalePolicy
-from megatron_rl.reward.pool_metrics import RewardStats
-from megatron_rl.reward.scorer import CONTROL_GROUP, RewardWorker
+from megatron_rl.reward.pool.autoscale import ScalePolicy
+from megatron_rl.reward.pool.metrics import RewardStats
+from megatron_rl.reward.pool.worker import CONTROL_GROUP, RewardWorker
 
 logger = logging.getLogger(__name__)
 

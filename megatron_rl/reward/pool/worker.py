@@ -1,6 +1,6 @@
 """The reward worker: decode a response, grade it with the rule its prompt needs, shape by length.
 
-Plain class; the reward pool's :class:`~megatron_rl.reward.worker_set.WorkerSet` wraps it as a
+Plain class; the reward pool's :class:`~megatron_rl.reward.pool.worker_set.WorkerSet` wraps it as a
 Ray actor or uses it in-process. Routing (``reward.kind``): 'math' and 'code' send every
 response to that rule; 'mixed' sends prompts whose ``metadata['format']`` is a code format (see
 ``code_reward.CODE_FORMATS``) to the code sandbox and the rest to math-verify; 'judge' is scored
@@ -11,7 +11,7 @@ Cooperative cancellation: as a Ray actor the worker has a second concurrency gro
 time in submission order. :meth:`RewardWorker.skip` runs there, so it takes effect while scoring
 goes on: a listed task that has not started yet returns a 'cancelled' outcome at once when its
 turn comes, and a code-sandbox run in progress is killed. (``ray.cancel`` is not used on these
-ordered actor tasks: see :mod:`~megatron_rl.reward.cancellation`.)
+ordered actor tasks: see :mod:`~megatron_rl.reward.pool.cancellation`.)
 """
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 from megatron_rl.algorithms.shaping import shaped_reward
 from megatron_rl.config import AlgorithmConfig, RewardConfig
-from megatron_rl.reward.code_reward import CODE_FORMATS, CodeReward
-from megatron_rl.reward.math_reward import MathReward, RewardResult
+from megatron_rl.reward.graders.code_reward import CODE_FORMATS, CodeReward
+from megatron_rl.reward.graders.math_reward import MathReward
+from megatron_rl.reward.graders.result import RewardResult
 
 logger = logging.getLogger(__name__)
 

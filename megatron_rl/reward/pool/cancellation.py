@@ -4,7 +4,7 @@ Contract of :func:`cancel`: every handle not yet done or cancelled is marked can
 outcome is never applied: the sample's reward, raw_reward and correct stay as they were) and counted
 once in ``reward/cancelled``, never as an error or timeout. Each owning Ray worker gets one
 ``skip`` call (fire-and-forget) listing its tasks among these; it runs in the actor's control
-concurrency group (:data:`~megatron_rl.reward.scorer.CONTROL_GROUP`), beside the scoring thread.
+concurrency group (:data:`~megatron_rl.reward.pool.worker.CONTROL_GROUP`), beside the scoring thread.
 A task still queued then returns a 'cancelled' outcome as soon as its turn comes, without
 scoring; a code-sandbox run in progress is killed (a math reward in progress, bounded by
 ``reward.timeout_s``, runs to its end). Until a task returns it counts as its worker's load.
@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import logging
 
-from megatron_rl.reward.handles import RewardHandle
-from megatron_rl.reward.pool_metrics import RewardStats
-from megatron_rl.reward.scorer import CONTROL_GROUP
-from megatron_rl.reward.worker_set import WorkerSet
+from megatron_rl.reward.pool.handles import RewardHandle
+from megatron_rl.reward.pool.metrics import RewardStats
+from megatron_rl.reward.pool.worker import CONTROL_GROUP
+from megatron_rl.reward.pool.worker_set import WorkerSet
 
 logger = logging.getLogger(__name__)
 

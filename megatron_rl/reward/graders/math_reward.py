@@ -3,17 +3,17 @@
 * Ground truth: a plain answer, a GSM8K solution (the text after its last ``####``), or a
   solution with the answer in its last ``\\boxed{}``.
 * Response: the answer in its last complete ``\\boxed{...}`` or its last ``#### X`` line,
-  whichever comes later (:mod:`~megatron_rl.reward.answer_extraction`, linear-time on any
+  whichever comes later (:mod:`~megatron_rl.reward.graders.answer_extraction`, linear-time on any
   input). A response with neither scores 0 (status ``no_answer``): rewarding any number found
   in free text would teach the model to hedge.
-* Comparison: :func:`~megatron_rl.reward.math_grader.answers_match` (math-verify on the whole
+* Comparison: :func:`~megatron_rl.reward.graders.math_grader.answers_match` (math-verify on the whole
   answer; its module docstring lists the answer forms and the decisions on ambiguous ones).
 
 The time bound: math-verify's own timeouts use ``signal.alarm``, which only works in a
 process's main thread (reward workers run inside Ray actors, in worker threads), has whole-
 second resolution, and cannot stop a long C-level operation (sympy evaluating
 ``10^{10^{10}}``). So grading runs in a warm forked process
-(:class:`~megatron_rl.reward.isolated_call.IsolatedCall`) that is killed when a call overruns
+(:class:`~megatron_rl.reward.sandbox.isolated_call.IsolatedCall`) that is killed when a call overruns
 ``timeout_s``. After the kill the caller only does linear-time work (re-extracting the answer
 for the report), and the next call gets a new warm process in milliseconds, so every call
 returns within ``timeout_s`` plus milliseconds whatever the input (and whatever came before);
@@ -24,16 +24,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
-# Re-exported: callers and tests use them from here.
-from megatron_rl.reward.answer_extraction import (  # noqa: F401
-    extract_ground_truth,
-    extract_response_answer,
-    last_boxed,
-    last_hash_answer,
-)
-from megatron_rl.reward.isolated_call import CallFailed, CallTimeout, IsolatedCall
+from megatron_rl.reward.graders.answer_extraction import extract_ground_truth, extract_response_answer
+from megatron_rl.reward.graders.result import RewardResult
+from megatron_rl.reward.sandbox.isolated_call import CallFailed, CallTimeout, IsolatedCall
 
 logger = logging.getLogger(__name__)
 
@@ -43,25 +37,6 @@ matrix of fractions) are a few hundred characters; a longer one is runaway outpu
 it would burn the whole timeout (and a grading process) to find that out."""
 
 
-@dataclass
-class RewardResult:
-    """Outcome of scoring one response."""
-
-    reward: float
-    """1.0 when correct, 0.0 when wrong, ``timeout_reward`` on timeout or failure."""
-    correct: bool
-    """Whether the extracted answer matched the ground truth."""
-    extracted: str
-    """The answer text taken from the response ('' when none was found)."""
-    status: str = "ok"
-    """'ok' (graded), 'no_answer' (no \\boxed{} or '####' in the response), 'timeout' or 'error'."""
-    detail: str = ""
-    """Why a non-'ok' status happened (exception text, the timeout), or why an 'ok' answer was
-    not parsed (longer than ``MAX_ANSWER_CHARS``)."""
-    elapsed_s: float = 0.0
-    """Wall-clock seconds spent scoring."""
-
-
 def grade(response: str, ground_truth: str) -> RewardResult:
     """Score ``response`` against ``ground_truth`` in this process, with no timeout.
 
@@ -69,7 +44,7 @@ def grade(response: str, ground_truth: str) -> RewardResult:
     calls this in a killable child process) everywhere a pathological input must not hang the
     caller.
     """
-    from megatron_rl.reward.math_grader import answers_match, parse_gold
+    from megatron_rl.reward.graders.math_grader import answers_match, parse_gold
 
     start = time.monotonic()
     extracted = extract_response_answer(response)
