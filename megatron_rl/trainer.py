@@ -8,7 +8,7 @@ The loop owns no policy: the scheduler picks prompts and decides when a step's r
 plug-ins (``megatron_rl.hooks.TrainerPlugin``) get the named points above and reach the loop
 through the services it offers them (:class:`Trainer` implements ``hooks.LoopServices``). Device
 memory belongs to ``training.colocation.Colocation``, weight movement to
-``rollout.weight_push.WeightSync``; the loop only asks them for named transitions.
+``rollout.weight_sync.sync.WeightSync``; the loop only asks them for named transitions.
 """
 from __future__ import annotations
 
@@ -29,8 +29,10 @@ from megatron_rl.graceful_stop import GracefulStop
 from megatron_rl.hooks import RolloutBatch, RolloutContext, RolloutScheduler, TrainerPlugin
 from megatron_rl.metrics import MetricsLogger, PhaseTimer
 from megatron_rl.rollout.engine import GenerationRequest, RolloutEngine
-from megatron_rl.rollout.weight_push import FanOut, WeightSync, make_transport
-from megatron_rl.rollout.weight_sync import engine_dtype
+from megatron_rl.rollout.weight_sync.factory import make_transport
+from megatron_rl.rollout.weight_sync.hf_files import engine_dtype
+from megatron_rl.rollout.weight_sync.interface import FanOut
+from megatron_rl.rollout.weight_sync.sync import WeightSync
 from megatron_rl.sample import Prompt, Sample
 from megatron_rl.step_log import StepLog
 from megatron_rl.training.colocation import Colocation

@@ -2,9 +2,9 @@
 the engines' parameters through vLLM's weight-transfer API, no files and no fan-out.
 
 The driver side of the push (the trainer ranks' side is ``training.weight_push``, the engine
-workers' ``rollout.weight_receiver``). For a set of engines (their replicas' ids and nodes, from
-``RolloutEngine.weight_receivers``) it sets a push up once: a :class:`~megatron_rl.rollout.
-push_protocol.PushSpec` wires each (trainer rank, replica) pair locally (shared memory / CUDA IPC
+workers' ``push.receiver``). For a set of engines (their replicas' ids and nodes, from
+``RolloutEngine.weight_receivers``) it sets a push up once: a
+:class:`~megatron_rl.rollout.weight_sync.push.protocol.PushSpec` wires each (trainer rank, replica) pair locally (shared memory / CUDA IPC
 on one node) or through the push group (gloo / NCCL across nodes), the trainer ranks open their
 rings, the engines run ``init_weight_transfer_engine``. It sets up again when the engines change
 (an elastic-TP switch). Each sync then runs the trainer ranks' send and the engines'
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from megatron_rl.rollout.engine import RolloutEngine
-from megatron_rl.rollout.push_protocol import PushSpec, engine_init_info, group_size, wiring
-from megatron_rl.rollout.vllm_weight_push import write_push_start_dir
-from megatron_rl.rollout.weight_push import WeightTransport
+from megatron_rl.rollout.weight_sync.interface import WeightTransport
+from megatron_rl.rollout.weight_sync.push.protocol import PushSpec, engine_init_info, group_size, wiring
+from megatron_rl.rollout.weight_sync.push.start_dir import write_push_start_dir
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class PushOptions:
     network_only: bool = False
     quantization: str = "none"
     """rollout.quantization: engines started for a push are quantized engines (their config
-    says so); the engines quantize what they receive (``weight_receiver``)."""
+    says so); the engines quantize what they receive (``push.receiver``)."""
 
 
 class WeightPushError(RuntimeError):

@@ -201,7 +201,7 @@ class ShmRing:
             except FileNotFoundError:
                 pass
             parents = (self.path.parent, self.path.parent.parent) if self.path.parent.name == "weight_push" else ()
-            for parent in parents:  # weight_push/ and the per-process run dir (push_protocol.ring_path)
+            for parent in parents:  # weight_push/ and the per-process run dir (protocol.ring_path)
                 try:
                     parent.rmdir()
                 except OSError:

@@ -1,12 +1,12 @@
 """What the driver, the trainer ranks and the vLLM workers agree on for a tensor weight push.
 
-The driver (``rollout.tensor_transport``) decides a :class:`PushSpec`: the engines' TP, the wire
+The driver (``push.transport``) decides a :class:`PushSpec`: the engines' TP, the wire
 dtype, bucket size and count, the timeout, the device kind, and the *wiring*: for every (trainer
 rank, engine replica) pair whether the replica's workers map that rank's ring on their node
 ("local": shared memory on CPU, CUDA IPC on GPU) or get its buckets over the push group ("net":
 gloo on CPU, NCCL on GPU). Trainer ranks open their side from the spec (``training.weight_push``),
 and each engine replica gets :func:`engine_init_info` through vLLM's
-``init_weight_transfer_engine`` (``rollout.weight_receiver``).
+``init_weight_transfer_engine`` (``push.receiver``).
 
 Group ranks: trainer ranks ``0..T-1``, then the TP ranks of every replica with at least one "net"
 pair, replica by replica (:func:`net_replicas`).

@@ -1,71 +1,24 @@
-"""The tensor weight push on :class:`~megatron_rl.rollout.vllm_engine.VLLMEngine`, through vLLM's
-weight-transfer API (``AsyncLLM.init_weight_transfer_engine / start_weight_update /
-update_weights / finish_weight_update``); the workers' side is ``weight_receiver``.
+"""The engine's end of the tensor weight push: the push methods of
+:class:`~megatron_rl.rollout.vllm_engine.VLLMEngine`, through vLLM's weight-transfer API
+(``AsyncLLM.init_weight_transfer_engine / start_weight_update / update_weights /
+finish_weight_update``); its workers' end is :mod:`~megatron_rl.rollout.weight_sync.push.receiver`.
 
 Also what a push needs around it: engines started for a push (``load_format="dummy"``, from a
-directory holding only the model's config and tokenizer, see :func:`write_push_start_dir`) and
-engines whose push failed refuse requests until a push lands, so no engine ever generates from
-random or half-updated weights; completions carry the version vLLM recorded at
-``finish_weight_update`` (:func:`completion_version`).
+directory holding only the model's config and tokenizer, see
+:mod:`~megatron_rl.rollout.weight_sync.push.start_dir`) and engines whose push failed refuse
+requests until a push lands, so no engine ever generates from random or half-updated weights;
+completions carry the version vLLM recorded at ``finish_weight_update`` (:func:`completion_version`).
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
-import shutil
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
-from megatron_rl.files import replace_dir
-
 log = logging.getLogger(__name__)
-
-PUSH_MANIFEST = "tensor_push.json"
-PUSH_FORMAT = "megatron_rl.tensor_push/1"
-
-
-def write_push_start_dir(hf_path: str | Path, directory: str | Path, tp: int, version: int,
-                         quantization=None) -> Path:
-    """A directory new engines of TP ``tp`` start from without any weights on disk: the HF
-    checkpoint's config, tokenizer and generation files plus a manifest; the engines load dummy
-    weights and wait for a tensor push of ``version`` (replaces ``directory`` atomically).
-    ``quantization`` (a ``quantization.scheme.QuantSpec``, rollout.quantization): the config
-    carries that engine format, so the new engines build quantized layers for the push."""
-    target = Path(directory)
-    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
-    try:
-        for item in Path(hf_path).iterdir():
-            if item.is_file() and not item.name.endswith(".safetensors") and not item.name.endswith(".bin") \
-                    and item.name != "model.safetensors.index.json":
-                shutil.copy2(item, tmp / item.name)
-        if quantization is not None:
-            from megatron_rl.quantization.engine_format import write_model_files
-
-            write_model_files(hf_path, tmp, quantization)
-        (tmp / PUSH_MANIFEST).write_text(json.dumps({"format": PUSH_FORMAT, "tensor_parallel_size": tp,
-                                                     "version": version, "hf_path": str(hf_path)}))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    replace_dir(tmp, target)
-    return target
-
-
-def read_push_manifest(directory: str | Path) -> dict | None:
-    """The manifest of :func:`write_push_start_dir`, or None."""
-    path = Path(directory) / PUSH_MANIFEST
-    if not path.is_file():
-        return None
-    manifest = json.loads(path.read_text())
-    if manifest.get("format") != PUSH_FORMAT:
-        raise ValueError(f"{path}: format {manifest.get('format')!r}, expected {PUSH_FORMAT!r}")
-    return manifest
-
 
 def completion_version(output: Any, fallback: int) -> int:
     """The weight version a finished vLLM ``CompletionOutput`` was generated with: vLLM's version

@@ -1,6 +1,6 @@
 """The GPU wires of the tensor weight push: CUDA IPC slots for engines on a trainer rank's node,
 an NCCL group for engines on other nodes. Written against vLLM's and PyTorch's documented APIs;
-NOT RUN on this project's CPU-only machines (the CPU wires in ``push_channels`` run the same
+NOT RUN on this project's CPU-only machines (the CPU wires in ``push.channels`` run the same
 control flow in the test suite).
 
 * IPC: the trainer rank allocates its ring's slots as one CUDA tensor and exports it once with

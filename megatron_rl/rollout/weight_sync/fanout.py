@@ -70,7 +70,7 @@ def _finish(tmp: str, directory: str) -> str:
 
 @ray.remote(num_cpus=0)
 def _remove(directory: str) -> str:
-    from megatron_rl.rollout.weight_sync import remove_sync_dir
+    from megatron_rl.rollout.weight_sync.sync_dir import remove_sync_dir
 
     remove_sync_dir(directory)
     return ray.get_runtime_context().get_node_id()

@@ -15,8 +15,16 @@ from typing import Mapping
 import torch
 
 from megatron_rl.resharding.push_plan import PushBucket, PushPlan, pack_bucket
-from megatron_rl.rollout.push_channels import NetworkGroup, ShmRing, ticket
-from megatron_rl.rollout.push_protocol import LOCAL, NET, PushSpec, group_rank, group_size, local_replicas, ring_path
+from megatron_rl.rollout.weight_sync.push.channels import NetworkGroup, ShmRing, ticket
+from megatron_rl.rollout.weight_sync.push.protocol import (
+    LOCAL,
+    NET,
+    PushSpec,
+    group_rank,
+    group_size,
+    local_replicas,
+    ring_path,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +67,7 @@ class PushSender:
             self.ring = ShmRing.create(ring_path(spec.key, rank), spec.num_slots, 0 if on_gpu else largest,
                                        len(self.local), spec.rollout_tp)
             if on_gpu:
-                from megatron_rl.rollout.push_channels_gpu import export_ipc_slots
+                from megatron_rl.rollout.weight_sync.push.channels_gpu import export_ipc_slots
 
                 self._ipc_slots, self.ipc_handle = export_ipc_slots(spec.num_slots, largest, self.device)
         self._scratch = (torch.empty(largest // self.itemsize, dtype=self.dtype, device=self.device)
@@ -80,7 +88,7 @@ class PushSender:
         if not size or self.group is not None:
             return
         if self.device.type == "cuda":
-            from megatron_rl.rollout.push_channels_gpu import NcclGroup
+            from megatron_rl.rollout.weight_sync.push.channels_gpu import NcclGroup
 
             self.group = NcclGroup(self.spec.host, self.spec.port, self.rank, size, self.device)
         else:

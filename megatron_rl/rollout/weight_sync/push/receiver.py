@@ -7,7 +7,7 @@ it into every worker, before the model loads). The engine (``vllm_engine``) driv
 
 * ``init_weight_transfer_engine(init_info)``: the worker builds the same push plan as the
   trainer ranks (checked by fingerprint), maps the rings of the trainer ranks on its node and
-  joins the push group for the others (``rollout.push_protocol`` describes the init info);
+  joins the push group for the others (``push.protocol`` describes the init info);
 * ``start_weight_update``: vLLM's layerwise reload starts (parameters back to their loaded form);
 * ``update_weights({sync_id, version})``: the worker walks its buckets in the plan's order,
   copies each piece into the rows of a full-size HF tensor that its rank keeps (a lazily
@@ -49,7 +49,7 @@ import torch
 from megatron_rl.quantization.scheme import QuantSpec, quantize_slices
 from megatron_rl.resharding.layouts import EMBED, LM_HEAD, logical_shapes
 from megatron_rl.resharding.push_plan import PushBucket, PushPlan, build_push_plan, piece_shape
-from megatron_rl.rollout.push_channels import NetworkGroup, ShmRing, ticket
+from megatron_rl.rollout.weight_sync.push.channels import NetworkGroup, ShmRing, ticket
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ def _make_engine_class():
 
     @dataclass
     class PushInitInfo(WeightTransferInitInfo):
-        """``rollout.push_protocol.engine_init_info``."""
+        """``push.protocol.engine_init_info``."""
 
         key: str
         trainer: list
@@ -254,14 +254,14 @@ def _make_engine_class():
                 header.register_consumer(ring["slot"], self.rank)
                 slots = None
                 if ring.get("ipc_handle"):
-                    from megatron_rl.rollout.push_channels_gpu import import_ipc_slots
+                    from megatron_rl.rollout.weight_sync.push.channels_gpu import import_ipc_slots
 
                     slots = import_ipc_slots(ring["ipc_handle"], self.device)
                 self.sources[int(t)] = _Source(ring=header, slots=slots, consumer_slot=ring["slot"])
             if info.net_sources:
                 g = info.group
                 if info.device == "cuda":
-                    from megatron_rl.rollout.push_channels_gpu import NcclGroup
+                    from megatron_rl.rollout.weight_sync.push.channels_gpu import NcclGroup
 
                     self.group = NcclGroup(g["host"], g["port"], g["rank_offset"] + self.rank, g["world_size"],
                                            self.device)
