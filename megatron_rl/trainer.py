@@ -324,11 +324,9 @@ class Trainer:
             self.colocation.trainer_loaded()
             self.cursor.load_state_dict(state["cursor"])
             self.p.scheduler.load_state_dict(state["scheduler"])
-            self.p.rewards.timeouts.load_state_dict(state.get("reward_timeouts", {}))
-            saved = state.get("plugins", {})
-            for plugin in self.plugins:
-                # Checkpoints from before the plug-in seam kept the planner's state at the top level.
-                plugin.load_state_dict(saved.get(plugin.name, state.get(plugin.name, {})))
+            self.p.rewards.timeouts.load_state_dict(state["reward_timeouts"])
+            for plugin in self.plugins:  # one turned on since the save starts from its initial state
+                plugin.load_state_dict(state["plugins"].get(plugin.name, {}))
             self.start_step = int(state["next_step"])
             self.version = int(state["version"])
             saved = loaded.get("saved_layout")
