@@ -239,28 +239,6 @@ class SchedulerConfig:
     """Rollout scheduler: 'baseline' (veRL-style: P0 prompts x R0 responses, wait for all),
     'tail_batching' (RollPacker: speculative short rounds, a long-prompt queue, long rounds), or
     an import path 'package.module:Class' of your own RolloutScheduler."""
-    eta_prompts: float = 1.25
-    """eta_P (tail batching): a short round launches ceil(eta_P x P0) prompts; the first P0 that
-    complete form the batch. 1.0 disables prompt over-provisioning."""
-    eta_responses: float = 1.25
-    """eta_R (tail batching): each short-round prompt gets ceil(eta_R x R0) responses; the first R0
-    that finish are kept. 1.0 disables response over-provisioning (no length bias)."""
-    max_refills: int = 4
-    """DAPO mode (algorithm.filter_zero_variance): most extra launches per step to replace filtered
-    groups before the step fails with a clear error."""
-    history_routing: bool = False
-    """Tail batching: a prompt whose short round in an earlier epoch did not complete (it went to
-    the long-prompt queue) goes straight to the queue when drawn again, instead of being launched,
-    aborted and queued once more. Off: the prediction is still made and scored
-    (rollout/history/* precision and recall) but not acted on."""
-    history_responses: int = 4
-    """Rollout history (tail batching): most recent responses kept per prompt, newest first; they
-    are the 'suffix' drafter's references for the prompt's next rollouts. 0 keeps outcomes only."""
-    history_response_tokens: int = 2048
-    """Rollout history: most tokens kept of each stored response (its start)."""
-    history_prompts: int = 100000
-    """Rollout history: most prompts remembered (least recently seen dropped first); with the two
-    keys above this bounds the history's memory and checkpoint size."""
 
 
 @dataclass
@@ -302,7 +280,7 @@ class RewardConfig:
     """Code sandbox isolation: 'auto' (namespaces via unshare with a private read-only root when
     a probe run works, else without), 'namespaces' (require them) or 'audit' (never use them).
     Landlock, seccomp, rlimits and the audit hook apply in every mode where the kernel has them;
-    see megatron_rl/reward/sandbox.py."""
+    see megatron_rl/reward/sandbox/__init__.py."""
     sandbox_memory_mb: int = 1024
     """Address-space limit of a sandboxed program in MiB."""
     sandbox_disk_mb: int = 64
@@ -441,8 +419,8 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Loop length, outputs, checkpoints, logging."""
     extensions: dict[str, Any] = field(default_factory=lambda: {name: cls() for name, (cls, _) in _SECTIONS.items()})
-    """Sections registered by plug-in packages (:func:`register_section`; RollPacker's ``stream``
-    and ``planner``), keyed by section name and reached as ``cfg.<name>`` like the core ones."""
+    """Sections registered by plug-in packages (:func:`register_section`; RollPacker's
+    ``tail_batching``, ``stream`` and ``planner``), keyed by section name and reached as ``cfg.<name>`` like the core ones."""
 
     def __getattr__(self, name: str) -> Any:
         # Only called when ordinary lookup fails: a plug-in section. __dict__ is used directly so

@@ -70,6 +70,29 @@ def section_names(cfg: RunConfig) -> list[str]:
     return core + sorted(plugin_sections())
 
 
+def _unknown_key(key: str, source: str, known_here: list[str]) -> ConfigError:
+    """The error for a key its section does not have; it names the keys of the same name in other
+    sections (a key that moved to another section, e.g. into a plug-in's own)."""
+    name = key.rsplit(".", 1)[-1]
+    elsewhere: list[str] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        for field_name, typ in _field_types(cls).items():
+            dotted = f"{prefix}.{field_name}"
+            if dataclasses.is_dataclass(typ):
+                walk(typ, dotted)
+            elif field_name == name and dotted != key:
+                elsewhere.append(dotted)
+
+    sections = {f.name: typing.get_type_hints(RunConfig)[f.name] for f in dataclasses.fields(RunConfig)
+                if f.name != "extensions"}
+    sections.update({section: cls for section, (cls, _) in plugin_sections().items()})
+    for section, cls in sections.items():
+        walk(cls, section)
+    hint = f"; did you mean {' or '.join(repr(k) for k in sorted(elsewhere))}?" if elsewhere else ""
+    return ConfigError(f"unknown key '{key}' in {source} (known here: {', '.join(sorted(known_here))}){hint}")
+
+
 def _section(cfg: RunConfig, name: str, where: str) -> Any:
     if name not in section_names(cfg):
         raise ConfigError(f"unknown section '{name}' in {where} (sections: {', '.join(section_names(cfg))})")
@@ -87,8 +110,7 @@ def _apply_mapping(obj: Any, mapping: dict, prefix: str, source: str) -> None:
     for name, value in mapping.items():
         key = f"{prefix}.{name}" if prefix else str(name)
         if name not in types:
-            known = ", ".join(sorted(types))
-            raise ConfigError(f"unknown key '{key}' in {source} (known here: {known})")
+            raise _unknown_key(key, source, list(types))
         current = getattr(obj, name)
         if dataclasses.is_dataclass(current):
             _apply_mapping(current, value, key, source)
@@ -109,8 +131,7 @@ def apply_override(cfg: RunConfig, assignment: str) -> None:
         key = ".".join(parts[: i + 1])
         types = _field_types(type(obj))
         if part not in types:
-            known = ", ".join(sorted(types))
-            raise ConfigError(f"unknown key '{key}' in command-line override (known here: {known})")
+            raise _unknown_key(key, "command-line override", list(types))
         if i == len(parts) - 1:
             if dataclasses.is_dataclass(getattr(obj, part)):
                 raise ConfigError(f"'{key}' is a section; override one of its fields")
@@ -199,9 +220,6 @@ def validate(cfg: RunConfig, arch: dict | None = None, device: str | None = None
         raise ConfigError("rollout.weight_push_bucket_mb and rollout.weight_push_timeout_s must be > 0")
     _positive(cfg.rollout.weight_push_buffers, "rollout.weight_push_buffers")
     _validate_speculative(cfg)
-    _positive(cfg.scheduler.history_responses, "scheduler.history_responses", allow_zero=True)
-    _positive(cfg.scheduler.history_response_tokens, "scheduler.history_response_tokens")
-    _positive(cfg.scheduler.history_prompts, "scheduler.history_prompts")
     _choice(cfg.algorithm.advantage, ("grpo", "drgrpo"), "algorithm.advantage")
     _choice(cfg.algorithm.loss_agg, ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"), "algorithm.loss_agg")
     _choice(cfg.algorithm.kl_type, ("k1", "k3"), "algorithm.kl_type")
@@ -289,7 +307,7 @@ def validate(cfg: RunConfig, arch: dict | None = None, device: str | None = None
             raise ConfigError("rollout.tensor_parallel_size: a TP group must fit in one node "
                               f"({cfg.cluster.gpus_per_node} GPUs)")
     _validate_quantization(cfg, device)
-    for check in _VALIDATORS:  # plug-in packages' sections (e.g. RollPacker's stream, planner)
+    for check in _VALIDATORS:  # plug-in packages' sections (e.g. RollPacker's tail_batching, stream, planner)
         check(cfg)
     if arch is not None:
         validate_against_architecture(cfg, arch)

@@ -36,7 +36,7 @@ from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.sample import Prompt, Sample
 
 if TYPE_CHECKING:  # types only: schedulers import this module and need neither
-    from megatron_rl.rollout.weight_push import WeightSync
+    from megatron_rl.rollout.weight_sync.sync import WeightSync
     from megatron_rl.training.colocation import Colocation
 
 

@@ -75,7 +75,7 @@ def build_plugins(setup: PluginSetup) -> tuple[RolloutEngine, list[TrainerPlugin
 def _fan_out_from(source: str):
     """Multi-node runs: copy a weights directory rank 0 (on node ``source``) wrote to the same
     path on every other node, where engines read it."""
-    from megatron_rl.rollout.weight_fanout import fan_out, other_nodes
+    from megatron_rl.rollout.weight_sync.fanout import fan_out, other_nodes
 
     async def fan_out_dir(directory: str) -> dict[str, float]:
         return await fan_out(directory, source, other_nodes(source))
@@ -106,9 +106,9 @@ def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict
 
     from megatron_rl.data.datasets import load_prompts
     from megatron_rl.distributed.cluster import engine_actor_options, free_port, start_ray, trainer_actor_options
-    from megatron_rl.reward.workers import RewardPool
+    from megatron_rl.reward.pool.reward_pool import RewardPool
     from megatron_rl.rollout.ray_engine import create_engine_client
-    from megatron_rl.rollout.weight_sync import default_sync_dir, sweep_dead_sync_dirs
+    from megatron_rl.rollout.weight_sync.sync_dir import default_sync_dir, sweep_dead_sync_dirs
     from megatron_rl.trainer import TrainerParts, run_trainer
     from megatron_rl.training.policy_group import PolicyGroup
 
@@ -167,7 +167,7 @@ def sweep_dead_push_rings() -> None:
     """Push rings live in each trainer rank's per-process run dir under /dev/shm, which the sweep of
     dead runs' dirs covers; without a writable /dev/shm they go to the temp dir: sweep that too."""
     from megatron_rl.distributed.local_state import sweep_dead_run_dirs
-    from megatron_rl.rollout.push_protocol import shm_root
+    from megatron_rl.rollout.weight_sync.push.protocol import shm_root
 
     if shm_root() != Path("/dev/shm"):
         sweep_dead_run_dirs(shm_root())
@@ -180,7 +180,7 @@ def _quantized_start(cfg: RunConfig, run_dir: Path, sync_dir: Path, device: str)
     node reads like model.hf_path."""
     from megatron_rl.quantization.engine_format import quantize_hf_checkpoint
     from megatron_rl.quantization.scheme import quant_spec
-    from megatron_rl.rollout.weight_sync import engine_dtype
+    from megatron_rl.rollout.weight_sync.hf_files import engine_dtype
 
     spec = quant_spec(cfg.rollout.quantization, engine_dtype(cfg.model.hf_path, on_gpu=device != "cpu"))
     target = sync_dir if cfg.cluster.num_nodes == 1 else run_dir / "quantized_engine_start"
@@ -193,11 +193,11 @@ def _quantized_start(cfg: RunConfig, run_dir: Path, sync_dir: Path, device: str)
 def _remove_weights(sync_dir: Path, fanout_source: str) -> None:
     """Delete the run's weight directory (in /dev/shm: memory) here and, in a multi-node run,
     its fanned-out copies on the other nodes."""
-    from megatron_rl.rollout.weight_sync import remove_sync_dir
+    from megatron_rl.rollout.weight_sync.sync_dir import remove_sync_dir
 
     remove_sync_dir(sync_dir)
     if fanout_source:
-        from megatron_rl.rollout.weight_fanout import other_nodes, remove_on_nodes
+        from megatron_rl.rollout.weight_sync.fanout import other_nodes, remove_on_nodes
 
         try:
             remove_on_nodes(str(sync_dir), other_nodes(fanout_source))

@@ -8,7 +8,7 @@ The loop owns no policy: the scheduler picks prompts and decides when a step's r
 plug-ins (``megatron_rl.hooks.TrainerPlugin``) get the named points above and reach the loop
 through the services it offers them (:class:`Trainer` implements ``hooks.LoopServices``). Device
 memory belongs to ``training.colocation.Colocation``, weight movement to
-``rollout.weight_push.WeightSync``; the loop only asks them for named transitions.
+``rollout.weight_sync.sync.WeightSync``; the loop only asks them for named transitions.
 """
 from __future__ import annotations
 
@@ -29,15 +29,17 @@ from megatron_rl.graceful_stop import GracefulStop
 from megatron_rl.hooks import RolloutBatch, RolloutContext, RolloutScheduler, TrainerPlugin
 from megatron_rl.metrics import MetricsLogger, PhaseTimer
 from megatron_rl.rollout.engine import GenerationRequest, RolloutEngine
-from megatron_rl.rollout.weight_push import FanOut, WeightSync, make_transport
-from megatron_rl.rollout.weight_sync import engine_dtype
+from megatron_rl.rollout.weight_sync.factory import make_transport
+from megatron_rl.rollout.weight_sync.hf_files import engine_dtype
+from megatron_rl.rollout.weight_sync.interface import FanOut
+from megatron_rl.rollout.weight_sync.sync import WeightSync
 from megatron_rl.sample import Prompt, Sample
 from megatron_rl.step_log import StepLog
 from megatron_rl.training.colocation import Colocation
 from megatron_rl.training.policy import Policy
 
 if TYPE_CHECKING:
-    from megatron_rl.reward.workers import RewardPool
+    from megatron_rl.reward.pool.reward_pool import RewardPool
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +58,7 @@ class TrainerParts:
     engine: RolloutEngine
     """The engines, as the plug-in factories left them (e.g. RollPacker's elastic wrapper)."""
     rewards: "RewardPool"
-    """Async scoring of each finished response (``megatron_rl.reward.workers.RewardPool``)."""
+    """Async scoring of each finished response (``megatron_rl.reward.pool.reward_pool.RewardPool``)."""
     train_prompts: list[Prompt]
     eval_prompts: list[Prompt]
     scheduler: RolloutScheduler
@@ -322,11 +324,9 @@ class Trainer:
             self.colocation.trainer_loaded()
             self.cursor.load_state_dict(state["cursor"])
             self.p.scheduler.load_state_dict(state["scheduler"])
-            self.p.rewards.timeouts.load_state_dict(state.get("reward_timeouts", {}))
-            saved = state.get("plugins", {})
-            for plugin in self.plugins:
-                # Checkpoints from before the plug-in seam kept the planner's state at the top level.
-                plugin.load_state_dict(saved.get(plugin.name, state.get(plugin.name, {})))
+            self.p.rewards.timeouts.load_state_dict(state["reward_timeouts"])
+            for plugin in self.plugins:  # one turned on since the save starts from its initial state
+                plugin.load_state_dict(state["plugins"].get(plugin.name, {}))
             self.start_step = int(state["next_step"])
             self.version = int(state["version"])
             saved = loaded.get("saved_layout")

@@ -1,11 +1,12 @@
-"""RollPacker's config sections (``stream``, ``planner``) and the checks of its settings.
+"""RollPacker's config sections (``tail_batching``, ``stream``, ``planner``) and the checks of
+its settings.
 
 The sections are registered with the core config (``megatron_rl.config.register_section``) and
 the checks with its validation (``megatron_rl.config_io.register_validator``) when this module is
-imported, so recipes set ``stream.*`` / ``planner.*`` like any core key, the config reference lists
-them, and a bad value is refused before any process starts. ``scheduler.eta_prompts``,
-``scheduler.eta_responses`` and ``scheduler.max_refills`` are read only by tail batching and
-checked here too; they stay in the core ``scheduler`` section, whose ``name`` picks the plug-in.
+imported, so recipes set ``tail_batching.*`` / ``stream.*`` / ``planner.*`` like any core key, the
+config reference lists them, and a bad value is refused before any process starts. The core's
+``scheduler.name`` picks the scheduler (``tail_batching`` is RollPacker's); the settings of tail
+batching live in its own section, read only by ``rollpacker.tail_batching``.
 """
 from __future__ import annotations
 
@@ -16,6 +17,32 @@ from megatron_rl.config_io import ConfigError, comma_list, register_validator
 
 ROUND_TYPES = ("long", "short", "baseline")
 """Round types a scheduler reports: tail batching's short and long rounds, the baseline's."""
+
+
+@dataclass
+class TailBatchingConfig:
+    eta_prompts: float = 1.25
+    """eta_P: a short round launches ceil(eta_P x P0) prompts; the first P0 that complete form the
+    batch. 1.0 disables prompt over-provisioning."""
+    eta_responses: float = 1.25
+    """eta_R: each short-round prompt gets ceil(eta_R x R0) responses; the first R0 that finish are
+    kept. 1.0 disables response over-provisioning (no length bias)."""
+    max_refills: int = 4
+    """DAPO mode (algorithm.filter_zero_variance): most extra launches per step to replace filtered
+    groups before the step fails with a clear error."""
+    history_routing: bool = False
+    """A prompt whose short round in an earlier epoch did not complete (it went to the long-prompt
+    queue) goes straight to the queue when drawn again, instead of being launched, aborted and
+    queued once more. Off: the prediction is still made and scored (rollout/history/* precision
+    and recall) but not acted on."""
+    history_responses: int = 4
+    """Rollout history: most recent responses kept per prompt, newest first; they are the 'suffix'
+    drafter's references for the prompt's next rollouts. 0 keeps outcomes only."""
+    history_response_tokens: int = 2048
+    """Rollout history: most tokens kept of each stored response (its start)."""
+    history_prompts: int = 100000
+    """Rollout history: most prompts remembered (least recently seen dropped first); with the two
+    keys above this bounds the history's memory and checkpoint size."""
 
 
 @dataclass
@@ -70,6 +97,8 @@ class PlannerConfig:
     rollout.tensor_parallel_size, ``profile`` and ``initial_tp``), which is known to fit in memory."""
 
 
+register_section("tail_batching", TailBatchingConfig,
+                 "Tail batching (scheduler.name=tail_batching): over-provisioned short rounds, the rollout history.")
 register_section("stream", StreamConfig, "Stream trainer: gradients on completed groups while a round still generates.")
 register_section("planner", PlannerConfig, "Elastic rollout TP per round type, switched between rounds.")
 
@@ -90,13 +119,16 @@ def parse_initial_tp(spec: str) -> dict[str, int]:
     return out
 
 
-def validate_scheduler(cfg: RunConfig) -> None:
-    """Tail batching's over-provisioning factors and the DAPO refill budget."""
+def validate_tail_batching(cfg: RunConfig) -> None:
+    """``tail_batching.*``: the over-provisioning factors, the DAPO refill budget, the history's bounds."""
+    tb = cfg.tail_batching
     for key in ("eta_prompts", "eta_responses"):
-        if getattr(cfg.scheduler, key) < 1.0:
-            raise ConfigError(f"scheduler.{key}: must be >= 1.0 (over-provisioning factor), "
-                              f"got {getattr(cfg.scheduler, key)}")
-    _positive(cfg.scheduler.max_refills, "scheduler.max_refills", allow_zero=True)
+        if getattr(tb, key) < 1.0:
+            raise ConfigError(f"tail_batching.{key}: must be >= 1.0 (over-provisioning factor), got {getattr(tb, key)}")
+    _positive(tb.max_refills, "tail_batching.max_refills", allow_zero=True)
+    _positive(tb.history_responses, "tail_batching.history_responses", allow_zero=True)
+    _positive(tb.history_response_tokens, "tail_batching.history_response_tokens")
+    _positive(tb.history_prompts, "tail_batching.history_prompts")
 
 
 def validate_stream(cfg: RunConfig) -> None:
@@ -149,6 +181,6 @@ def validate_planner(cfg: RunConfig) -> None:
                               "(rollout.tensor_parallel_size x rollout.num_engines)")
 
 
-register_validator(validate_scheduler)
+register_validator(validate_tail_batching)
 register_validator(validate_stream)
 register_validator(validate_planner)

@@ -36,7 +36,7 @@ class ElasticTP(TrainerPlugin):
     """Trainer plug-in: planner + elastic engines, switched before each round (module docstring)."""
 
     name = "planner"
-    """Checkpoint key (the same as before the plug-in seam, so older checkpoints resume)."""
+    """Checkpoint key: the planner's state is saved under ``plugins.planner`` of the driver state."""
 
     def __init__(self, cfg: RunConfig, planner: ElasticTPPlanner, rollout: ElasticRollout,
                  clock: Callable[[], float] = time.monotonic) -> None:

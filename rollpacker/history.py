@@ -8,7 +8,7 @@ most recent responses (newest first, each cut to a token budget). Two uses:
 * **References for speculative decoding**: a prompt's earlier responses are what its next
   responses most likely repeat; the 'suffix' drafter copies continuations from them. They only
   choose drafts, which the engine verifies, so stale history costs speed, never correctness.
-* **Routing** (``scheduler.history_routing``): a prompt whose outcome in an *earlier* epoch was
+* **Routing** (``tail_batching.history_routing``): a prompt whose outcome in an *earlier* epoch was
   'long' is predicted long and goes straight to the long-prompt queue. Predictions are also
   scored when routing is off (launched prompts give the true outcome), so precision and recall
   can be measured before the routing is trusted.

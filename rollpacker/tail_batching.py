@@ -11,12 +11,12 @@ responses each and waits for all: no over-provisioning, the same token budget.
 
 DAPO mode (``algorithm.filter_zero_variance``): a complete group whose R0 rewards are all equal
 is filtered (it never enters the queue) and the round launches more prompts, at most
-``scheduler.max_refills`` times, until P0 valid groups are in.
+``tail_batching.max_refills`` times, until P0 valid groups are in.
 
 Rollout history (``rollpacker.history``): every finished response of a prompt is remembered
 (bounded) and sent with its next requests as draft references for speculative decoding; each
 short round records which prompts it completed and which it queued. With
-``scheduler.history_routing`` a prompt queued in an earlier epoch goes straight to the queue
+``tail_batching.history_routing`` a prompt queued in an earlier epoch goes straight to the queue
 when drawn again (not launched, aborted and queued once more); the prediction is scored either
 way (rollout/history/*). The history is part of the checkpointed state.
 
@@ -36,11 +36,12 @@ from megatron_rl.config import RunConfig
 from megatron_rl.hooks import RolloutBatch, RolloutContext, RolloutScheduler
 from megatron_rl.sample import Prompt, Sample
 from megatron_rl.sampling import InFlight, abort_all, accept_completion, cancel_scoring, submit_prompt
+from rollpacker import config as _config  # noqa: F401  (registers the tail_batching section it reads)
 from rollpacker.history import Confusion, RolloutHistory
 
 
 class RefillLimitError(RuntimeError):
-    """DAPO mode could not fill the batch with valid groups within scheduler.max_refills."""
+    """DAPO mode could not fill the batch with valid groups within tail_batching.max_refills."""
 
 
 @dataclass
@@ -95,9 +96,9 @@ class TailBatchingScheduler(RolloutScheduler):
         self.short_length = int(state.get("short_length", 0))
 
     def _configure_history(self, cfg: RunConfig) -> None:
-        sc = cfg.scheduler
-        self.history.max_prompts, self.history.max_responses = sc.history_prompts, sc.history_responses
-        self.history.max_tokens = sc.history_response_tokens
+        tb = cfg.tail_batching
+        self.history.max_prompts, self.history.max_responses = tb.history_prompts, tb.history_responses
+        self.history.max_tokens = tb.history_response_tokens
 
     def next_round_type(self, cfg: RunConfig) -> str:
         return "long" if len(self.queue) >= cfg.data.prompts_per_step else "short"
@@ -127,7 +128,7 @@ class TailBatchingScheduler(RolloutScheduler):
     async def _short_round(self, ctx: RolloutContext):
         cfg = ctx.cfg
         p0, r0 = cfg.data.prompts_per_step, cfg.data.responses_per_prompt
-        n_responses = math.ceil(cfg.scheduler.eta_responses * r0)
+        n_responses = math.ceil(cfg.tail_batching.eta_responses * r0)
         flight, log = InFlight(), _RoundLog()
         states: dict[str, _PromptState] = {}
 
@@ -139,9 +140,9 @@ class TailBatchingScheduler(RolloutScheduler):
                 log.prompts_launched += 1
                 log.responses_launched += n_responses
 
-        await launch(math.ceil(cfg.scheduler.eta_prompts * p0))
+        await launch(math.ceil(cfg.tail_batching.eta_prompts * p0))
         batch = await self._collect(ctx, flight, states, log, p0, r0,
-                                    refill=lambda missing: launch(math.ceil(cfg.scheduler.eta_prompts * missing)))
+                                    refill=lambda missing: launch(math.ceil(cfg.tail_batching.eta_prompts * missing)))
         self._requeue_incomplete(states, batch, log, r0, front=False)
         self._record_short_outcomes(ctx, states, batch, log)
         return batch, log, flight
@@ -151,7 +152,7 @@ class TailBatchingScheduler(RolloutScheduler):
         earlier-epoch outcome); with history routing, predicted-long prompts drawn on the way go
         to the long-prompt queue instead (at most 4x ``num_prompts`` draws, then no more routing,
         so a data set of long prompts cannot stall the round)."""
-        routing = ctx.cfg.scheduler.history_routing
+        routing = ctx.cfg.tail_batching.history_routing
         out, draws = [], 0
         while len(out) < num_prompts:
             drawn = ctx.next_prompts(num_prompts - len(out))
@@ -273,11 +274,11 @@ class TailBatchingScheduler(RolloutScheduler):
             while len(batch) < p0:
                 if not flight.samples and not group_tasks:
                     # Out of work: only DAPO filtering can leave the batch short of P0.
-                    if log.refills >= ctx.cfg.scheduler.max_refills:
+                    if log.refills >= ctx.cfg.tail_batching.max_refills:
                         raise RefillLimitError(
                             f"step {ctx.step}: only {len(batch)} of {p0} groups have reward variance after "
                             f"{log.refills} refills ({len(log.filtered)} groups filtered); raise "
-                            f"scheduler.max_refills or turn off algorithm.filter_zero_variance")
+                            f"tail_batching.max_refills or turn off algorithm.filter_zero_variance")
                     log.refills += 1
                     await refill(p0 - len(batch))
                     continue

@@ -150,7 +150,7 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from megatron_rl.reward.workers import RewardPool
+    from megatron_rl.reward.pool.reward_pool import RewardPool
     from megatron_rl.rollout.vllm_engine import VLLMEngine
 
     torch.set_num_threads(1)

@@ -11,7 +11,7 @@ Columns:
 * ``tail``: RollPacker tail batching;
 * ``tail+spec+hist``: tail batching with ``rollout.speculative.method=suffix`` (drafts in long
   rounds, from the prompt's earlier responses and its running siblings) and
-  ``scheduler.history_routing=true``.
+  ``tail_batching.history_routing=true``.
 
 Prints every run's figures and, per column, the median [range] over all runs: training-loop time,
 its split (rollout in short and long rounds, reward tail, scoring, training, weight sync, the
@@ -42,7 +42,7 @@ from tools.benchmark import REPO, benchmark_config, period_steps  # noqa: E402
 COLUMNS = [
     ("baseline", "baseline", []),
     ("tail", "tail_batching", []),
-    ("tail+spec+hist", "tail_batching", ["rollout.speculative.method=suffix", "scheduler.history_routing=true"]),
+    ("tail+spec+hist", "tail_batching", ["rollout.speculative.method=suffix", "tail_batching.history_routing=true"]),
 ]
 
 
@@ -206,7 +206,7 @@ def check_run_options(args) -> str:
 def run_shape(args) -> tuple[int, int]:
     """(steps per run, prompts in the set): whole tail-batching periods, ``--epochs`` passes."""
     probe = benchmark_config(args, "tail_batching", 1, Path(args.out))
-    steps = args.periods * period_steps(probe.scheduler.eta_prompts, args.prompts_per_step)
+    steps = args.periods * period_steps(probe.tail_batching.eta_prompts, args.prompts_per_step)
     return steps, max(args.prompts_per_step, round(steps * args.prompts_per_step / args.epochs))
 
 

@@ -16,7 +16,7 @@ warm-up push, the formats taking turns (one push each per round) so that all see
   repacking) of the slowest engine rank. For hf vLLM reads and loads inside one call, so its
   whole reload counts as load (its split is therefore not comparable with the other two). Where the
   tensor push loads finished tensors on a second thread while later buckets arrive (GPUs, hosts
-  with 8+ cores: ``weight_receiver.overlap_loads``), its transport is the time until the last
+  with 8+ cores: ``weight_sync.push.receiver.overlap_loads``), its transport is the time until the last
   byte is in engine memory and its load the loaders' busy time, which overlap, so the two add up
   to more than its sync time; loading inline (a small CPU box) they add up to it, as for hf and
   sharded.
@@ -123,7 +123,8 @@ async def _parity(policy, engine, version: int) -> float:
 async def _measure(cfg, policy, engine, sync_dir: str, args, nbytes: int, copies: list[float]) -> dict:
     """Round-robin over the formats (one push of each per round, one memcpy series per round), so
     every format sees the same moments of a shared, noisy box; round 0 is a warm-up."""
-    from megatron_rl.rollout.weight_push import WeightSync, make_transport
+    from megatron_rl.rollout.weight_sync.factory import make_transport
+    from megatron_rl.rollout.weight_sync.sync import WeightSync
     from megatron_rl.training.colocation import Colocation
 
     colocation = Colocation(cfg, policy, engine, on_cpu=True)
@@ -198,7 +199,7 @@ def run(args) -> int:
 
     from megatron_rl.distributed.cluster import engine_actor_options, free_port, start_ray, trainer_actor_options
     from megatron_rl.rollout.ray_engine import create_engine_client
-    from megatron_rl.rollout.weight_sync import default_sync_dir, remove_sync_dir
+    from megatron_rl.rollout.weight_sync.sync_dir import default_sync_dir, remove_sync_dir
     from megatron_rl.training.policy_group import PolicyGroup
 
     cfg = _config(args)

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megatron_rl.config import RewardConfig  # noqa: E402
-from megatron_rl.reward.scorer import RewardWorker  # noqa: E402
+from megatron_rl.reward.pool.worker import RewardWorker  # noqa: E402
 
 DATA = ROOT / "tests" / "data"
 

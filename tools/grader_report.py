@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_rl.config import RewardConfig  # noqa: E402
-from megatron_rl.reward.math_reward import MathReward  # noqa: E402
+from megatron_rl.reward.graders.math_reward import MathReward  # noqa: E402
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "math_grader_set.jsonl"
 FORMS = ("complex", "polynomial", "interval", "tuple", "base", "equation", "units/text",

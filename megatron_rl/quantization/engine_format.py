@@ -4,8 +4,8 @@ vLLM decides at start-up, from ``quantization_config`` in the model's ``config.j
 layers are quantized and how; later in-place reloads only feed tensors. So a quantized engine
 starts from a quantized checkpoint (:func:`quantize_hf_checkpoint` for the first engines,
 the rollout-shard directory with :func:`write_model_files` for engines rebuilt by an elastic-TP
-switch, or with the tensor push its weightless start directory, ``vllm_weight_push.
-write_push_start_dir``), and every sync then sends :func:`~megatron_rl.quantization.scheme.
+switch, or with the tensor push its weightless start directory,
+``rollout.weight_sync.push.start_dir``), and every sync then sends :func:`~megatron_rl.quantization.scheme.
 quantize_tensors`'s output (the tensor push: the engine ranks apply ``quantize_slices`` to what
 they receive).
 

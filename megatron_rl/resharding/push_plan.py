@@ -8,11 +8,11 @@ trainer rank to an engine rank, is packed by the one trainer rank that holds it 
 trainer traffic), and each destination byte is sent once per engine replica. Buckets are at most
 ``bucket_bytes`` and come in the plan's deadlock-free round order; every party (trainer ranks
 packing, engine ranks unpacking) walks its own buckets in that one global order, which is what
-lets bounded send buffers never deadlock (see ``rollout.push_channels``).
+lets bounded send buffers never deadlock (see ``rollout.weight_sync.push.channels``).
 
 The engine side gets each piece in HF terms (:class:`Piece`: HF tensor, split dim, first row,
 rows), because vLLM's weight loaders take HF-named full tensors and cut the rank's rows out
-themselves (``rollout.weight_receiver``). Pure and deterministic: trainer ranks and vLLM workers
+themselves (``rollout.weight_sync.push.receiver``). Pure and deterministic: trainer ranks and vLLM workers
 build the same plan from the same arguments; :attr:`PushPlan.fingerprint` checks that they did.
 """
 from __future__ import annotations

@@ -152,7 +152,7 @@ class RolloutEngine(abc.ABC):
         return {}
 
     # ------------------------------------------------------------------ tensor weight push
-    # The engine side of ``rollout.tensor_transport`` (vLLM's weight-transfer API). Every list is
+    # The engine side of ``weight_sync.push.transport`` (vLLM's weight-transfer API). Every list is
     # one entry per engine *replica* (one TP group each), in the same order as weight_receivers().
 
     async def weight_receivers(self) -> list[tuple[str, str]]:

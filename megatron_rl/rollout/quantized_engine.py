@@ -108,7 +108,7 @@ ENGINE_FORMATS = {"compressed-tensors": "int8", "modelopt": "fp8"}
 def engine_weight_spec(quantization: str | None) -> QuantSpec | None:
     """The weight quantization an engine whose ``ModelConfig.quantization`` is ``quantization``
     expects in its weight loads (None: unquantized). What the tensor push's receiver quantizes
-    with (``weight_receiver``): the engine's own checkpoint format decides, so trainer and engine
+    with (``weight_sync.push.receiver``): the engine's own checkpoint format decides, so trainer and engine
     cannot disagree. Only the weights' method matters there (activation scales are the kernel's)."""
     if not quantization:
         return None

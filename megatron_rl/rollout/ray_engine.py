@@ -1,5 +1,5 @@
 """Rollout engines behind Ray: an async actor hosting a VLLMEngine, its driver-side client, and
-the pool that routes requests across several engines (``engine_pool.EnginePool``, re-exported here).
+their creation (several engines come back behind one ``engine_pool.EnginePool``).
 
 The driver talks only to :class:`RolloutEngine` objects, so a scheduler cannot tell a local
 engine from a remote one or from a pool. Completions cross the actor boundary in batches: the
@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator
 
 from megatron_rl.config import RolloutConfig, RunConfig
 from megatron_rl.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine, forward_completions
-from megatron_rl.rollout.engine_pool import EnginePool  # lives there; re-exported for existing imports
+from megatron_rl.rollout.engine_pool import EnginePool
 
 
 class EngineActor:

@@ -27,7 +27,8 @@ from megatron_rl.config import RolloutConfig
 from megatron_rl.rollout import speculative
 from megatron_rl.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine
 from megatron_rl.rollout.vllm_stats import StatsSink, stat_logger_factory
-from megatron_rl.rollout.vllm_weight_push import TensorPushReceiver, completion_version, read_push_manifest
+from megatron_rl.rollout.weight_sync.push.engine_methods import TensorPushReceiver, completion_version
+from megatron_rl.rollout.weight_sync.push.start_dir import read_push_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
         model_path: Hugging Face checkpoint directory (config, safetensors, tokenizer), or a
             rollout-shard directory written by the resharder for this TP size (per-rank files
             loaded with vLLM's sharded_state loader; completions then carry its policy version),
-            or a push start directory (``vllm_weight_push.write_push_start_dir``: config and
+            or a push start directory (``weight_sync.push.start_dir.write_push_start_dir``: config and
             tokenizer only; dummy weights, and requests are refused until a tensor push lands).
         cfg: rollout section of the run config (batch capacity, KV cache, TP, memory).
         seed: engine seed (per-request seeds drive sampling; this only seeds the engine).
@@ -172,7 +173,8 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
         from vllm.config.weight_transfer import WeightTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
 
-        from megatron_rl.rollout import vllm_worker_ext, weight_receiver
+        from megatron_rl.rollout import vllm_worker_ext
+        from megatron_rl.rollout.weight_sync.push import receiver as weight_receiver
 
         cfg = self.cfg
         common = dict(
@@ -189,7 +191,7 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
             load_format=self._load_format,
             worker_extension_cls=vllm_worker_ext.EXTENSION,  # load_rank_shards: per-rank in-place reload
             **speculative.engine_kwargs(cfg.speculative),  # drafts proposed per request (rollout.speculative)
-            # The tensor weight push's receiving end (megatron_rl.rollout.weight_receiver); idle
+            # The tensor weight push's receiving end (megatron_rl.rollout.weight_sync.push.receiver); idle
             # until init_weight_transfer_engine, so file syncs are unaffected.
             weight_transfer_config=WeightTransferConfig(backend=weight_receiver.BACKEND),
         )
@@ -361,7 +363,7 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
         ``engine_s`` and, for rank files, the slowest rank's ``engine_read_s`` (file into memory)
         and ``engine_load_s`` (vLLM's loaders).
 
-        ``weights_dir`` is either HF-named safetensors (``weight_sync.write_hf_weights``; every
+        ``weights_dir`` is either HF-named safetensors (``weight_sync.hf_files.write_hf_weights``; every
         rank reads them all and vLLM cuts its slice) or a rollout-shard directory for this TP
         size (``resharding.rollout_shards``; each rank reads only its own file, see
         ``vllm_worker_ext``). It is read by the engine's processes (tensors cannot cross their

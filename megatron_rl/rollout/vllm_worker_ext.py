@@ -14,7 +14,7 @@ touch are never written, so on Linux they are never committed and the memory cos
 the slice's.
 
 The same import registers the tensor weight push's vLLM weight-transfer backend
-(``weight_receiver``), and :meth:`RankShardReload.weight_push_stats` reports its last push.
+(``weight_sync.push.receiver``), and :meth:`RankShardReload.weight_push_stats` reports its last push.
 
 Importable without vLLM (it is imported lazily inside the method). Importing it (vLLM does, in
 each worker) also mutes vLLM's per-reload "RotaryEmbedding: Failed to load weights" warning: the
@@ -33,7 +33,7 @@ import torch
 from megatron_rl.model.arch import Qwen2Arch
 from megatron_rl.resharding.layouts import EMBED, LM_HEAD, VLLMLayout, logical_shapes
 from megatron_rl.rollout.quantized_engine import QuantizedEngineMethods, keep_reprocessed_kernels, scale_pieces
-from megatron_rl.rollout.weight_receiver import register_backend
+from megatron_rl.rollout.weight_sync.push.receiver import register_backend
 
 EXTENSION = f"{__name__}.RankShardReload"
 """The ``worker_extension_cls`` value for vLLM's engine arguments."""
@@ -86,7 +86,7 @@ class RankShardReload(QuantizedEngineMethods):
     ``quantized_engine.QuantizedEngineMethods``."""
 
     def weight_push_stats(self) -> dict[str, float]:
-        """This worker's figures of the last tensor weight push (``weight_receiver``): seconds,
+        """This worker's figures of the last tensor weight push (``weight_sync.push.receiver``): seconds,
         load_s (vLLM's loaders and the layerwise processing), transport_s, bytes, rank."""
         engine = getattr(self, "weight_transfer_engine", None)
         return dict(getattr(engine, "stats", {}) or {})

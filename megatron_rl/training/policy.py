@@ -57,7 +57,7 @@ class Policy(Protocol):
         ...
 
     async def open_weight_push(self, spec: dict) -> list[dict]:
-        """Set up a tensor weight push (``rollout.push_protocol.PushSpec`` as a dict) on every
+        """Set up a tensor weight push (``rollout.weight_sync.push.protocol.PushSpec`` as a dict) on every
         rank; returns each rank's ring path / IPC handle / plan fingerprint and rank 0's port."""
         ...
 

@@ -73,7 +73,7 @@ class TrainerRank:
         if state is None:
             return False
         from megatron_rl.quantization.scheme import quant_spec, quantize_state_dict
-        from megatron_rl.rollout.weight_sync import engine_dtype, write_hf_weights
+        from megatron_rl.rollout.weight_sync.hf_files import engine_dtype, write_hf_weights
 
         # rollout.quantization: the transport's quantization step, on the HF names it writes.
         spec = quant_spec(self.cfg.rollout.quantization, engine_dtype(self.cfg.model.hf_path, self.device != "cpu"))

@@ -1,6 +1,6 @@
 """The trainer ranks' side of the tensor weight push (``rollout.weight_sync_format=tensor``): a
 mixin of :class:`~megatron_rl.training.megatron_worker.MegatronWorker` around
-:class:`~megatron_rl.rollout.push_sender.PushSender`.
+:class:`~megatron_rl.rollout.weight_sync.push.sender.PushSender`.
 
 Each rank sends only what it holds: the push plan (``resharding.push_plan``) cuts every engine
 rank's slice (fused ``qkv_proj`` / ``gate_up_proj``, KV-head replication, vLLM's padded
@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.resharding.push_plan import build_push_plan
-from megatron_rl.rollout.push_protocol import PushSpec
-from megatron_rl.rollout.push_sender import PushSender
+from megatron_rl.rollout.weight_sync.push.protocol import PushSpec
+from megatron_rl.rollout.weight_sync.push.sender import PushSender
 from megatron_rl.training.memory_offload import with_training_state
 from megatron_rl.training.weights_io import local_views
 

@@ -187,13 +187,13 @@ def predict_pair(engine: EngineModel, train: TrainModel, reward: RewardModel, ba
                  prompt_tokens: int, seeds: int = 8) -> Prediction:
     """Simulate both policies over the pair's steps with the baseline's lengths replayed; loop
     times (sum of step times, warm-up steps left out) averaged over ``seeds``."""
-    data, sched = base.config.get("data", {}), tail.config.get("scheduler", {})
+    data, tb = base.config.get("data", {}), tail.config.get("tail_batching", {})
     p0, r0 = int(data.get("prompts_per_step", 16)), int(data.get("responses_per_prompt", 8))
     max_new = int(base.config.get("rollout", {}).get("max_new_tokens", 1 << 30))
     lengths = replay_lengths(base, r0, max_new, prompt_tokens)
     cl = Cluster(1, 1, lambda tp: engine, 1, 1, train, reward, lengths, p0, r0, 1)
-    feats = {"baseline": Features(), "tail": Features(tail_batching=True, eta_p=float(sched.get("eta_prompts", 1.25)),
-                                                      eta_r=float(sched.get("eta_responses", 1.25)))}
+    feats = {"baseline": Features(), "tail": Features(tail_batching=True, eta_p=float(tb.get("eta_prompts", 1.25)),
+                                                      eta_r=float(tb.get("eta_responses", 1.25)))}
     skip = warmup_steps(base) | warmup_steps(tail)
     steps = min(len(base.metrics), len(tail.metrics))
     loop = {k: 0.0 for k in feats}

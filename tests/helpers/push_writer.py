@@ -1,6 +1,6 @@
 """Trainer ranks for tensor-push tests without Megatron: each "rank" is a thread of this process
 holding its Megatron shards, cut from an HF checkpoint by the trainer's own HF -> Megatron
-conversion, behind the ``tensor_transport.PushWriter`` protocol that ``PolicyGroup`` implements."""
+conversion, behind the ``weight_sync.push.transport.PushWriter`` protocol that ``PolicyGroup`` implements."""
 from __future__ import annotations
 
 import asyncio
@@ -12,8 +12,8 @@ from megatron_rl.model.hf_weights import hf_to_megatron_shard
 from megatron_rl.model.qwen2 import read_qwen2_arch
 from megatron_rl.resharding.layouts import MegatronLayout
 from megatron_rl.resharding.push_plan import build_push_plan
-from megatron_rl.rollout.push_protocol import PushSpec
-from megatron_rl.rollout.push_sender import PushSender
+from megatron_rl.rollout.weight_sync.push.protocol import PushSpec
+from megatron_rl.rollout.weight_sync.push.sender import PushSender
 from megatron_rl.training.weights_io import LazySafetensors
 
 

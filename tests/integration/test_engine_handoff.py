@@ -11,8 +11,9 @@ import torch
 
 from megatron_rl.config import RolloutConfig
 from megatron_rl.rollout.engine import GenerationRequest
-from megatron_rl.rollout.ray_engine import EnginePool, create_ray_engines
-from megatron_rl.rollout.weight_sync import write_hf_weights
+from megatron_rl.rollout.engine_pool import EnginePool
+from megatron_rl.rollout.ray_engine import create_ray_engines
+from megatron_rl.rollout.weight_sync.hf_files import write_hf_weights
 from tests.helpers.engine_io import collect, generate
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_rl.config import RolloutConfig
-from megatron_rl.reward.llm_judge import LLMJudge, parse_verdict
+from megatron_rl.reward.graders.llm_judge import LLMJudge, parse_verdict
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

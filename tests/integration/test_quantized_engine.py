@@ -64,7 +64,7 @@ def _gap(logprobs, model_dir, tokens) -> torch.Tensor:
 
 def _hf_sync(model: _Tiny, spec, directory, scale_factor: float = 1.0):
     """What TrainerRank.write_hf_weights writes for an engine of ``spec``."""
-    from megatron_rl.rollout.weight_sync import write_hf_weights
+    from megatron_rl.rollout.weight_sync.hf_files import write_hf_weights
 
     tensors = quantize_state_dict(model.hf, spec)
     tensors = {k: v * scale_factor if is_scale(k) else v for k, v in tensors.items()}

@@ -51,7 +51,7 @@ def test_int8_loop_with_hf_sync_and_tis_off(tiny_model_dir, tmp_path):
 def test_int8_loop_with_elastic_tp_the_tensor_push_and_tis_by_default(tiny_model_dir, tmp_path):
     rows, log = _run(tiny_model_dir, tmp_path, 3, [
         "scheduler.name=tail_batching", "rollout.num_engines=2", "planner.enabled=true",
-        "planner.initial_tp=short:1,long:2", "scheduler.eta_prompts=2.0"])  # weight_sync_format: the default
+        "planner.initial_tp=short:1,long:2", "tail_batching.eta_prompts=2.0"])  # weight_sync_format: the default
     assert "truncated importance sampling on by default (algorithm.tis_cap=2" in log
     assert [r["planner/rollout_tp"] for r in rows] == [1.0, 2.0, 1.0]
     assert [r["planner/switched"] for r in rows] == [0.0, 1.0, 1.0]

@@ -2,7 +2,7 @@
 
 Trainer ranks are threads holding Megatron TP-2 shards (``tests/helpers/push_writer``); the
 driver side is the real ``TensorTransport``; each engine quantizes what it receives
-(``weight_receiver`` + ``quantization.scheme.quantize_slices``). The reference is the sharded
+(``weight_sync.push.receiver`` + ``quantization.scheme.quantize_slices``). The reference is the sharded
 sync's quantized rank files of the same weights (``test_quantized_engine._rank_files``, the
 resharder plus ``quantize_tensors``), loaded into the same engine:
 
@@ -25,7 +25,7 @@ import torch
 from _engine_checks import hf_logprobs, run, sample
 
 from megatron_rl.quantization.engine_format import quantize_hf_checkpoint
-from megatron_rl.rollout.tensor_transport import PushOptions, TensorTransport
+from megatron_rl.rollout.weight_sync.push.transport import PushOptions, TensorTransport
 from tests.helpers.push_writer import ThreadTrainer
 from tests.integration.test_quantized_engine import (
     INT8,

@@ -23,7 +23,7 @@ from megatron_rl.resharding.execute import allocate_destinations, execute_plan
 from megatron_rl.resharding.layouts import MegatronLayout, VLLMLayout
 from megatron_rl.resharding.plan import build_plan
 from megatron_rl.rollout.vllm_engine import VLLMEngine
-from megatron_rl.rollout.weight_sync import write_hf_weights
+from megatron_rl.rollout.weight_sync.hf_files import write_hf_weights
 from megatron_rl.training.weights_io import LazySafetensors
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))

@@ -123,7 +123,7 @@ def test_tp2_engine_starts_from_shards_reloads_shards_in_place_then_takes_an_hf_
                                                                                      tmp_path_factory):
     from megatron_rl.config import RolloutConfig
     from megatron_rl.rollout.vllm_engine import VLLMEngine
-    from megatron_rl.rollout.weight_sync import write_hf_weights
+    from megatron_rl.rollout.weight_sync.hf_files import write_hf_weights
     from megatron_rl.training.weights_io import LazySafetensors
 
     out, models, _ = written

@@ -78,7 +78,7 @@ def test_elastic_tp_switches_real_engines_between_round_types(tiny_model_dir, tm
     # moves the trainer state out during rollouts, checkpoints every step from that state and
     # syncs weights as per-engine-rank shards.
     rows, log = _run(tiny_model_dir, tmp_path, 3, [
-        "planner.enabled=true", "planner.initial_tp=short:1,long:2", "scheduler.eta_prompts=2.0",
+        "planner.enabled=true", "planner.initial_tp=short:1,long:2", "tail_batching.eta_prompts=2.0",
         "trainer.offload_during_rollout=true", "rollout.sleep_during_train=true", "trainer.save_every=1",
         "rollout.weight_sync_format=sharded",
     ])
@@ -122,7 +122,7 @@ def test_elastic_tp_with_tensor_pushes_starts_engines_without_a_model_copy(tiny_
     rings = f"/dev/shm/megatron_rl-{host_tag()}-{os.getuid()}-*/weight_push/*.ring"
     before = set(glob.glob(rings))
     rows, log = _run(tiny_model_dir, tmp_path, 3, [
-        "planner.enabled=true", "planner.initial_tp=short:1,long:2", "scheduler.eta_prompts=2.0",
+        "planner.enabled=true", "planner.initial_tp=short:1,long:2", "tail_batching.eta_prompts=2.0",
         "trainer.offload_during_rollout=true", "rollout.sleep_during_train=true",
         "rollout.weight_sync_format=tensor", "rollout.weight_push_bucket_mb=0.05",  # many buckets
     ])

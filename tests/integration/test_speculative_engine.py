@@ -182,7 +182,7 @@ def test_sampled_distribution_is_unchanged_and_a_biased_sampler_is_caught(engine
 def test_abort_migration_and_tensor_push_with_speculation(engines, loop, prompts, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from megatron_rl.rollout.tensor_transport import PushOptions, TensorTransport
+    from megatron_rl.rollout.weight_sync.push.transport import PushOptions, TensorTransport
     from tests.helpers.push_writer import ThreadTrainer
 
     budget = 300

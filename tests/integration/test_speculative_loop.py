@@ -33,7 +33,7 @@ def test_loop_speculates_stays_on_policy_and_keeps_history_over_epochs(tmp_path:
     run_dir, steps = tmp_path / "run", 6
     args = loop._overrides(MODEL, run_dir, steps, [
         "scheduler.name=tail_batching", "data.eval_every=0", "rollout.max_new_tokens=64",
-        "data.builtin_num_prompts=8", "scheduler.history_routing=true",
+        "data.builtin_num_prompts=8", "tail_batching.history_routing=true",
         "rollout.speculative.method=suffix", "rollout.speculative.rounds=short,long",
     ])
     proc = loop._run_train(args, tmp_path / "log.txt")

@@ -21,8 +21,8 @@ import torch
 from _engine_checks import hf_logprobs, run, sample
 
 from megatron_rl.config import RolloutConfig
-from megatron_rl.rollout.tensor_transport import PushOptions, TensorTransport, WeightPushError
 from megatron_rl.rollout.vllm_engine import VLLMEngine
+from megatron_rl.rollout.weight_sync.push.transport import PushOptions, TensorTransport, WeightPushError
 from tests.helpers.push_writer import ThreadTrainer
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -85,7 +85,7 @@ def test_tp2_engine_takes_pushes_through_shared_memory_then_the_network(models, 
 def test_engine_started_for_a_push_waits_for_it_and_a_stalled_trainer_rank_is_named(models, tmp_path,
                                                                                     tmp_path_factory):
     from megatron_rl.rollout.engine import GenerationRequest
-    from megatron_rl.rollout.vllm_weight_push import write_push_start_dir
+    from megatron_rl.rollout.weight_sync.push.start_dir import write_push_start_dir
 
     a, b = models
     start_dir = write_push_start_dir(b, tmp_path / "start", tp=1, version=5)

@@ -13,7 +13,7 @@ import torch
 
 from megatron_rl.config import RolloutConfig
 from megatron_rl.rollout.engine import GenerationRequest
-from megatron_rl.rollout.weight_sync import LM_HEAD_KEY, write_hf_weights
+from megatron_rl.rollout.weight_sync.hf_files import LM_HEAD_KEY, write_hf_weights
 from tests.helpers.engine_io import LongRequestsIgnoreEOS, collect, generate, model_logprobs
 from tests.helpers.engine_io import run as run_with_timeout
 

@@ -52,8 +52,8 @@ def digest(directory) -> dict[str, str]:
 
 
 def test_directory_is_copied_to_the_other_node_whole(two_nodes, tmp_path):
-    from megatron_rl.rollout.weight_fanout import fan_out, other_nodes
-    from megatron_rl.rollout.weight_sync import write_hf_weights
+    from megatron_rl.rollout.weight_sync.fanout import fan_out, other_nodes
+    from megatron_rl.rollout.weight_sync.hf_files import write_hf_weights
 
     _, head, worker = two_nodes
     g = torch.Generator().manual_seed(0)
@@ -75,7 +75,7 @@ def test_directory_is_copied_to_the_other_node_whole(two_nodes, tmp_path):
 
 
 def test_a_missing_source_directory_is_named(two_nodes, tmp_path):
-    from megatron_rl.rollout.weight_fanout import fan_out
+    from megatron_rl.rollout.weight_sync.fanout import fan_out
 
     _, head, worker = two_nodes
     with pytest.raises(Exception, match="does not exist on the source node"):
@@ -83,7 +83,7 @@ def test_a_missing_source_directory_is_named(two_nodes, tmp_path):
 
 
 def test_the_copies_are_removed_on_the_other_node_at_the_end(two_nodes, tmp_path):
-    from megatron_rl.rollout.weight_fanout import remove_on_nodes
+    from megatron_rl.rollout.weight_sync.fanout import remove_on_nodes
 
     _, head, worker = two_nodes
     root = tmp_path / "megatron_rl-0-123"  # default_sync_dir's per-process dir
@@ -100,9 +100,9 @@ def test_a_tensor_push_reaches_an_engine_on_each_node(two_nodes, tmp_path, tmp_p
     from megatron_rl.config import RolloutConfig
     from megatron_rl.model.tiny import build_tiny_qwen2
     from megatron_rl.rollout.engine_pool import EnginePool
-    from megatron_rl.rollout.push_protocol import LOCAL, NET
     from megatron_rl.rollout.ray_engine import RayEngineClient
-    from megatron_rl.rollout.tensor_transport import PushOptions, TensorTransport
+    from megatron_rl.rollout.weight_sync.push.protocol import LOCAL, NET
+    from megatron_rl.rollout.weight_sync.push.transport import PushOptions, TensorTransport
     from tests.helpers.engine_io import generate
     from tests.helpers.push_writer import RayTrainer
     from tests.integration._engine_checks import PROMPT, hf_logprobs

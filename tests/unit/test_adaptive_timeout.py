@@ -1,7 +1,7 @@
 """Adaptive timeout: min(max(T_min, lambda * T_anchor), T_max) with online and dataset anchors."""
 import pytest
 
-from megatron_rl.reward.adaptive_timeout import AdaptiveTimeouts, TimeoutPolicy, dataset_anchor
+from megatron_rl.reward.pool.adaptive_timeout import AdaptiveTimeouts, TimeoutPolicy, dataset_anchor
 
 
 def test_clamp_matches_the_formula() -> None:

@@ -1,8 +1,8 @@
 """Pool autoscaling decisions and reward-scheduler metrics."""
 import pytest
 
-from megatron_rl.reward.autoscale import ScalePolicy
-from megatron_rl.reward.pool_metrics import RewardStats, reward_overlap
+from megatron_rl.reward.pool.autoscale import ScalePolicy
+from megatron_rl.reward.pool.metrics import RewardStats, reward_overlap
 from megatron_rl.sample import Prompt, Sample
 
 

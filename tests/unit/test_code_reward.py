@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.reward.code_reward import CodeReward, InvalidTests, build_job, extract_code, parse_tests
+from megatron_rl.reward.graders.code_reward import CodeReward, InvalidTests, build_job, extract_code, parse_tests
 
 
 def fenced(code: str, tag: str = "python") -> str:

@@ -13,7 +13,8 @@ from megatron_rl.config import RunConfig
 from megatron_rl.hooks import RolloutBatch
 from megatron_rl.rollout.elastic import ElasticRollout
 from megatron_rl.rollout.engine import EngineStats, GenerationRequest
-from megatron_rl.rollout.weight_push import ShardedFiles, WeightSync
+from megatron_rl.rollout.weight_sync.file_transports import ShardedFiles
+from megatron_rl.rollout.weight_sync.sync import WeightSync
 from megatron_rl.training.colocation import Colocation
 from rollpacker.config import parse_initial_tp
 from rollpacker.elastic_tp import ElasticTP

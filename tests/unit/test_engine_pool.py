@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from megatron_rl.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine
-from megatron_rl.rollout.ray_engine import EnginePool
+from megatron_rl.rollout.engine_pool import EnginePool
 
 
 class FakeEngine(RolloutEngine):

@@ -6,8 +6,8 @@ import asyncio
 import pytest
 
 from megatron_rl.config import RewardConfig
-from megatron_rl.reward.llm_judge import LLMJudge, parse_verdict
-from megatron_rl.reward.workers import RewardPool
+from megatron_rl.reward.graders.llm_judge import LLMJudge, parse_verdict
+from megatron_rl.reward.pool.reward_pool import RewardPool
 from megatron_rl.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine
 from megatron_rl.sample import Prompt, Sample
 

@@ -14,13 +14,9 @@ from collections import Counter
 
 import pytest
 
-from megatron_rl.reward.math_grader import VerifyOptions, answers_match, parse_gold
-from megatron_rl.reward.math_reward import (
-    MathReward,
-    extract_ground_truth,
-    extract_response_answer,
-    grade,
-)
+from megatron_rl.reward.graders.answer_extraction import extract_ground_truth, extract_response_answer
+from megatron_rl.reward.graders.math_grader import VerifyOptions, answers_match, parse_gold
+from megatron_rl.reward.graders.math_reward import MathReward, grade
 from tools.grader_report import DEFAULT_DATA, FORMS, evaluate, format_report, load_rows
 
 MIN_ROWS = 300

@@ -7,18 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.reward.math_reward import (
-    MAX_ANSWER_CHARS,
-    CallFailed,
-    CallTimeout,
-    IsolatedCall,
-    MathReward,
-    RewardResult,
-    extract_ground_truth,
-    extract_response_answer,
-    grade,
-    last_boxed,
-)
+from megatron_rl.reward.graders.answer_extraction import extract_ground_truth, extract_response_answer, last_boxed
+from megatron_rl.reward.graders.math_reward import MAX_ANSWER_CHARS, MathReward, grade
+from megatron_rl.reward.graders.result import RewardResult
+from megatron_rl.reward.sandbox.isolated_call import CallFailed, CallTimeout, IsolatedCall
 from tools.grader_report import adversarial_cases
 
 GSM8K_SOLUTION = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nAltogether 48+24 = <<48+24=72>>72.\n#### 72"
@@ -241,7 +233,7 @@ def test_reward_pool_scores_and_counts_a_math_timeout(tmp_path: Path) -> None:
     """Through the reward worker path: a timed-out response scores timeout_reward and is counted."""
     from megatron_rl.config import RewardConfig
     from megatron_rl.model.tiny import build_tokenizer
-    from megatron_rl.reward.workers import RewardPool
+    from megatron_rl.reward.pool.reward_pool import RewardPool
     from megatron_rl.sample import Prompt, Sample
 
     build_tokenizer().save_pretrained(tmp_path)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from megatron_rl.distributed.local_state import dead_run_dirs, run_dir_name, sweep_dead_run_dirs
-from megatron_rl.rollout.push_channels import NetworkGroup, ShmRing, ticket
-from megatron_rl.rollout.push_protocol import ring_path, shm_root
+from megatron_rl.rollout.weight_sync.push.channels import NetworkGroup, ShmRing, ticket
+from megatron_rl.rollout.weight_sync.push.protocol import ring_path, shm_root
 
 CTX = mp.get_context("spawn")
 
@@ -129,7 +129,7 @@ def _group_member(port: int, rank: int, out) -> None:
 
 
 def test_the_push_group_moves_a_bucket_between_processes():
-    from megatron_rl.rollout.push_sender import free_port
+    from megatron_rl.rollout.weight_sync.push.sender import free_port
 
     port, out = free_port(), CTX.Queue()
     procs = [CTX.Process(target=_group_member, args=(port, r, out)) for r in range(2)]

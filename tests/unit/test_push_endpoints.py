@@ -1,6 +1,6 @@
 """Both ends of the tensor weight push, in one process: trainer-rank senders (``PushSender``, their
 shards cut from an HF checkpoint by the trainer's own HF -> Megatron conversion) and the vLLM
-weight-transfer engine of every engine worker (``weight_receiver``, the real class vLLM
+weight-transfer engine of every engine worker (``weight_sync.push.receiver``, the real class vLLM
 instantiates, driven through vLLM's start / update / finish calls) with a stand-in model that
 records what its ``load_weights`` gets. One engine replica maps the trainers' shared-memory
 rings, the other gets its buckets through the gloo push group; two pushes in a row (the second
@@ -21,8 +21,8 @@ from megatron_rl.model.qwen2 import read_qwen2_arch
 from megatron_rl.model.tiny import build_tiny_qwen2
 from megatron_rl.resharding.layouts import LM_HEAD, MegatronLayout, VLLMLayout
 from megatron_rl.resharding.push_plan import build_push_plan
-from megatron_rl.rollout.push_protocol import PushSpec, engine_init_info, group_size, wiring
-from megatron_rl.rollout.push_sender import PushSender
+from megatron_rl.rollout.weight_sync.push.protocol import PushSpec, engine_init_info, group_size, wiring
+from megatron_rl.rollout.weight_sync.push.sender import PushSender
 from megatron_rl.training.weights_io import LazySafetensors
 
 pytest.importorskip("vllm")
@@ -40,7 +40,7 @@ class RecordingModel(torch.nn.Module):
 
 
 def _engine(model_dir, rank: int):
-    from megatron_rl.rollout.weight_receiver import _make_engine_class
+    from megatron_rl.rollout.weight_sync.push.receiver import _make_engine_class
 
     base = _make_engine_class()
 
@@ -123,7 +123,7 @@ def _push(setup, model_dir, sync_id, version, skip_sender=None, stuck_engine=Non
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_every_worker_of_both_replicas_loads_its_rows_twice_in_a_row(setup, monkeypatch, overlap):
-    from megatron_rl.rollout import weight_receiver
+    from megatron_rl.rollout.weight_sync.push import receiver as weight_receiver
 
     monkeypatch.setattr(weight_receiver, "overlap_loads", lambda device: overlap)  # both loading paths
     for sync_id, (model_dir, version) in enumerate([(setup.first, 1), (setup.second, 2)], start=1):

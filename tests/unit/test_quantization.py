@@ -219,7 +219,7 @@ def test_tensor_push_receiver_quantizes_as_the_sharded_sync(tmp_path, spec, trai
     from megatron_rl.resharding.rollout_shards import engine_state_dict
     from megatron_rl.rollout.quantized_engine import scale_pieces
     from megatron_rl.rollout.vllm_worker_ext import hf_pieces
-    from megatron_rl.rollout.weight_receiver import StagedLoader
+    from megatron_rl.rollout.weight_sync.push.receiver import StagedLoader
     from megatron_rl.training.weights_io import LazySafetensors
 
     model = build_tiny_qwen2(tmp_path / "m", seed=6)

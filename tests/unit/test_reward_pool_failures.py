@@ -20,10 +20,11 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_rl.config import RewardConfig
-from megatron_rl.reward.math_reward import CallTimeout, IsolatedCall
-from megatron_rl.reward.pool_metrics import RewardStats
-from megatron_rl.reward.scorer import CONTROL_GROUP, RewardOutcome, RewardWorker
-from megatron_rl.reward.workers import RewardHandle, RewardPool
+from megatron_rl.reward.pool.handles import RewardHandle
+from megatron_rl.reward.pool.metrics import RewardStats
+from megatron_rl.reward.pool.reward_pool import RewardPool
+from megatron_rl.reward.pool.worker import CONTROL_GROUP, RewardOutcome, RewardWorker
+from megatron_rl.reward.sandbox.isolated_call import CallTimeout, IsolatedCall
 from megatron_rl.sample import Prompt, Sample
 
 
@@ -228,7 +229,7 @@ def test_score_gives_up_after_retries_and_reports_it(tokenizer_dir: Path, monkey
     actor = FakeActor([unavailable() for _ in range(10)])
     pool = fake_ray_pool(tokenizer_dir, monkeypatch, actor)
     s = sample()
-    with caplog.at_level(logging.WARNING, logger="megatron_rl.reward.dispatch"):
+    with caplog.at_level(logging.WARNING, logger="megatron_rl.reward.pool.dispatch"):
         asyncio.run(pool.score(s))
     assert 2 <= len(actor.calls) <= 4                  # bounded retries
     assert s.reward == -0.5 and s.correct is False      # timeout_reward

@@ -56,7 +56,7 @@ def run_epochs(routing: bool, epochs: int = 2):
     engine = FakeEngine(lengths(), capacity=1000)
     h = EpochHarness(make_prompts(20), engine)
     h.drawn = []
-    h.cfg.scheduler.history_routing = routing
+    h.cfg.tail_batching.history_routing = routing
     h.cfg.rollout.speculative.method, h.cfg.rollout.speculative.rounds = "suffix", "short,long"
     sched = TailBatchingScheduler()
     rows, trained = [], []
@@ -118,7 +118,7 @@ def test_small_data_set_never_launches_a_prompt_twice_in_a_round(routing):
     engine = FakeEngine(lengths(long_every=3), capacity=1000)
     h = EpochHarness(make_prompts(8, long_every=3), engine)
     h.drawn = []
-    h.cfg.scheduler.history_routing = routing
+    h.cfg.tail_batching.history_routing = routing
     sched = TailBatchingScheduler()
     trained = []
     for step in range(12):

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.reward.sandbox import Sandbox, SandboxLimits, namespace_prefix
+from megatron_rl.reward.sandbox.job import SandboxLimits
+from megatron_rl.reward.sandbox.sandbox import Sandbox, namespace_prefix
 
 LIMITS = SandboxLimits(wall_s=5.0, cpu_s=3.0, memory_mb=512, file_mb=1, disk_mb=8, output_bytes=64 << 10)
 MODES = {"auto": dict(isolation="auto"), "audit": dict(isolation="audit"),
@@ -222,7 +223,7 @@ def test_network_namespace_when_available() -> None:
 def test_modes_on_a_box_without_namespaces(monkeypatch) -> None:
     """'namespaces' refuses to start, 'auto' falls back to the in-process layers (which still
     keep the host's files out), and the disk limit becomes the polling one."""
-    from megatron_rl.reward import sandbox as sandbox_module
+    from megatron_rl.reward.sandbox import sandbox as sandbox_module
 
     monkeypatch.setattr(sandbox_module, "_probe_cache", {"ns": ([], [])})  # as if unshare did not work
     with pytest.raises(RuntimeError, match="namespaces"):
@@ -240,8 +241,8 @@ def test_user_namespace_plan_when_available() -> None:
     no uid drop (only uid 0 is mapped), and still no host files and the kernel filters."""
     import shutil
 
-    from megatron_rl.reward import sandbox as sandbox_module
-    from megatron_rl.reward.sandbox_run import execute
+    from megatron_rl.reward.sandbox import sandbox as sandbox_module
+    from megatron_rl.reward.sandbox.supervisor import execute
 
     unshare = shutil.which("unshare")
     prefix = [unshare or "unshare", "--user", "--map-root-user", "--fork", "--kill-child", "--net", "--pid", "--mount",

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from megatron_rl.reward import sandbox_wire as wire
+from megatron_rl.reward.sandbox.confined import sandbox_wire as wire
 
 
 def handle(obj):

@@ -37,7 +37,7 @@ def _write_run(d, rows, timeline, scheduler):
     (d / "config.json").write_text(json.dumps({
         "rollout": {"max_new_tokens": 400, "max_num_seqs": 256},
         "data": {"prompts_per_step": P0, "responses_per_prompt": R0},
-        "scheduler": {"name": scheduler, "eta_prompts": 1.25, "eta_responses": 1.25}}))
+        "scheduler": {"name": scheduler}, "tail_batching": {"eta_prompts": 1.25, "eta_responses": 1.25}}))
 
 
 def _row(step, rollout_s, tokens, warm=False):

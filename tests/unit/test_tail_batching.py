@@ -39,8 +39,8 @@ class Harness:
         self.cfg = RunConfig()
         self.cfg.data.prompts_per_step, self.cfg.data.responses_per_prompt = P0, R0
         self.cfg.rollout.max_new_tokens = 1000
-        self.cfg.scheduler.eta_prompts, self.cfg.scheduler.eta_responses = eta_p, eta_r
-        self.cfg.scheduler.max_refills = max_refills
+        self.cfg.tail_batching.eta_prompts, self.cfg.tail_batching.eta_responses = eta_p, eta_r
+        self.cfg.tail_batching.max_refills = max_refills
         self.cfg.algorithm.filter_zero_variance = dapo
         self.prompts, self.engine = prompts, engine
         self.cursor = PromptCursor(len(prompts), seed=0, shuffle=False)
@@ -163,7 +163,7 @@ def test_dapo_filters_zero_variance_groups_and_refills():
 def test_dapo_refill_bound_is_a_clear_error():
     h = Harness(make_prompts(40), FakeEngine(lengths(long_every=1000), capacity=1000), dapo=True,
                 reward_fn=lambda s: 1.0, max_refills=2)
-    with pytest.raises(RefillLimitError, match="scheduler.max_refills"):
+    with pytest.raises(RefillLimitError, match="tail_batching.max_refills"):
         h.run(TailBatchingScheduler(), 0)
 
 
@@ -173,3 +173,60 @@ def test_samples_carry_the_current_policy_version():
     h = Harness(make_prompts(20), engine)
     batch = h.run(TailBatchingScheduler(), 0)
     assert {s.policy_version for s in batch.samples} == {0}
+
+
+TAIL_BATCHING_KEYS = ("eta_prompts", "eta_responses", "max_refills", "history_routing", "history_responses",
+                      "history_response_tokens", "history_prompts")
+
+
+def test_tail_batching_settings_are_rollpackers_section_not_the_cores():
+    from dataclasses import fields
+
+    from megatron_rl.config import SchedulerConfig, plugin_sections
+
+    assert [f.name for f in fields(SchedulerConfig)] == ["name"]
+    section, _ = plugin_sections()["tail_batching"]
+    assert tuple(f.name for f in fields(section)) == TAIL_BATCHING_KEYS
+    cfg = RunConfig()
+    assert (cfg.tail_batching.eta_prompts, cfg.tail_batching.max_refills) == (1.25, 4)
+
+
+@pytest.mark.parametrize("key", TAIL_BATCHING_KEYS)
+def test_an_old_scheduler_key_fails_naming_its_new_key(key, tmp_path):
+    from megatron_rl.config_io import ConfigError, load_config
+
+    value = "true" if key == "history_routing" else "2"
+    new = rf"did you mean 'tail_batching\.{key}'\?"
+    with pytest.raises(ConfigError, match=rf"unknown key 'scheduler\.{key}' in command-line override .*{new}"):
+        load_config(None, [f"scheduler.{key}={value}"])
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text(f"scheduler:\n  name: tail_batching\n  {key}: {value}\n")
+    with pytest.raises(ConfigError, match=rf"unknown key 'scheduler\.{key}' in {recipe}.*{new}"):
+        load_config(recipe)
+    assert getattr(load_config(None, [f"tail_batching.{key}={value}"]).tail_batching, key) in (True, 2)
+
+
+@pytest.mark.parametrize("override", ["tail_batching.eta_prompts=0.9", "tail_batching.eta_responses=0.5",
+                                      "tail_batching.max_refills=-1", "tail_batching.history_responses=-1",
+                                      "tail_batching.history_response_tokens=0", "tail_batching.history_prompts=0"])
+def test_bad_tail_batching_settings_are_refused_naming_the_key(override):
+    from megatron_rl.config_io import ConfigError, load_config, validate
+
+    key = override.split("=")[0]
+    cfg = load_config(None, [override])
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        validate(cfg, device="cpu")
+    validate(load_config(None, []), device="cpu")  # the defaults pass
+
+
+def test_the_core_reads_no_tail_batching_setting():
+    """Only RollPacker reads them; megatron_rl may call the scheduler's own methods."""
+    import re
+    from pathlib import Path
+
+    import megatron_rl
+
+    pattern = re.compile(r"\.(?:scheduler|tail_batching)\.(?:" + "|".join(TAIL_BATCHING_KEYS) + r")\b")
+    readers = [f"{path}:{n}" for path in sorted(Path(megatron_rl.__file__).parent.rglob("*.py"))
+               for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not readers, readers

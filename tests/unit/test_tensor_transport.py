@@ -11,13 +11,14 @@ import json
 import pytest
 
 from megatron_rl.config import RunConfig
-from megatron_rl.rollout import tensor_transport
 from megatron_rl.rollout.elastic import ElasticRollout
 from megatron_rl.rollout.engine_pool import EnginePool
-from megatron_rl.rollout.push_protocol import LOCAL, NET
-from megatron_rl.rollout.tensor_transport import PushOptions, TensorTransport, WeightPushError
-from megatron_rl.rollout.vllm_weight_push import PUSH_MANIFEST, read_push_manifest
-from megatron_rl.rollout.weight_push import WeightSync, make_transport
+from megatron_rl.rollout.weight_sync.factory import make_transport
+from megatron_rl.rollout.weight_sync.push import transport as tensor_transport
+from megatron_rl.rollout.weight_sync.push.protocol import LOCAL, NET
+from megatron_rl.rollout.weight_sync.push.start_dir import PUSH_MANIFEST, read_push_manifest
+from megatron_rl.rollout.weight_sync.push.transport import PushOptions, TensorTransport, WeightPushError
+from megatron_rl.rollout.weight_sync.sync import WeightSync
 from megatron_rl.training.colocation import Colocation
 from tests.helpers.fake_engine import FakeEngine
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_rl.rollout import weight_sync
-from megatron_rl.rollout.weight_sync import EMBED_KEY, LM_HEAD_KEY, default_sync_dir, write_hf_weights
+from megatron_rl.rollout.weight_sync import sync_dir
+from megatron_rl.rollout.weight_sync.hf_files import EMBED_KEY, LM_HEAD_KEY, write_hf_weights
+from megatron_rl.rollout.weight_sync.sync_dir import default_sync_dir
 
 
 def _read_all(directory) -> dict[str, torch.Tensor]:
@@ -94,17 +95,17 @@ def test_sharding_writes_an_index(tmp_path):
 def test_default_sync_dir_prefers_dev_shm_and_falls_back(tmp_path, monkeypatch):
     shm = tmp_path / "shm"
     shm.mkdir()
-    monkeypatch.setattr(weight_sync, "_SHM", shm)
+    monkeypatch.setattr(sync_dir, "_SHM", shm)
     host = socket.gethostname().replace("-", "_")
     assert default_sync_dir() == shm / f"megatron_rl-{host}-{os.getuid()}-{os.getpid()}" / "weights"
     # Not enough room in /dev/shm -> the fallback root.
     assert default_sync_dir(tmp_path / "run", required_bytes=1 << 62) == tmp_path / "run" / "weight_sync"
-    monkeypatch.setattr(weight_sync, "_SHM", tmp_path / "absent")
+    monkeypatch.setattr(sync_dir, "_SHM", tmp_path / "absent")
     assert default_sync_dir(tmp_path / "run") == tmp_path / "run" / "weight_sync"
 
 
 def test_remove_sync_dir_deletes_the_run_weights_and_their_leftovers_only(tmp_path):
-    from megatron_rl.rollout.weight_sync import remove_sync_dir
+    from megatron_rl.rollout.weight_sync.sync_dir import remove_sync_dir
 
     root = tmp_path / "megatron_rl-0-123"
     weights = write_hf_weights({"model.embed_tokens.weight": torch.ones(4, 2)}, root / "weights")

@@ -185,7 +185,7 @@ CATEGORIES: dict[str, list[tuple[str, tuple[str, ...]]]] = {
         ("rewards", ("reward", "RewardPool")),
         ("engine client", ("ray_engine", "EngineClient", "engine_pool")),
         ("trainer calls", ("PolicyGroup", "policy_group")),
-        ("weight sync", ("weight_push", "WeightSync", "tensor_transport", "push_")),
+        ("weight sync", ("weight_sync/", "weight_push", "WeightSync", "push_")),
         ("profiler (this tool)", ("ProcessSampler", "SpyRecorders", "psutil")),
         ("metrics and logs", ("metrics", "MetricsLogger", "tqdm", "step_log", "loop_metrics")),
         ("ray", ("ray/", "ray.")),
@@ -194,7 +194,7 @@ CATEGORIES: dict[str, list[tuple[str, tuple[str, ...]]]] = {
     "trainer rank": [
         ("scoring (old-logprob forward)", ("compute_logprobs",)),
         ("checkpoint", ("save_checkpoint", "dist_checkpointing", "load_checkpoint")),
-        ("weight sync", ("export_hf", "write_hf", "weight_push", "tensor_transport", "push_sender", "stage_")),
+        ("weight sync", ("export_hf", "write_hf", "weight_push", "weight_sync/", "stage_")),
         ("optimizer step", ("megatron/core/optimizer", "Optimizer", "step_with_ready_grads", "Adam", "optimizer.py")),
         ("gradient sync", ("finish_grad_sync", "start_grad_sync", "all_reduce", "grad_buffer")),
         ("backward", ("_engine_run_backward", "backward_step", "Tensor.backward", "Function.backward", "backward (")),

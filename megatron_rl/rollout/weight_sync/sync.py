@@ -1,0 +1,91 @@
+"""The one owner of weight movement from the trainer ranks into the rollout engines.
+
+:class:`WeightSync` does the whole per-step sync (:meth:`WeightSync.push`) and writes the weights
+for engines of a new tensor-parallel size on an elastic switch
+(:meth:`WeightSync.write_for_new_engines`, :meth:`WeightSync.load_new_engines`). *How* bytes
+travel is its :class:`~megatron_rl.rollout.weight_sync.interface.WeightTransport` (the package
+docstring lists them).
+
+A push is: the transport *stages* the weights (trainer memory -> files), on a multi-node run the
+directory is copied to the other nodes (``fan_out``, :mod:`~megatron_rl.rollout.weight_sync.fanout`),
+then device memory goes back to the rollout side (``Colocation.to_rollout``: trainer offloaded,
+engines woken) and the transport *loads* them into the engines, which tag later completions with
+the new version. A transport that streams straight from trainer memory into awake engines
+(``streams_from_trainer``) is loaded between waking the engines and offloading the trainer instead.
+"""
+from __future__ import annotations
+
+from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.rollout.weight_sync.interface import FanOut, SyncColocation, WeightTransport, WeightWriter
+
+
+class WeightSync:
+    """Moves the trainer's weights into the engines; the loop and plug-ins call only this.
+
+    Args:
+        transport: the per-step transport (``factory.make_transport``).
+        writer: the trainer ranks (for rank files of new engines on an elastic switch).
+        engine: the engines the loop generates with; their ``tensor_parallel_size`` decides the
+            layout written.
+        colocation: device-memory owner (trainer offload / engine wake order).
+        fan_out: multi-node runs: copies a directory to the other nodes; None on one node.
+    """
+
+    def __init__(self, transport: WeightTransport, writer: WeightWriter, engine: RolloutEngine,
+                 colocation: SyncColocation, fan_out: FanOut | None = None) -> None:
+        self.transport = transport
+        self.writer = writer
+        self.engine = engine
+        self.colocation = colocation
+        self.fan_out = fan_out
+
+    @property
+    def directory(self) -> str:
+        """The weight directory engines read (and new engines start from)."""
+        return self.transport.directory
+
+    async def push(self, version: int) -> dict[str, float]:
+        """Bring the engines to the trainer's weights, tagged ``version``; ends with the memory on
+        the rollout side. Returns ``weight_sync/*`` metrics."""
+        tp = self.engine.tensor_parallel_size
+        figures = dict(await self.transport.stage(version, tp))
+        if self.transport.writes_directory:
+            figures.update(await self._fan_out())
+        if self.transport.streams_from_trainer:
+            await self.colocation.wake_engines()
+            figures.update(await self.transport.load(self.engine, version))
+            await self.colocation.offload_trainer()
+        else:
+            await self.colocation.to_rollout()
+            figures.update(await self.transport.load(self.engine, version))
+        return {f"weight_sync/{key}": value for key, value in figures.items()}
+
+    async def write_for_new_engines(self, tp: int, version: int) -> tuple[str, dict[str, float]]:
+        """Elastic switch (the old engines are shut down): where engines of TP ``tp`` start from.
+
+        With a transport that streams into engines (the tensor push), a directory of config and
+        tokenizer only: the engines load dummy weights and refuse requests until
+        :meth:`load_new_engines` pushes the current ones, so no model copy lands on disk. Else the
+        current weights as rank files in the weight directory (``/dev/shm`` keeps one model copy:
+        the next push rewrites it), with the resharder's figures (``reshard_mb``, ``reshard_s``,
+        ``reshard_rounds``; ``fanout_*`` on multi-node runs)."""
+        if self.transport.starts_engines_empty:
+            return await self.transport.new_engine_dir(tp, version), {}
+        async with self.colocation.trainer_resident():
+            stats = await self.writer.write_rollout_shards(tp, self.directory, version, self.transport.dtype)
+        figures = {"reshard_mb": (stats["bytes_sent"] + stats["bytes_local"]) / 1e6,
+                   "reshard_s": stats["seconds"], "reshard_rounds": stats["rounds"]}
+        figures.update(await self._fan_out())
+        return self.directory, figures
+
+    async def load_new_engines(self, engine: RolloutEngine, version: int) -> dict[str, float]:
+        """Elastic switch, after the new engines started from :meth:`write_for_new_engines`: push
+        the current weights into them when they started without (the trainer resident for it);
+        nothing when they started from rank files. Returns the transport's figures."""
+        if not self.transport.starts_engines_empty:
+            return {}
+        async with self.colocation.trainer_resident():
+            return await self.transport.load(engine, version)
+
+    async def _fan_out(self) -> dict[str, float]:
+        return await self.fan_out(self.directory) if self.fan_out is not None else {}
