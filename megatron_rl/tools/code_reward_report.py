@@ -2,7 +2,7 @@
 tests/data, through the path the reward workers use (``RewardWorker.score``: token ids in,
 decode, route by the prompt's format, run the sandbox, shape).
 
-    python tools/code_reward_report.py [--repeats 3] [--isolation auto] [--json report.json]
+    megatron-rl-code-reward-report [--repeats 3] [--isolation auto] [--json report.json]
 
 Scores every problem's correct solution and wrong solutions (tests/data/code_sandbox_set.jsonl)
 and every attack (tests/data/code_sandbox_attacks.jsonl), ``--repeats`` times, one response at a
@@ -23,13 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from megatron_rl.config import RewardConfig
+from megatron_rl.reward.scorer import RewardWorker
+from megatron_rl.tools import REPO_ROOT
 
-from megatron_rl.config import RewardConfig  # noqa: E402
-from megatron_rl.reward.scorer import RewardWorker  # noqa: E402
-
-DATA = ROOT / "tests" / "data"
+DATA = REPO_ROOT / "tests" / "data"
 
 
 def _fenced(code: str) -> str:

@@ -2,8 +2,12 @@
 as Markdown, straight from the config dataclasses (megatron_rl/config.py, then the sections
 plug-in packages register, e.g. rollpacker/config.py), so the README cannot drift from the code.
 
-    python tools/config_reference.py            # print
-    python tools/config_reference.py --check README.md   # exit 1 if README's copy is stale
+    megatron-rl-config-reference                    # print
+    megatron-rl-config-reference --check README.md  # exit 1 if README's copy is stale
+    bash tools/update_readme_config.sh              # rewrite README's copy
+
+The sections are those ``megatron-rl-train`` accepts: importing ``megatron_rl.train`` registers
+them (RollPacker's through ``rollpacker.plugins``), so this module names no plug-in package itself.
 """
 from __future__ import annotations
 
@@ -14,11 +18,9 @@ import inspect
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import megatron_rl.config as config_module  # noqa: E402
-import rollpacker.plugins  # noqa: E402,F401  (registers RollPacker's sections, as megatron_rl.train does)
-from megatron_rl.config import RunConfig, plugin_sections  # noqa: E402
+import megatron_rl.config as config_module
+import megatron_rl.train  # noqa: F401  (registers the plug-in packages' sections, as a training run has them)
+from megatron_rl.config import RunConfig, plugin_sections
 
 BEGIN, END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
 
@@ -89,7 +91,7 @@ def main() -> int:
         return 1
     current = readme.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n") + "\n"
     if current != text:
-        print(f"{args.check}: the config reference is stale; regenerate with tools/config_reference.py",
+        print(f"{args.check}: the config reference is stale; regenerate with bash tools/update_readme_config.sh",
               file=sys.stderr)
         return 1
     return 0

@@ -1,7 +1,7 @@
 """Convert Qwen2/Qwen2.5 checkpoints between Hugging Face and Megatron's dist_checkpointing format.
 
-    python tools/convert_checkpoint.py hf-to-megatron --hf DIR --out DIR [--dtype D]
-    python tools/convert_checkpoint.py megatron-to-hf --megatron DIR --out DIR [--hf-config DIR]
+    megatron-rl-convert-checkpoint hf-to-megatron --hf DIR --out DIR [--dtype D]
+    megatron-rl-convert-checkpoint megatron-to-hf --megatron DIR --out DIR [--hf-config DIR]
 
 ``hf-to-megatron`` writes a ``megatron.core.dist_checkpointing`` (torch_dist) checkpoint of the
 weights plus config and tokenizer (``megatron_rl/resharding/checkpoint_format.py``). It holds
@@ -29,14 +29,12 @@ import time
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from megatron_rl.model.hf_weights import hf_to_megatron_shard, megatron_stage_to_hf  # noqa: E402
-from megatron_rl.model.qwen2 import check_parallel_fits, read_qwen2_arch  # noqa: E402
-from megatron_rl.resharding import checkpoint_format as fmt  # noqa: E402
-from megatron_rl.training.weights_io import LazySafetensors  # noqa: E402
+from megatron_rl.model.hf_weights import hf_to_megatron_shard, megatron_stage_to_hf
+from megatron_rl.model.qwen2 import check_parallel_fits, read_qwen2_arch
+from megatron_rl.resharding import checkpoint_format as fmt
+from megatron_rl.training.weights_io import LazySafetensors
 
 _DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # What an earlier conversion may have left in the output directory (replaced, never mixed in).

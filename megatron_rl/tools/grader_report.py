@@ -1,6 +1,6 @@
 """Precision, recall and grading time of the math reward on the graded answer set.
 
-    python tools/grader_report.py [--data tests/data/math_grader_set.jsonl] [--timeout-s 2.0]
+    megatron-rl-grader-report [--data tests/data/math_grader_set.jsonl] [--timeout-s 2.0]
                                   [--adversarial] [--json OUT.json]
 
 Every row (response, gold, expected, form) is scored through the real reward path: a
@@ -23,12 +23,11 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from megatron_rl.config import RewardConfig
+from megatron_rl.reward.math_reward import MathReward
+from megatron_rl.tools import REPO_ROOT
 
-from megatron_rl.config import RewardConfig  # noqa: E402
-from megatron_rl.reward.math_reward import MathReward  # noqa: E402
-
-DEFAULT_DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "math_grader_set.jsonl"
+DEFAULT_DATA = REPO_ROOT / "tests" / "data" / "math_grader_set.jsonl"
 FORMS = ("complex", "polynomial", "interval", "tuple", "base", "equation", "units/text",
          "multiple choice", "percent", "thousands", "fraction/decimal/mixed", "matrix", "integer",
          "gsm8k")

@@ -1,6 +1,6 @@
 """Build the tiny Qwen2.5-architecture model for the default CPU run.
 
-    python tools/make_tiny_model.py --out artifacts/tiny-qwen2.5 [--seed 0] [--sft-steps N]
+    megatron-rl-make-tiny-model --out artifacts/tiny-qwen2.5 [--seed 0] [--sft-steps N]
 
 A random-init model gets no reward, so GRPO would have nothing to learn from. This tool
 supervised-fine-tunes the random model on the built-in arithmetic task's train split (prompt
@@ -26,11 +26,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-# Runs as a script from the repo root or tools/: make the package importable either way.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_rl.data import arithmetic  # noqa: E402
-from megatron_rl.data.datasets import BUILTIN_TASK_SEED, apply_chat_template  # noqa: E402
+from megatron_rl.data import arithmetic
+from megatron_rl.data.datasets import BUILTIN_TASK_SEED, apply_chat_template
 
 SFT_INDEX_OFFSET = 1_000_000
 """SFT problems start at this train-split index, away from the RL prompt set (indices

@@ -1,6 +1,6 @@
 """Plot training curves of a run from its metrics.jsonl.
 
-    python tools/plot_curves.py RUN_DIR [--out PNG]
+    megatron-rl-plot-curves RUN_DIR [--out PNG]
 
 Four panels against step: reward; accuracy (+ validation pass@1 when logged); response length
 (mean / p90 / max); step-time split (stacked phases under the step wall time). Panels whose
@@ -13,10 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-# Run as a script from anywhere: make the repo's package importable without installing it.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_rl.metrics import (  # noqa: E402
+from megatron_rl.metrics import (
     ACCURACY_KEY,
     RESPONSE_LENGTH_PREFIX,
     REWARD_KEY,

@@ -1,7 +1,7 @@
 """Baseline vs RollPacker tail batching, side by side, on the real stack (CPU here).
 
-    python tools/benchmark.py [--periods 2] [--prompts-per-step 16] [--responses 4] [key=value ...]
-    python tools/benchmark.py --compare stream ...   # tail batching without vs with the stream trainer
+    rollpacker-benchmark [--periods 2] [--prompts-per-step 16] [--responses 4] [key=value ...]
+    rollpacker-benchmark --compare stream ...   # tail batching without vs with the stream trainer
 
 Both runs use the same tiny model, task, seeds, engine, reward and training code and the same
 number of prompts: a whole number of tail-batching periods (with eta_P = 1.25, four short rounds
@@ -15,25 +15,31 @@ wasted tokens and validation reward as median [range] over the runs, and a last 
 ``speedup: X.XX`` = the median over runs of baseline training-loop time / RollPacker
 training-loop time (every step: rollout, reward, logprobs, train, weight sync; start-up of
 Ray/engines/trainer is excluded because it is identical for both). Results go to
-<out>/benchmark.json and, with tools/plot_timeline.py, to <out>/timeline.png (first run).
+<out>/benchmark.json and, with rollpacker-plot-timeline, to <out>/timeline.png (first run).
 
-``--compare weight_sync`` times the weight sync alone, three formats in one run (hf files,
-sharded files, tensor push; ``--repeats`` pushes each) against an in-memory copy of the same
-bytes, with each push split into transport and the engine's own load (``tools/benchmark_weight_sync.py``,
-which it runs); give it a larger model (e.g. the 70M random one of the README) so the sync moves
-enough bytes to measure. Its last two lines are ``weight-sync speedup (tensor vs sharded):`` and
-``tensor bandwidth fraction of memcpy:``.
+The comparisons with a module and options of their own (:data:`OWN_COMPARISONS`) get the rest of
+the command line (``--compare NAME`` taken out); ``python -m rollpacker.benchmarks.<module> --help``
+lists their options:
 
-``--compare speculative`` runs baseline / tail batching / tail batching + speculative decoding +
-rollout history over ``--seeds`` seeds (``tools/benchmark_speculative.py``, which it runs, on the
-re-checking model by default); its last lines are ``long-round rollout speedup (speculation):``
-and ``speedup:``.
+``--compare weight_sync`` (``benchmark_weight_sync``) times the weight sync alone, three formats
+in one run (hf files, sharded files, tensor push; ``--repeats`` pushes each) against an in-memory
+copy of the same bytes, with each push split into transport and the engine's own load; its
+default model is the 70M random one of the README, large enough for the sync to move bytes worth
+measuring. Its last two lines are ``weight-sync speedup (tensor vs sharded):`` and ``tensor
+bandwidth fraction of memcpy:``.
+
+``--compare speculative`` (``benchmark_speculative``) runs baseline / tail batching / tail
+batching + speculative decoding + rollout history over ``--seeds`` seeds, on the re-checking
+model by default; its last lines are ``long-round rollout speedup (speculation):`` and
+``speedup:``.
+
+``--compare arms`` (``benchmark_arms``): arms that differ in a few config keys, interleaved.
 
 ``--compare old_logprobs`` runs the baseline scheduler twice, ``algorithm.recompute_old_logprobs``
 true vs false (the separate scoring forward vs the training forward's own logprobs).
 
-``--compare quantization`` (tools/benchmark_quantization.py, its own options): full-precision vs
-int8 rollout: engine throughput on larger random models and training curves on the tiny model.
+``--compare quantization`` (``benchmark_quantization``): full-precision vs int8 rollout: engine
+throughput on larger random models and training curves on the tiny model.
 
 ``--compare stream`` runs tail batching twice, stream trainer off and on (``stream.enabled``),
 and adds the long-round step time of each, their ratio (``long-round speedup:``) and the stream
@@ -43,66 +49,49 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rollpacker.benchmarks import benchmark_arms, benchmark_quantization, benchmark_speculative, benchmark_weight_sync
+from rollpacker.benchmarks.common import REPO, benchmark_config, period_steps, spread
+from rollpacker.benchmarks.plot_timeline import plot_timeline
 
-import rollpacker.plugins  # noqa: E402,F401  (RollPacker's config sections, as megatron_rl.train registers them)
-from megatron_rl.config import RunConfig  # noqa: E402
-from megatron_rl.config_io import apply_override, load_config  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def period_steps(eta_prompts: float, prompts_per_step: int) -> int:
-    """Steps of one tail-batching period: short rounds until the queue holds P0, then a long one."""
-    queued_per_short = math.ceil(eta_prompts * prompts_per_step) - prompts_per_step
-    if queued_per_short <= 0:
-        return 1  # eta_P = 1: no queue, every round is short
-    return math.ceil(prompts_per_step / queued_per_short) + 1
-
-
-# (run name, scheduler, extra overrides, column label) of each comparison's two runs.
+# (run name, scheduler, extra overrides, column label) of each two-run comparison this module runs.
 COMPARISONS = {
     "schedulers": [("baseline", "baseline", [], "baseline"), ("tail_batching", "tail_batching", [], "RollPacker")],
     "stream": [("tail_batching", "tail_batching", ["stream.enabled=false"], "no stream"),
                ("stream", "tail_batching", ["stream.enabled=true"], "stream")],
-    "weight_sync": [],  # its own benchmark: tools/benchmark_weight_sync.py
-    "speculative": [],  # three columns over seeds: tools/benchmark_speculative.py
     "old_logprobs": [("recompute", "baseline", ["algorithm.recompute_old_logprobs=true"], "recompute"),
                      ("fused", "baseline", ["algorithm.recompute_old_logprobs=false"], "train fwd")],
 }
 
-
-# Comparisons with a module (and options) of their own: --compare NAME runs MODULE.main(argv).
-OWN_MODULES = {"quantization": "tools.benchmark_quantization", "arms": "tools.benchmark_arms"}
-
-
-def _own_module(argv: list[str]) -> str | None:
-    for i, arg in enumerate(argv):
-        name = arg.split("=", 1)[1] if arg.startswith("--compare=") else (
-            argv[i + 1] if arg == "--compare" and i + 1 < len(argv) else None)
-        if name in OWN_MODULES:
-            return OWN_MODULES[name]
-    return None
+OWN_COMPARISONS: dict[str, Callable[[list[str]], int]] = {
+    "weight_sync": benchmark_weight_sync.main,
+    "speculative": benchmark_speculative.main,
+    "quantization": benchmark_quantization.main,
+    "arms": benchmark_arms.main,
+}
+"""Comparisons with a module and options of their own: ``--compare NAME`` calls ``main(rest)``
+with the command line less ``--compare NAME``."""
 
 
-def benchmark_config(args, scheduler: str, steps: int, run_dir: Path, extra: list[str] = ()) -> RunConfig:
-    cfg = load_config(REPO / "examples/qwen2.5/tiny_cpu.yaml")
-    for assignment in [
-        f"model.hf_path={args.model}", f"trainer.run_dir={run_dir}", f"trainer.steps={steps}",
-        f"scheduler.name={scheduler}", f"data.prompts_per_step={args.prompts_per_step}",
-        f"data.responses_per_prompt={args.responses}", f"rollout.max_new_tokens={args.max_new_tokens}",
-        f"data.eval_every={steps}", f"data.eval_num_prompts={args.eval_prompts}",
-        "trainer.save_every=0", "trainer.tensorboard=false", f"trainer.seed={args.seed}",
-        f"rollout.max_num_seqs={args.max_num_seqs}", *extra, *args.overrides,
-    ]:
-        apply_override(cfg, assignment)
-    return cfg
+def split_compare(argv: list[str]) -> tuple[str, list[str]]:
+    """(the ``--compare`` name, default 'schedulers'; the other arguments, in order)."""
+    name, rest, i = "schedulers", [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--compare="):
+            name = arg.split("=", 1)[1]
+        elif arg == "--compare" and i + 1 < len(argv):
+            name = argv[i + 1]
+            i += 1
+        else:
+            rest.append(arg)
+        i += 1
+    return name, rest
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -147,14 +136,6 @@ def response_length_tail(run_dir: Path) -> tuple[float, float]:
     return (statistics.median(lengths), max(lengths)) if lengths else (0.0, 0.0)
 
 
-def _cell(values: list, fmt: str) -> str:
-    values = [v for v in values if isinstance(v, (int, float))]
-    if not values:
-        return "-"
-    med, lo, hi = statistics.median(values), min(values), max(values)
-    return fmt.format(med) if len(values) == 1 or lo == hi else f"{fmt.format(med)} [{fmt.format(lo)}-{fmt.format(hi)}]"
-
-
 def table_rows(run: dict) -> list[tuple[str, float | None, str]]:
     """(metric, value, format) of one run's summary, in table order."""
     rows = [("training-loop time (s)", run["loop_time"], "{:.1f}"), ("rollout time (s)", run["rollout_time"], "{:.1f}"),
@@ -190,15 +171,17 @@ def print_table(base_runs: list[dict], tb_runs: list[dict], labels: tuple[str, s
         if all(v is None for v in a + b):
             continue
         ratios = [x / y for x, y in zip(a, b) if isinstance(x, (int, float)) and isinstance(y, (int, float)) and y]
-        print(f"| {name:<36} | {_cell(a, fmt):>20} | {_cell(b, fmt):>20} | {_cell(ratios, '{:.2f}x'):>18} |")
+        print(f"| {name:<36} | {spread(a, fmt):>20} | {spread(b, fmt):>20} | {spread(ratios, '{:.2f}x'):>18} |")
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if own := _own_module(argv):
-        import importlib
-
-        return importlib.import_module(own).main(argv)
+    compare, rest = split_compare(list(sys.argv[1:] if argv is None else argv))
+    if compare in OWN_COMPARISONS:
+        return OWN_COMPARISONS[compare](rest)
+    if compare not in COMPARISONS:
+        print(f"--compare {compare!r}: choose from {', '.join(sorted([*COMPARISONS, *OWN_COMPARISONS]))}",
+              file=sys.stderr)
+        return 2
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(REPO / "artifacts/tiny-qwen2.5"))
     parser.add_argument("--out", default=str(REPO / "runs/benchmark"))
@@ -209,30 +192,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--eval-prompts", type=int, default=128)
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--compare", choices=sorted([*COMPARISONS, *OWN_MODULES]), default="schedulers",
-                        help="baseline vs tail batching; tail batching without vs with the stream trainer; "
-                             "the HF vs the sharded weight sync, or recomputed vs training-forward old "
-                             "logprobs (baseline scheduler)")
-    parser.add_argument("--repeats", type=int, default=3, help="--compare weight_sync: timed pushes per format")
+    parser.add_argument("--compare", choices=sorted([*COMPARISONS, *OWN_COMPARISONS]), default="schedulers",
+                        help="baseline vs tail batching (schedulers); tail batching without vs with the stream "
+                             "trainer (stream); recomputed vs training-forward old logprobs (old_logprobs); "
+                             f"{', '.join(sorted(OWN_COMPARISONS))}: the module's own options (see above)")
     parser.add_argument("overrides", nargs="*", help="extra dotted config overrides for both runs")
     parser.add_argument("--seeds", type=int, default=1,
                         help="seeds from --seed (two-run comparisons; --compare speculative defaults to 3)")
     parser.add_argument("--runs", type=int, default=1, help="passes over the seeds, the two runs interleaved A B / B A")
-    args, rest = parser.parse_known_args(argv)
-    if args.compare == "speculative":
-        from tools.benchmark_speculative import main as speculative_main
-
-        given = list(argv if argv is not None else sys.argv[1:])
-        forwarded = [a for a in given if not a.startswith("--compare") and a != "speculative"]
-        return speculative_main(forwarded)
-    args = parser.parse_args(argv)
-    if args.compare == "weight_sync":
-        from tools.benchmark_weight_sync import main as weight_sync_main
-
-        return weight_sync_main(["--model", args.model, "--out", str(Path(args.out) / "weight_sync"),
-                                 "--repeats", str(args.repeats), *args.overrides])
+    args = parser.parse_args(rest)
     if not (Path(args.model) / "config.json").is_file():
-        print(f"no model at {args.model}: build it with python tools/make_tiny_model.py --out {args.model}",
+        print(f"no model at {args.model}: build it with megatron-rl-make-tiny-model --out {args.model}",
               file=sys.stderr)
         return 2
 
@@ -242,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     probe = benchmark_config(args, "tail_batching", 1, Path(args.out))
     steps = args.periods * period_steps(probe.scheduler.eta_prompts, args.prompts_per_step)
     out = Path(args.out)
-    runs = COMPARISONS[args.compare]
+    runs = COMPARISONS[compare]
     results: dict[str, list[dict]] = {name: [] for name, *_ in runs}
     first_seed, flip = args.seed, False
     for rep in range(args.runs):
@@ -280,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     speedup = statistics.median(speedups)
     summary_out = {"steps": steps, "speedup": speedup, "speedups": speedups, "length_median": median,
                    "length_max": longest, "runs": results}
-    if args.compare == "stream":
+    if compare == "stream":
         long_ratios = [a["long"]["step_time_mean"] / b["long"]["step_time_mean"] for a, b in zip(base, tb)
                        if "long" in a and "long" in b]
         if long_ratios:
@@ -289,10 +259,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"(range {min(long_ratios):.2f}-{max(long_ratios):.2f})")
     (out / "benchmark.json").write_text(json.dumps(summary_out, indent=2))
     try:
-        from tools.plot_timeline import plot_timeline
-
         plot_timeline(Path(base[0]["run_dir"]), Path(tb[0]["run_dir"]), out / "timeline.png",
-                      titles=None if args.compare == "schedulers" else tuple(
+                      titles=None if compare == "schedulers" else tuple(
                           f"{scheduler.replace('_', ' ')}, {label}" for _, scheduler, _, label in runs))
         print(f"timeline (first seed, first pass): {out / 'timeline.png'}")
     except Exception as exc:  # the numbers stand without the picture

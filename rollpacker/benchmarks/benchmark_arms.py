@@ -1,7 +1,7 @@
 """Arms that differ only in a few config keys, run interleaved (A B A B ...) on the same model,
 prompts and seeds: the A/B test for one setting on a noisy machine.
 
-    python tools/benchmark.py --compare arms --arm "mp:rollout.cpu_executor=mp" \\
+    rollpacker-benchmark --compare arms --arm "mp:rollout.cpu_executor=mp" \\
         --arm "inproc:rollout.cpu_executor=inproc" [--scheduler tail_batching] [--runs 3] [options of
         --compare speculative] [overrides for every arm]
 
@@ -19,10 +19,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tools.benchmark import REPO, benchmark_config  # noqa: E402
-from tools.benchmark_speculative import add_run_options, check_run_options, run_shape  # noqa: E402
+from rollpacker.benchmarks.common import REPO, add_run_options, benchmark_config, check_run_options, run_shape
 
 
 def parse_arm(text: str) -> tuple[str, list[str]]:
@@ -53,7 +50,6 @@ def run_figures(rows: list[dict]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--compare", default="arms", choices=["arms"])
     parser.add_argument("--out", default=str(REPO / "runs/benchmark_arms"))
     parser.add_argument("--arm", action="append", type=parse_arm, required=True, help="name:key=value[,key=value]")
     parser.add_argument("--scheduler", default="tail_batching", help="scheduler.name of every arm")

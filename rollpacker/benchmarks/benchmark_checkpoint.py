@@ -1,7 +1,7 @@
 """Benchmark: trainer checkpoint save/load time and size, legacy per-rank ``torch.save`` files vs
 Megatron dist_checkpointing (torch_dist, fully parallel), side by side in one run.
 
-    python tools/benchmark_checkpoint.py [--model DIR] [--world 2] [--tp 2] [--pp 1] [--repeats 3]
+    python -m rollpacker.benchmarks.benchmark_checkpoint [--model DIR] [--world 2] [--tp 2] [--pp 1] [--repeats 3]
         [--reference] [--out DIR]
 
 Without ``--model`` it builds the 70M-parameter random Qwen2 of the README's weight-sync
@@ -30,11 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from tools.spawn_ranks import run_ranks  # noqa: E402
+from megatron_rl.tools.spawn_ranks import run_ranks
 
 MB = 1 << 20
 BENCH_MODEL = {"hidden_size": 768, "num_layers": 8, "num_heads": 12, "num_kv_heads": 4, "intermediate_size": 3072}

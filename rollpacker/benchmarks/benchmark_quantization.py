@@ -1,6 +1,6 @@
 """Full-precision vs int8 rollout, side by side in one run (``rollout.quantization``).
 
-    python tools/benchmark.py --compare quantization [--repeats 5] [--curve-steps 30] \\
+    rollpacker-benchmark --compare quantization [--repeats 5] [--curve-steps 30] \\
         [--throughput-models DIR,DIR] [--skip-curves] [--skip-throughput] [key=value ...]
 
 1. **Rollout throughput** on models large enough for the matrix products to matter (default:
@@ -31,9 +31,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rollpacker.benchmarks.common import REPO, benchmark_config
 
-REPO = Path(__file__).resolve().parents[1]
 # The random models of the throughput part: (directory name, build_tiny_qwen2 arguments).
 THROUGHPUT_MODELS = {
     "sync-bench-70m": dict(hidden_size=768, num_layers=8, num_heads=12, num_kv_heads=4, intermediate_size=3072),
@@ -46,7 +45,6 @@ CURVES = [("full", "full precision", ["rollout.quantization=none"]),
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--compare", default="quantization", choices=["quantization"])
     ap.add_argument("--model", default=str(REPO / "artifacts/tiny-qwen2.5"), help="model of the training curves")
     ap.add_argument("--out", default=str(REPO / "runs/benchmark_quantization"))
     ap.add_argument("--throughput-models", default=",".join(str(REPO / "artifacts" / n) for n in THROUGHPUT_MODELS),
@@ -63,7 +61,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-curves", action="store_true")
-    ap.add_argument("--periods", type=int, default=0, help=argparse.SUPPRESS)  # tools/benchmark.py's; unused
+    ap.add_argument("--periods", type=int, default=0, help=argparse.SUPPRESS)  # rollpacker-benchmark's; unused
     ap.add_argument("overrides", nargs="*", help="extra dotted config overrides for the curve runs")
     return ap.parse_args(argv)
 
@@ -182,7 +180,6 @@ def _fp32_mb(model_dir: Path) -> float:
 def curve_runs(args, out: Path) -> dict:
     from megatron_rl.metrics import read_metrics
     from megatron_rl.train import build_and_run
-    from tools.benchmark import benchmark_config
 
     ns = SimpleNamespace(model=args.model, prompts_per_step=args.prompts_per_step, responses=args.responses,
                          max_new_tokens=args.max_new_tokens, eval_prompts=args.eval_prompts, seed=args.seed,

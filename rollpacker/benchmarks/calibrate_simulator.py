@@ -1,7 +1,7 @@
-"""Calibrate the what-if simulator against a measured tools/benchmark.py run pair and check how
+"""Calibrate the what-if simulator against a measured rollpacker-benchmark run pair and check how
 well it predicts the measured speedup (baseline loop time / tail-batching loop time).
 
-    python tools/calibrate_simulator.py runs/benchmark/baseline runs/benchmark/tail_batching \
+    rollpacker-calibrate-simulator runs/benchmark/baseline runs/benchmark/tail_batching \
         [--check OTHER/baseline OTHER/tail_batching] [--write-constants cpu_engine.json]
 
 Fits the engine (decode iteration = step + per-sequence * batch + per-context-token * context,
@@ -19,9 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from rollpacker.simulator.calibrate import fit_engine, fit_train, load_run, predict_pair, warmup_steps  # noqa: E402
+from rollpacker.simulator.calibrate import fit_engine, fit_train, load_run, predict_pair, warmup_steps
 
 
 def main(argv: list[str] | None = None) -> int:

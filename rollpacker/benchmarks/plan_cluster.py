@@ -1,7 +1,7 @@
 """Print the resolved plan of a GPU recipe without launching anything: parallel layout, what runs
 on each node and GPU, and a per-GPU memory estimate; exit code 2 when it does not fit.
 
-    python tools/plan_cluster.py --config examples/qwen2.5/qwen2.5_14b_math_4x8_tp2pp2cp2_rtp2.yaml \
+    rollpacker-plan-cluster --config examples/qwen2.5/qwen2.5_14b_math_4x8_tp2pp2cp2_rtp2.yaml \
         [--hosts n1,n2,n3,n4] [--gpu h800] [section.key=value ...]
 
 Needs neither torch nor a GPU, so it runs on a login node (the Slurm scripts' --dry-run uses it).
@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import rollpacker.plugins  # noqa: E402,F401  (RollPacker's config sections, as megatron_rl.train registers them)
-from megatron_rl.config_io import ConfigError, load_config  # noqa: E402
-from megatron_rl.planning.memory import GPUS, MemoryAssumptions  # noqa: E402
-from megatron_rl.planning.plan import make_plan  # noqa: E402
+import rollpacker.plugins  # noqa: F401  (RollPacker's config sections, as megatron_rl.train registers them)
+from megatron_rl.config_io import ConfigError, load_config
+from megatron_rl.planning.memory import GPUS, MemoryAssumptions
+from megatron_rl.planning.plan import make_plan
 
 
 def main(argv: list[str] | None = None) -> int:

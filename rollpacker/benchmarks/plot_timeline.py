@@ -1,6 +1,6 @@
 """Rollout timeline: one bar per engine request over time, baseline and RollPacker side by side.
 
-    python tools/plot_timeline.py BASELINE_RUN_DIR ROLLPACKER_RUN_DIR [--out timeline.png] [--steps N]
+    rollpacker-plot-timeline BASELINE_RUN_DIR ROLLPACKER_RUN_DIR [--out timeline.png] [--steps N]
 
 Reads each run's rollout_timeline.jsonl (written by the trainer). Bars are coloured by round
 type (baseline, short, long); aborted requests are drawn in red. The gaps between a step's

@@ -1,9 +1,9 @@
 """Where the loop's time goes: one profiled run per benchmark column, every process sampled.
 
-    python tools/profile_loop.py [--columns baseline,tail,tail+spec+hist] [--seed 1234] [--out runs/profile]
+    rollpacker-profile-loop [--columns baseline,tail,tail+spec+hist] [--seed 1234] [--out runs/profile]
                                  [--rate 25] [--native] [benchmark options as in --compare speculative]
 
-Each column runs exactly as ``tools/benchmark.py --compare speculative`` runs it (same model,
+Each column runs exactly as ``rollpacker-benchmark --compare speculative`` runs it (same model,
 prompts, seeds and settings), with two samplers outside the loop's processes:
 
 * the kernel's CPU accounting of every process the run starts (driver, each trainer rank, the
@@ -22,7 +22,7 @@ shaded; the engine's per-step breakdown), ``flame_<column>_<round>.svg`` (the en
 thread during rollouts of that round type) and ``profile.json``.
 
 The profile costs CPU itself (py-spy's own processes are listed in the tables), so time the loop
-with ``tools/benchmark.py``, not with this tool; read this one for where the time goes.
+with ``rollpacker-benchmark``, not with this tool; read this one for where the time goes.
 """
 from __future__ import annotations
 
@@ -33,17 +33,16 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tools.benchmark_speculative import COLUMNS, REPO, add_run_options, check_run_options, column_config  # noqa: E402
+from rollpacker.benchmarks.benchmark_speculative import COLUMNS, column_config
+from rollpacker.benchmarks.common import REPO, add_run_options, check_run_options
 
 
 def profile_column(args, column: str, out: Path) -> tuple[dict, dict]:
     """Run one column under the samplers; returns its profile and the engine's flame stacks."""
     from megatron_rl.metrics import read_metrics
     from megatron_rl.train import build_and_run
-    from tools.profiling.report import build_profile
-    from tools.profiling.sampling import ProcessSampler, SpyRecorders
+    from rollpacker.benchmarks.profiling.report import build_profile
+    from rollpacker.benchmarks.profiling.sampling import ProcessSampler, SpyRecorders
 
     col_dir = out / column.replace("+", "_")
     run_dir = col_dir / "run"
@@ -65,8 +64,8 @@ def profile_column(args, column: str, out: Path) -> tuple[dict, dict]:
 
 
 def write_report(profiles: list[dict], flames: dict[str, dict], out: Path) -> str:
-    from tools.profiling.flamegraph import flame_svg
-    from tools.profiling.report import category_table, engine_table, plot, process_table, thread_table
+    from rollpacker.benchmarks.profiling.flamegraph import flame_svg
+    from rollpacker.benchmarks.profiling.report import category_table, engine_table, plot, process_table, thread_table
 
     parts = ["# Loop profile", "", engine_table(profiles), ""]
     for prof in profiles:

@@ -1,6 +1,6 @@
 """Build a rollout-TP profile for ``planner.profile`` from earlier runs.
 
-    python tools/rollout_profile.py --run runs/tp1 --run runs/tp2 --out profile.json
+    rollpacker-rollout-profile --run runs/tp1 --run runs/tp2 --out profile.json
 
 Each run directory (metrics.jsonl + config.json, as train.py writes them) contributes every
 step's rollout time under its round type and rollout TP; the profile holds the mean per (round
@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from rollpacker.tp_profile import ProfileError, profile_from_runs, save_profile  # noqa: E402
+from rollpacker.tp_profile import ProfileError, profile_from_runs, save_profile
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,10 +1,10 @@
 """Cluster what-if simulator: baseline (veRL-style) vs RollPacker for a recipe, mechanism by
 mechanism, with an eta_P x eta_R sweep and the paper's figures side by side.
 
-    python tools/simulate.py --recipe examples/qwen2.5/qwen2.5_14b_math_4x8_tp2pp2cp2_rtp2.yaml
-    python tools/simulate.py --recipe R.yaml --metrics runs/x/metrics.jsonl      # replay a run's lengths
-    python tools/simulate.py --recipe R.yaml --lengths lengths.jsonl            # {"prompt_id","length"} rows
-    python tools/simulate.py --recipe examples/qwen2.5/tiny_cpu.yaml --engine-constants cpu.json \
+    rollpacker-simulate --recipe examples/qwen2.5/qwen2.5_14b_math_4x8_tp2pp2cp2_rtp2.yaml
+    rollpacker-simulate --recipe R.yaml --metrics runs/x/metrics.jsonl      # replay a run's lengths
+    rollpacker-simulate --recipe R.yaml --lengths lengths.jsonl            # {"prompt_id","length"} rows
+    rollpacker-simulate --recipe examples/qwen2.5/tiny_cpu.yaml --engine-constants cpu.json \
         --train-s-per-token 2e-5                                                # calibrated CPU run
 
 Prints the assumed inputs (with the cost of one weight sync per ``rollout.weight_sync_format``,
@@ -19,20 +19,17 @@ import argparse
 import re
 import sys
 from dataclasses import replace
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import rollpacker.plugins  # noqa: E402,F401  (RollPacker's config sections, as megatron_rl.train registers them)
-from megatron_rl.config_io import ConfigError, load_config  # noqa: E402
-from megatron_rl.planning.architectures import resolve_shape  # noqa: E402
-from megatron_rl.planning.memory import GPUS  # noqa: E402
-from megatron_rl.planning.weight_sync_cost import describe as describe_sync  # noqa: E402
-from megatron_rl.planning.weight_sync_cost import sync_seconds  # noqa: E402
-from rollpacker.simulator.costs import TrainModel  # noqa: E402
-from rollpacker.simulator.engine_model import EngineModel, GpuEfficiency  # noqa: E402
-from rollpacker.simulator.lengths import EmpiricalLengths, LengthModel, LogNormalLengths  # noqa: E402
-from rollpacker.simulator.runner import PAPER_CUMULATIVE, PAPER_ITERATION_S, build_cluster, cumulative, sweep  # noqa: E402
+import rollpacker.plugins  # noqa: F401  (RollPacker's config sections, as megatron_rl.train registers them)
+from megatron_rl.config_io import ConfigError, load_config
+from megatron_rl.planning.architectures import resolve_shape
+from megatron_rl.planning.memory import GPUS
+from megatron_rl.planning.weight_sync_cost import describe as describe_sync
+from megatron_rl.planning.weight_sync_cost import sync_seconds
+from rollpacker.simulator.costs import TrainModel
+from rollpacker.simulator.engine_model import EngineModel, GpuEfficiency
+from rollpacker.simulator.lengths import EmpiricalLengths, LengthModel, LogNormalLengths
+from rollpacker.simulator.runner import PAPER_CUMULATIVE, PAPER_ITERATION_S, build_cluster, cumulative, sweep
 
 
 def _floats(text: str) -> list[float]:
@@ -67,7 +64,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     c.add_argument("--sync-s", type=float, default=None, help="measured weight-sync seconds per step")
     c.add_argument("--spec-acceptance", type=float, default=None,
                    help="speculative decoding of long rounds: per-draft-token acceptance measured by "
-                        "tools/benchmark.py --compare speculative (rollout/spec/acceptance_rate); adds a row")
+                        "rollpacker-benchmark --compare speculative (rollout/spec/acceptance_rate); adds a row")
     c.add_argument("--spec-tokens", type=int, default=4, help="draft tokens per step with --spec-acceptance")
     c.add_argument("--mfu", type=float, default=0.4, help="assumed training MFU (GPU model)")
     c.add_argument("--hbm-efficiency", type=float, default=0.7, help="assumed decode HBM efficiency (GPU model)")

@@ -25,7 +25,7 @@ generated tokens, ms per generated token and ms per decode step, and the accepta
 ``drafts on / off, time per generated token: wide X.XX, narrow Y.YY`` (below 1: drafts pay).
 Writes ``<out>/speculative_engine_check.json``.
 
-    python tools/speculative_engine_check.py --model artifacts/tiny-qwen2.5-rechecks
+    rollpacker-speculative-engine-check --model artifacts/tiny-qwen2.5-rechecks
 """
 from __future__ import annotations
 
@@ -33,13 +33,10 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-REPO = Path(__file__).resolve().parents[1]
+from megatron_rl.tools import REPO_ROOT as REPO
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, key) <= 0:
             ap.error(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
     if not (Path(args.model) / "config.json").is_file():
-        ap.error(f"--model {args.model}: no HF checkpoint there (make it with tools/make_tiny_model.py)")
+        ap.error(f"--model {args.model}: no HF checkpoint there (make it with megatron-rl-make-tiny-model)")
     return args
 
 

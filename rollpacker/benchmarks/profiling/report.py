@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from tools.profiling.attribution import (
+from rollpacker.benchmarks.profiling.attribution import (
     BETWEEN,
     attribute_cpu,
     collapsed_stacks,

@@ -223,7 +223,7 @@ class SpyRecorders:
         self.native = native
         self.exe = shutil.which("py-spy") or str(Path(os.sys.executable).with_name("py-spy"))
         if not Path(self.exe).exists():
-            raise FileNotFoundError("py-spy not found: pip install py-spy (it is in requirements-cpu.txt)")
+            raise FileNotFoundError("py-spy not found: pip install py-spy (a dependency of this project, in requirements/cpu.lock)")
         self.started: dict[int, tuple[subprocess.Popen, float, Path]] = {}
         self._lock = threading.Lock()
 

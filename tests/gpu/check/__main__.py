@@ -1,8 +1,8 @@
 """The GPU check: every part in its own process and time budget, one table, one summary line.
 
-    python -m tools.gpu_check            # GPU mode (one CUDA device), ~5 minutes on an H200
-    python -m tools.gpu_check --cpu      # the same parts with tiny sizes on CPU (gloo, the CPU shim)
-    python -m tools.gpu_check --parts decode,train_throughput --budget decode=60
+    python -m tests.gpu.check            # GPU mode (one CUDA device), ~5 minutes on an H200
+    python -m tests.gpu.check --cpu      # the same parts with tiny sizes on CPU (gloo, the CPU shim)
+    python -m tests.gpu.check --parts decode,train_throughput --budget decode=60
 
 ``tests/gpu/run_on_device.sh`` is the device command (it installs the carried wheels first).
 Writes gpu_check.json (every row and figure), engine_constants.json (engine_constants_graph.json
@@ -26,10 +26,8 @@ from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from tools.gpu_check.harness import FAILING, Runner, format_table, summary_line  # noqa: E402
-from tools.gpu_check.parts import SPECS  # noqa: E402
+from tests.gpu.check.harness import FAILING, Runner, format_table, summary_line
+from tests.gpu.check.parts import SPECS
 
 DEADLINE_S = {"gpu": 450.0, "cpu": 420.0}
 
@@ -122,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("engine_constants.json", "engine_constants_graph.json", "train_calibration.json"):
         if (workdir / name).is_file():
             lines.append(f"  {name}: {(workdir / name).read_text().strip()}")
-    lines.append("  simulate.py with them: python tools/simulate.py --recipe R.yaml --engine-constants "
+    lines.append("  the simulator with them: rollpacker-simulate --recipe R.yaml --engine-constants "
                  "engine_constants.json --train-s-per-token S --train-fixed-s F (or --gpu h200 --mfu M "
                  "--hbm-efficiency H); see gpu_check.json")
     lines.append(summary_line(rows, mode, seconds))

@@ -3,7 +3,7 @@ part, one table, one summary line. Torch-free: the parent never touches CUDA, so
 crashes the GPU context, hangs in NCCL or runs out of memory takes only itself down.
 
 A part is a function ``fn(ctx) -> dict`` registered in :data:`PARTS` (see ``parts.py``); it runs
-as ``python -m tools.gpu_check.run_part NAME`` and writes its row as JSON. Row statuses:
+as ``python -m tests.gpu.check.run_part NAME`` and writes its row as JSON. Row statuses:
 
 * ``pass`` / ``fail``: the part ran and its checks held / did not (``fail`` names which);
 * ``skip``: the part cannot run in this mode (e.g. the distributed optimizer on CPU), with the
@@ -24,7 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
+"""The repository root: every part runs as ``python -m tests.gpu.check.run_part`` from here, and
+``-m`` puts the working directory first on sys.path, so the part imports ``tests.gpu.check``,
+``megatron_rl`` and ``rollpacker`` from this tree. That is how the check runs on the lent GPU
+machine, which gets a copy of the tree and installs nothing of it (tests/gpu/run_on_device.sh);
+here the same files are also the editable install's."""
 FAILING = ("fail", "error", "timeout", "blocked", "deadline")
 
 
@@ -114,10 +119,9 @@ class Runner:
         result = self.workdir / "results" / f"{spec.name}.json"
         log = self.workdir / "logs" / f"{spec.name}.log"
         result.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "tools.gpu_check.run_part", spec.name, "--mode", self.mode,
+        cmd = [sys.executable, "-m", "tests.gpu.check.run_part", spec.name, "--mode", self.mode,
                "--workdir", str(self.workdir), "--result", str(result)]
         env = {**os.environ, **self.env}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
         handle = open(log, "w")
         try:
             proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT,

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from tools.gpu_check.common import Context, outcome, prepare_process
+from tests.gpu.check.common import Context, outcome, prepare_process
 
 
 def _bucket_layout(mib: int) -> list[tuple[str, tuple[int, ...]]]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from tools.gpu_check.common import (
+from tests.gpu.check.common import (
     Context,
     SkipPart,
     build_random_qwen2,

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from tools.gpu_check.common import (
+from tests.gpu.check.common import (
     Context,
     free_port,
     gib,

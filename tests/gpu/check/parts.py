@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tools.gpu_check.harness import PartSpec
+from tests.gpu.check.harness import PartSpec
 
 
 def _spec(name: str, gpu_s: float, cpu_s: float, what: str, needs: tuple[str, ...] = ("model_setup",),
@@ -33,7 +33,7 @@ SPECS: list[PartSpec] = [
     _spec("train_throughput", 120, 120, "Megatron tokens/s and MFU -> train_calibration.json"),
     _spec("quantize_export", 150, 120, "rollout.quantization's sync step on the device: modelopt fp8 / int8 vs "
           "torch rounding, error bound, high-precision layers untouched, engine-format export"),
-    _spec("simulator_calibration", 60, 120, "tools/simulate.py runs on the measured figures",
+    _spec("simulator_calibration", 60, 120, "rollpacker-simulate runs on the measured figures",
           needs=("decode", "train_throughput")),
 ]
 
@@ -53,4 +53,4 @@ def part_function(name: str) -> Callable:
 
     if name not in _WHERE:
         raise KeyError(f"unknown part {name!r}; parts: {', '.join(_WHERE)}")
-    return getattr(importlib.import_module(f"tools.gpu_check.{_WHERE[name]}"), name)
+    return getattr(importlib.import_module(f"{__package__}.{_WHERE[name]}"), name)

@@ -1,9 +1,9 @@
 """Speed figures in the form the simulator reads: decode cost per iteration against batch size
 (transformers with a static KV cache, fitted to ``step_s + per_seq_s * B + per_ctx_token_s * C``
 by ``rollpacker.simulator.engine_model.fit_decode_constants``, written as the JSON that
-``tools/simulate.py --engine-constants`` loads), and Megatron training throughput (tokens/s,
+``rollpacker-simulate --engine-constants`` loads), and Megatron training throughput (tokens/s,
 MFU; ``--train-s-per-token`` / ``--train-fixed-s`` / ``--mfu``). ``simulator_calibration``
-then runs ``tools/simulate.py`` on the files written here.
+then runs ``rollpacker-simulate`` on the files written here.
 
 The decode figures are transformers' eager forward (and, on the GPU, the same forward replayed as
 a CUDA graph, as vLLM runs it), not vLLM itself: vLLM cannot travel to the GPU machine.
@@ -14,12 +14,11 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from tools.gpu_check.common import (
+from tests.gpu.check.common import (
     Context,
     SkipPart,
     free_port,
@@ -32,6 +31,7 @@ from tools.gpu_check.common import (
     sync,
     worker_config,
 )
+from tests.gpu.check.harness import REPO
 
 ENGINE_FILE = "engine_constants.json"
 GRAPH_FILE = "engine_constants_graph.json"
@@ -263,14 +263,14 @@ def train_throughput(ctx: Context) -> dict[str, Any]:
 
 
 def _simulate(args: list[str]) -> tuple[int, str]:
-    repo = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, str(repo / "tools" / "simulate.py"), *args], cwd=repo,
+    # From the repository root, like the parts themselves (see harness.REPO): no install needed.
+    proc = subprocess.run([sys.executable, "-m", "rollpacker.benchmarks.simulate", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     return proc.returncode, proc.stdout + proc.stderr
 
 
 def simulator_calibration(ctx: Context) -> dict[str, Any]:
-    """tools/simulate.py with the measured figures: the measured engine constants and training
+    """rollpacker-simulate with the measured figures: the measured engine constants and training
     fit on a recipe whose model is the one measured (``model.hf_path`` set to it), and, on the
     GPU, the measured MFU and decode HBM efficiency on the 7B recipe (``--gpu h200``)."""
     graph, train = ctx.workdir / GRAPH_FILE, ctx.workdir / TRAIN_FILE

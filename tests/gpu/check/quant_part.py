@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from tools.gpu_check.common import Context, outcome, prepare_process, timed
+from tests.gpu.check.common import Context, outcome, prepare_process, timed
 
 MAX_TIE_MISMATCH = 1e-4
 """Largest fraction of elements whose bits may differ from the plain torch rounding."""

@@ -1,6 +1,6 @@
 """Run one part of the check in this process and write its row as JSON (the runner starts this).
 
-    python -m tools.gpu_check.run_part NAME --mode gpu|cpu --workdir DIR --result FILE
+    python -m tests.gpu.check.run_part NAME --mode gpu|cpu --workdir DIR --result FILE
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     row: dict = {"part": args.name}
     try:
-        from tools.gpu_check.common import Context, SkipPart
-        from tools.gpu_check.parts import part_function
+        from tests.gpu.check.common import Context, SkipPart
+        from tests.gpu.check.parts import part_function
 
         fn = part_function(args.name)
         try:
