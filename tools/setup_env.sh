@@ -65,7 +65,9 @@ fi
 
 phase "installing this project (editable, no dependencies: the lock has them)"
 # No build isolation: the build uses the lock's setuptools instead of fetching the newest.
-if ! "${PIP[@]}" install -q --no-deps --no-build-isolation -e "$ROOT" 2>&1 | quiet_pip; then
+# (setuptools' warning about same-named folders in the working directory is about exactly this
+# layout: the checkout is the package.)
+if ! PYTHONWARNINGS=ignore "${PIP[@]}" install -q --no-deps --no-build-isolation -e "$ROOT" 2>&1 | quiet_pip; then
   echo "[setup] pip install -e . failed" >&2
   exit 1
 fi

@@ -21,7 +21,7 @@ from megatron_rl.reward.math_reward import (
     extract_response_answer,
     grade,
 )
-from tools.grader_report import DEFAULT_DATA, FORMS, evaluate, format_report, load_rows
+from megatron_rl.tools.grader_report import DEFAULT_DATA, FORMS, evaluate, format_report, load_rows
 
 MIN_ROWS = 300
 MIN_RECALL = 0.97

@@ -19,7 +19,7 @@ from megatron_rl.reward.math_reward import (
     grade,
     last_boxed,
 )
-from tools.grader_report import adversarial_cases
+from megatron_rl.tools.grader_report import adversarial_cases
 
 GSM8K_SOLUTION = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nAltogether 48+24 = <<48+24=72>>72.\n#### 72"
 

@@ -1,7 +1,6 @@
-"""tools/plot_curves.py renders a PNG from a synthetic metrics.jsonl (function and CLI)."""
+"""megatron_rl/tools/plot_curves.py (megatron-rl-plot-curves) renders a PNG from a synthetic metrics.jsonl (function and CLI)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,10 +14,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _load_tool():
-    spec = importlib.util.spec_from_file_location("plot_curves", REPO_ROOT / "tools" / "plot_curves.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from megatron_rl.tools import plot_curves
+
+    return plot_curves
 
 
 def _write_metrics(run_dir: Path, steps: int = 12) -> None:
