@@ -202,7 +202,7 @@ def test_benchmark_modules_import_no_circle():
     the modules it runs; none of them imports it back)."""
     import grimp
 
-    graph = grimp.build_graph("rollpacker", include_external_packages=False)
+    graph = grimp.build_graph("rollpacker", include_external_packages=False, cache_dir=None)
     package = "rollpacker.benchmarks"
     modules = {m for m in graph.modules if m.startswith(package + ".")}
     assert not {m for m in graph.find_modules_directly_imported_by(f"{package}.common") if m in modules}

@@ -71,7 +71,7 @@ def test_path_patches_are_recognised():
     assert path_patches("    sys.path.append(ROOT)\nx = 1")
     assert path_patches("sys.path[:0] = [here]") and path_patches("sys.path += [here]")
     assert path_patches('export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"')
-    assert path_patches('PYTHONPATH=. python tools/x.py') and path_patches('env["PYTHONPATH"] = root')
+    assert path_patches('PYTHONPATH=. python x.py') and path_patches('env["PYTHONPATH"] = root')
     assert path_patches('runtime_env={"env_vars": {"PYTHONPATH": repo}}')
     assert not path_patches("if sys.path == before:\n# -m puts the root first on sys.path")
 

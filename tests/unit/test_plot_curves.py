@@ -66,7 +66,8 @@ def test_plot_cli_out_option(tmp_path):
     out = tmp_path / "plots" / "run.png"
     env = dict(os.environ, OMP_NUM_THREADS="1", MPLBACKEND="Agg")
     result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "tools" / "plot_curves.py"), str(tmp_path), "--out", str(out)],
+        # The console entry point, from a directory outside the checkout: found because installed.
+        [str(Path(sys.executable).parent / "megatron-rl-plot-curves"), str(tmp_path), "--out", str(out)],
         capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr

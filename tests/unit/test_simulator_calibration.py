@@ -6,13 +6,13 @@ import random
 
 import pytest
 
+from rollpacker.benchmarks import calibrate_simulator
 from rollpacker.simulator import calibrate as cal
 from rollpacker.simulator.costs import RewardModel, TrainModel
 from rollpacker.simulator.engine_model import EngineModel
 from rollpacker.simulator.engine_sim import SimRequest, simulate_engine
 from rollpacker.simulator.lengths import EmpiricalLengths
 from rollpacker.simulator.policies import Cluster, Features, PolicyState, simulate_step
-from tools import calibrate_simulator
 
 P, P0, R0, STEPS = 40, 16, 8, 10
 TRUE = EngineModel(step_s=0.004, per_seq_s=2.5e-4, per_ctx_token_s=5e-8, prefill_token_s=2e-6,

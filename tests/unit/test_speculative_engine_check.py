@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tools import speculative_engine_check as check
+from rollpacker.benchmarks import speculative_engine_check as check
 
 
 def _model(tmp_path):
