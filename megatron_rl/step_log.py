@@ -3,10 +3,10 @@
 * ``trained_prompts.jsonl``: which prompts each step trained on and which it filtered (DAPO).
   Tests use it to prove that no prompt is lost or trained twice across a kill and resume.
 * ``rollout_timeline.jsonl``: every engine request of each step (submit, finish, finish
-  reason), for ``tools/plot_timeline.py``.
+  reason), for ``rollpacker-plot-timeline``.
 * ``phases.jsonl``: the (start, end) of every phase of each step (rollout, logprob, train,
   weight_sync, validation, checkpoint) on the system-wide monotonic clock, for
-  ``tools/profile_loop.py``.
+  ``rollpacker-profile-loop``.
 
 On resume, lines of steps at or after the resumed step are dropped (those steps are redone), so
 each file always describes exactly what the surviving model went through.

@@ -90,7 +90,7 @@ def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict
     arch = read_hf_architecture(cfg.model.hf_path)
     if arch is None:
         raise ConfigError(f"model.hf_path: no config.json in {cfg.model.hf_path} "
-                          "(build the tiny model with tools/make_tiny_model.py --out DIR)")
+                          "(build the tiny model with megatron-rl-make-tiny-model --out DIR)")
     validate(cfg, arch, device)
     if cfg.algorithm.kl_coef > 0:
         cfg.model.use_reference_model = True

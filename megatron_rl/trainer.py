@@ -134,7 +134,7 @@ class Trainer:
                     with timer("checkpoint"):
                         await self._save(step + 1)
                 # Every phase's (start, end) on the system-wide monotonic clock: what a profiler
-                # in another process lines its samples up with (tools/profile_loop.py).
+                # in another process lines its samples up with (rollpacker-profile-loop).
                 self.phase_log.append(step, round_type=metrics["round_type"],
                                       phases=[[n, s, e] for n, s, e in timer.intervals()])
                 history.append(metrics)

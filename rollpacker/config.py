@@ -83,7 +83,7 @@ class PlannerConfig:
     """Starting TP per round type, e.g. 'short:1,long:2'; wins over ``profile``. Round types
     named in neither start at rollout.tensor_parallel_size."""
     profile: str = ""
-    """JSON file of measured rollout seconds per round type and TP (tools/rollout_profile.py
+    """JSON file of measured rollout seconds per round type and TP (rollpacker-rollout-profile
     builds it from earlier runs); each round type starts at its fastest legal profiled TP."""
     growth: float = 1.05
     """Online rule: preemptions of a round above this multiple of the previous round's (same type,

@@ -3,7 +3,7 @@ choice (``planner.profile``; the paper starts each round type at the TP a profil
 fastest, then adapts online).
 
 A profile is JSON ``{"short": {"1": 2.9, "2": 3.4}, "long": {"1": 7.8, "2": 6.1}}``. Make one
-from earlier runs with ``python tools/rollout_profile.py --run runs/a --run runs/b --out
+from earlier runs with ``rollpacker-rollout-profile --run runs/a --run runs/b --out
 profile.json``: every step of those runs contributes its ``time/rollout`` under its round type
 and the rollout TP it ran at (``planner/rollout_tp`` in elastic runs, else the run's
 ``rollout.tensor_parallel_size``), and each (round type, TP) gets the mean.

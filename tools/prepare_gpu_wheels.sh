@@ -11,7 +11,7 @@
 # (torch>=2.6, numpy, packaging) are on the machine, so it installs with --no-deps next to the
 # machine's torch 2.11. Transformer Engine does not travel: transformer-engine-cu13 2.20.2 is a
 # 276.5 MB wheel (over the 64 MiB a call may carry) and transformer_engine_torch builds from source.
-# The quantize_export part needs nvidia-modelopt (the version of requirements-cpu.txt) and the
+# The quantize_export part needs nvidia-modelopt (the version pyproject.toml pins) and the
 # requirements the machine lacks: pydantic (+ pydantic-core, annotated-types, typing-inspection)
 # and pulp; its others (ninja, numpy, nvidia-ml-py, rich, scipy, safetensors, tqdm, regex) are
 # there. About 20 MB together; all of .gpu_wheels stays under 25 MB.

@@ -83,7 +83,7 @@ RECHECK_LINE = "check:"
 
 def verbose_solution(problem: ArithmeticProblem, passes: int) -> str:
     """``problem.solution`` with ``passes`` more passes over the running sum before the answer
-    line, each opened by 'check:'. ``tools/make_tiny_model.py --recheck-rate`` teaches this style
+    line, each opened by 'check:'. ``megatron-rl-make-tiny-model --recheck-rate`` teaches this style
     on a random minority of examples, so that a sampled response sometimes runs long whatever the
     problem, as reasoning models' re-verification does: the stochastic part of the long tail (the
     power-law step count is the part that comes with the prompt)."""

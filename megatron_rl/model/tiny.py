@@ -2,7 +2,7 @@
 
 Byte-level tokenizer (every byte is one token, no merges) with Qwen's ChatML special tokens and
 chat template, so vLLM, transformers and the trainer all load it like a real Qwen2.5 model.
-``tools/make_tiny_model.py`` builds on this and fine-tunes it on the built-in task.
+``megatron-rl-make-tiny-model`` builds on this and fine-tunes it on the built-in task.
 """
 from __future__ import annotations
 

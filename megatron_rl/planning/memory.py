@@ -56,7 +56,7 @@ GPUS = {
     "h100": GpuSpec("H100-80GB", 80.0, 3350.0, 989.0, 900.0),
     "a100": GpuSpec("A100-80GB", 80.0, 2039.0, 312.0, 600.0),
     # H200 SXM: H100 compute, 141 GB HBM3e at 4.8 TB/s; about 139 GiB usable as torch sees it on
-    # the lent machine (tools/gpu_check measures against this entry).
+    # the lent machine (tests/gpu/check measures against this entry).
     "h200": GpuSpec("H200-141GB", 139.0, 4800.0, 989.0, 900.0),
 }
 
@@ -75,7 +75,7 @@ class MemoryAssumptions:
     trainer_offload_during_rollout: bool = False
     """What-if override: estimate as if ``trainer.offload_during_rollout`` were on (trainer
     weights, grads and optimizer state off the GPU during rollout). The recipe's field drives the
-    estimate; this only forces it on (``tools/plan_cluster.py --assume-trainer-offload``)."""
+    estimate; this only forces it on (``rollpacker-plan-cluster --assume-trainer-offload``)."""
     process_overhead_gib: float = 3.0
     """Per process on a GPU (trainer rank, engine worker): CUDA context, NCCL buffers, allocator
     fragmentation."""

@@ -1,5 +1,5 @@
 """The resolved plan of a GPU run: validated config, parallel layout, placement per node and a
-per-GPU memory estimate. ``tools/plan_cluster.py`` and the Slurm scripts' ``--dry-run`` print it.
+per-GPU memory estimate. ``rollpacker-plan-cluster`` and the Slurm scripts' ``--dry-run`` print it.
 """
 from __future__ import annotations
 

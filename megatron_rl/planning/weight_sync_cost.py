@@ -1,9 +1,9 @@
 """What one per-step weight sync costs on a GPU cluster, per ``rollout.weight_sync_format``: a
 bandwidth model of the three paths as they are implemented (torch-free; the simulator charges it
-every step, ``tools/simulate.py`` prints it).
+every step, ``rollpacker-simulate`` prints it).
 
 Every figure rests on the stated link speeds of :class:`SyncAssumptions` (none is measured on a
-GPU here; the CPU benchmark measures the same paths on one box, ``tools/benchmark_weight_sync.py``).
+GPU here; the CPU benchmark measures the same paths on one box, ``rollpacker/benchmarks/benchmark_weight_sync.py``).
 Phases of a file sync run one after another (the loop waits for each); the tensor push streams,
 so its time is its slowest link. B is one copy of the weights in the engines' layout (bf16).
 

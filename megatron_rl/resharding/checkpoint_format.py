@@ -4,7 +4,7 @@ offline, plus read-only support for this project's two LEGACY formats.
 Current format: a ``megatron.core.dist_checkpointing`` (torch_dist) checkpoint, which stores
 global tensors and so loads at any TP / PP / DP. Two kinds of directories hold one:
 
-* converted (``tools/convert_checkpoint.py hf-to-megatron``), weights only::
+* converted (``megatron-rl-convert-checkpoint hf-to-megatron``), weights only::
 
       metadata.json, .metadata, __0_0.distcp, common.pt   the dist checkpoint (GPTModel keys)
       megatron_meta.json    {"format": FORMAT, "dtype": ...}, written last: until it exists
@@ -76,7 +76,7 @@ def read_meta(directory: str | Path) -> dict:
     directory and what is wrong."""
     path = Path(directory) / META
     if not path.is_file():
-        raise FileNotFoundError(f"{directory}: no {META}; not a checkpoint written by tools/convert_checkpoint.py")
+        raise FileNotFoundError(f"{directory}: no {META}; not a checkpoint written by megatron-rl-convert-checkpoint")
     meta = json.loads(path.read_text())
     if meta.get("format") not in (FORMAT, LEGACY_FORMAT):
         raise ValueError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r} (or the legacy {LEGACY_FORMAT!r})")
@@ -108,7 +108,7 @@ def find_dist_checkpoint(directory: str | Path) -> Path:
                               "checkpoint: resume it at the layout that wrote it (trainer.resume) and save again")
     if is_legacy_converted(path):
         raise CheckpointError(f"{path} is a legacy {LEGACY_FORMAT} conversion: convert the HF checkpoint again "
-                              "with tools/convert_checkpoint.py hf-to-megatron (one output loads at any layout)")
+                              "with megatron-rl-convert-checkpoint hf-to-megatron (one output loads at any layout)")
     raise CheckpointError(f"{path} is not a dist checkpoint (no metadata.json in it or in {TRAINER_SUBDIR}/)")
 
 
@@ -229,7 +229,7 @@ def read_converted_shard(directory: str | Path, tp_rank: int, pp_rank: int, tp: 
         raise ValueError(
             f"model.megatron_checkpoint {directory} (legacy {LEGACY_FORMAT}) was converted for TP={have[0]}, "
             f"PP={have[1]} but the trainer runs TP={tp}, PP={pp}; convert the HF checkpoint again with "
-            "tools/convert_checkpoint.py hf-to-megatron (its output loads at any layout)")
+            "megatron-rl-convert-checkpoint hf-to-megatron (its output loads at any layout)")
     path = shard_file(directory, tp_rank, pp_rank)
     if not path.is_file():
         raise FileNotFoundError(f"{directory}: missing {path.name}")

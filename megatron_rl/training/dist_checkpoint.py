@@ -22,7 +22,7 @@ Sharded keys: the policy's ``GPTModel.sharded_state_dict()`` keys (layers stacke
 axis, TP shards as slices of the full tensor, the vocabulary padding allowed to differ), the
 frozen reference model's under ``reference.``, Adam's moments (and fp32 masters with bf16
 weights) under ``optimizer.state.*`` and the RNG states under ``rng_state``. A checkpoint of
-``tools/convert_checkpoint.py hf-to-megatron`` holds the same model keys and nothing else.
+``megatron-rl-convert-checkpoint hf-to-megatron`` holds the same model keys and nothing else.
 
 RNG across layout changes: the RNG states (torch CPU, CUDA, Megatron's model-parallel tracker)
 are one object per (PP, TP) coordinate, shared by the DP replicas (they are seeded alike). A
@@ -237,7 +237,7 @@ def read_info(directory: str | Path) -> dict:
     source = find_dist_checkpoint(directory)
     info = load_common_state_dict(str(source)).get(INFO_KEY)
     if not isinstance(info, dict) or info.get("format") != FORMAT:
-        raise CheckpointError(f"{source} holds model weights only, no trainer state (a tools/convert_checkpoint.py "
+        raise CheckpointError(f"{source} holds model weights only, no trainer state (a megatron-rl-convert-checkpoint "
                               "output?): start from it with model.megatron_checkpoint instead of resuming")
     return info
 
@@ -287,7 +287,7 @@ def load_trainer_state(directory: str | Path, *, model: torch.nn.Module, optimiz
 
 
 def load_model_weights(directory: str | Path, model: torch.nn.Module, label: str) -> None:
-    """Load the policy weights of a dist checkpoint (converted by ``tools/convert_checkpoint.py``
+    """Load the policy weights of a dist checkpoint (converted by ``megatron-rl-convert-checkpoint``
     or a trainer step directory) into ``model`` at this process's layout. Collective."""
     source = find_dist_checkpoint(directory)
     loaded = _load({"model": sharded_model_state(model)}, source)

@@ -1,5 +1,5 @@
 """Calibration of the simulator against a measured baseline / tail-batching run pair
-(``tools/benchmark.py`` output; see ``tools/calibrate_simulator.py``).
+(``rollpacker-benchmark`` output; see ``rollpacker-calibrate-simulator``).
 
 Engine: in a baseline round every request is submitted at the start and the engine decodes all
 of them as one continuous batch, so with the round's response lengths sorted, decode iteration

@@ -90,7 +90,7 @@ def build_cluster(cfg: RunConfig, shape: ModelShape, gpu: GpuSpec, lengths: Leng
     if base.kv_capacity_tokens < longest:
         raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size}: an engine's KV cache holds "
                          f"{base.kv_capacity_tokens} tokens, less than one {longest}-token sequence "
-                         "(see tools/plan_cluster.py)")
+                         "(see rollpacker-plan-cluster)")
     sizes = planner_tp_sizes(cfg, shape, engine_for_tp)
     planner_for_run(cfg, sizes)  # a bad planner.initial_tp / profile fails here, not mid-simulation
     if reward is None:

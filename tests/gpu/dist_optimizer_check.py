@@ -1,7 +1,7 @@
 """Device check: a trainer checkpoint with Megatron's distributed optimizer, saved and loaded on
 one GPU (world 1), restores the optimizer exactly and the next step matches.
 
-    PYTHONPATH=. python tests/gpu/dist_optimizer_check.py WORK_DIR [--dtype bfloat16|float32]
+    python -m tests.gpu.dist_optimizer_check WORK_DIR [--dtype bfloat16|float32]   # from the repository root
 
 prints one JSON line with what it measured and exits 0 when every check holds (1 otherwise).
 From Python: :func:`check_distributed_optimizer_round_trip`. Needs torch (CUDA for the real
@@ -29,8 +29,6 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def _free_port() -> int:
@@ -93,6 +91,7 @@ def check_distributed_optimizer_round_trip(work_dir: str | Path, dtype: str = "b
     cfg.cluster.device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg.model.dtype = dtype
     cfg.parallel.use_distributed_optimizer = True
+    cfg.algorithm.recompute_old_logprobs = True  # the steps are given their old logprobs
     cfg.optimizer.lr, cfg.optimizer.grad_clip, cfg.optimizer.micro_batch_tokens = 1e-3, 1.0, 64
     port = port or _free_port()
 

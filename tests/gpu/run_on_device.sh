@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, one call on the lent GPU machine (see tools/gpu_check/__init__.py):
+# The GPU check, one call on the lent GPU machine (see tests/gpu/check/__init__.py):
 #
 #   bash tools/prepare_gpu_wheels.sh                  # here, once: megatron-core into .gpu_wheels/
 #   device run: command "bash tests/gpu/run_on_device.sh", carry [".gpu_wheels"], timeout_s 600
@@ -9,7 +9,7 @@
 # transformers and numpy stay), then runs every part within about 7.5 minutes on one H200. Prints
 # one table and a last summary line; writes gpu_check.json, engine_constants.json,
 # train_calibration.json, gpu_check.log and part_logs.tar.gz into $OUT when it is set. Exit
-# status 1 when any part failed. Extra arguments go to `python -m tools.gpu_check`.
+# status 1 when any part failed. Extra arguments go to `python -m tests.gpu.check`.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT" || exit 2
@@ -32,10 +32,12 @@ else
   "$PY" -c "import megatron.core, torch; print('megatron-core', megatron.core.__version__, 'torch', torch.__version__, 'cuda', torch.version.cuda)" \
     || echo "run_on_device: megatron.core does not import; the Megatron parts will fail" >&2
 fi
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# The project itself is not installed there: `python -m` from the repository root puts the root
+# first on sys.path, so tests.gpu.check, megatron_rl and rollpacker import from this tree (the
+# parts run the same way, see tests/gpu/check/harness.py). PYTHONPATH above only adds the wheels.
 if [ -n "${OUT:-}" ]; then
   mkdir -p "$OUT"
-  "$PY" -m tools.gpu_check "$@" 2>&1 | tee "$OUT/gpu_check.log"
+  "$PY" -m tests.gpu.check "$@" 2>&1 | tee "$OUT/gpu_check.log"
   exit "${PIPESTATUS[0]}"
 fi
-exec "$PY" -m tools.gpu_check "$@"
+exec "$PY" -m tests.gpu.check "$@"

@@ -5,14 +5,10 @@ Never run in this project's CI (no GPU there); kept so a cluster user can check 
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from _megatron_cases import hf_reference, make_samples, run_spmd  # noqa: E402
+from tests.integration._megatron_cases import hf_reference, make_samples, run_spmd
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 

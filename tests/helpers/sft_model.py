@@ -3,7 +3,7 @@ tests that need a policy whose responses make sense (e.g. speculation: drafts ar
 where a prompt's responses repeat). Built here when absent (~3-5 min on 2 cores, once: later
 runs and ``launch/local.sh`` reuse it), so a new machine runs these tests instead of skipping
 them. A lock keeps two processes from building it at the same time; the build itself swaps the
-finished directory in atomically (``tools/make_tiny_model.py``)."""
+finished directory in atomically (``megatron-rl-make-tiny-model``)."""
 from __future__ import annotations
 
 import fcntl
@@ -22,7 +22,7 @@ def ensure_sft_tiny_model() -> Path:
     with open(SFT_MODEL.parent / f".{SFT_MODEL.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (SFT_MODEL / "config.json").is_file():  # another process may have built it meanwhile
-            from tools.make_tiny_model import make_tiny_model
+            from megatron_rl.tools.make_tiny_model import make_tiny_model
 
             print(f"\n[tests] building the SFT'd tiny model in {SFT_MODEL} (one-off, a few minutes)", flush=True)
             make_tiny_model(SFT_MODEL, progress=False)

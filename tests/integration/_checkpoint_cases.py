@@ -225,10 +225,7 @@ def run_cases(rank: int, world: int, port: int, cases: list[dict], probe) -> lis
 def device_check_on_cpu(rank: int, world: int, port: int, work_dir: str) -> dict:
     """tests/gpu/dist_optimizer_check.py's check, run here on CPU (world 1, fp32) with the
     distributed optimizer's CUDA-type check satisfied by :func:`pretend_cuda_params`."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
-    from dist_optimizer_check import check_distributed_optimizer_round_trip
+    from tests.gpu.dist_optimizer_check import check_distributed_optimizer_round_trip
 
     return check_distributed_optimizer_round_trip(work_dir, dtype="float32", build_context=pretend_cuda_params,
                                                   port=port)

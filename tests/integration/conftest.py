@@ -3,11 +3,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from pathlib import Path
 
 import pytest
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +16,7 @@ def ray_session():
 
     with short_ray_dir() as temp_dir:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=str(temp_dir),
-                 runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}})
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
         try:
             yield ray
         finally:

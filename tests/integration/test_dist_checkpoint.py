@@ -16,16 +16,13 @@ from __future__ import annotations
 
 import pickle
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from _checkpoint_cases import KILLED, device_check_on_cpu, run_cases, save_then_die
 from _megatron_cases import make_samples, run_spmd
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import convert_checkpoint as cc  # noqa: E402
+from megatron_rl.tools import convert_checkpoint as cc
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
 
@@ -237,7 +234,7 @@ def test_device_check_of_the_distributed_optimizer_passes_on_cpu(tmp_path):
 
 
 def test_benchmark_tool_prints_both_formats(tiny_model_dir, tmp_path, capsys):
-    import benchmark_checkpoint as bench
+    from rollpacker.benchmarks import benchmark_checkpoint as bench
 
     assert bench.main(["--model", str(tiny_model_dir), "--repeats", "1", "--out", str(tmp_path / "out")]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -1,9 +1,7 @@
-"""tools/make_tiny_model.py: output loads in transformers, same seed gives the same weights."""
+"""megatron_rl/tools/make_tiny_model.py (megatron-rl-make-tiny-model): output loads in transformers, same seed gives the same weights."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,11 +10,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load_tool():
-    spec = importlib.util.spec_from_file_location("make_tiny_model", REPO_ROOT / "tools" / "make_tiny_model.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["make_tiny_model"] = module  # dataclasses look their module up while decorating
-    spec.loader.exec_module(module)
-    return module
+    from megatron_rl.tools import make_tiny_model
+
+    return make_tiny_model
 
 
 @pytest.mark.integration

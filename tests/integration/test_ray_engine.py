@@ -18,7 +18,6 @@ from tests.helpers.ray_dirs import short_ray_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPT = [10, 20, 30, 40, 50]
 
 
@@ -29,7 +28,7 @@ def client(tiny_model_dir, loop):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     with short_ray_dir() as temp_dir:  # Ray's unix socket paths must stay under ~107 bytes
         ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(temp_dir), log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": REPO_ROOT, "OMP_NUM_THREADS": "1"}})
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
         try:
             cfg = RunConfig(rollout=RolloutConfig(max_num_seqs=8, cpu_kv_cache_gib=0.125, num_engines=1,
                                                   max_model_len=256))

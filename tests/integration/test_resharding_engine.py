@@ -9,11 +9,10 @@
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from _engine_checks import hf_logprobs, run, sample  # noqa: E402
 
 from megatron_rl.config import RolloutConfig
 from megatron_rl.model.hf_weights import hf_to_megatron_shard
@@ -24,11 +23,8 @@ from megatron_rl.resharding.layouts import MegatronLayout, VLLMLayout
 from megatron_rl.resharding.plan import build_plan
 from megatron_rl.rollout.vllm_engine import VLLMEngine
 from megatron_rl.rollout.weight_sync.hf_files import write_hf_weights
+from megatron_rl.tools import convert_checkpoint as cc
 from megatron_rl.training.weights_io import LazySafetensors
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import convert_checkpoint as cc  # noqa: E402
-from _engine_checks import hf_logprobs, run, sample  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

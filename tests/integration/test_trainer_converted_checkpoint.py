@@ -1,8 +1,7 @@
 """The trainer starts from a converted Megatron dist checkpoint (``model.megatron_checkpoint``)
-at any layout and its own checkpoints export to HF with tools/convert_checkpoint.py."""
+at any layout and its own checkpoints export to HF with megatron-rl-convert-checkpoint."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,8 +10,7 @@ from _megatron_cases import hf_reference, make_samples, run_spmd
 from _resharding_cases import trainer_from_converted
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import convert_checkpoint as cc  # noqa: E402
+from megatron_rl.tools import convert_checkpoint as cc
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

@@ -1,11 +1,12 @@
-"""tools/benchmark.py's period arithmetic and summaries; tools/plot_timeline.py's picture."""
+"""rollpacker/benchmarks: the period arithmetic and summaries, the --compare dispatch, the timeline picture."""
 import argparse
 import json
 
 import pytest
 
-from tools.benchmark import period_steps, summarize
-from tools.plot_timeline import plot_timeline
+from rollpacker.benchmarks.benchmark import summarize
+from rollpacker.benchmarks.common import period_steps, spread
+from rollpacker.benchmarks.plot_timeline import plot_timeline
 
 
 @pytest.mark.parametrize("eta, p0, expected", [(1.25, 16, 5), (1.25, 4, 5), (1.5, 16, 3), (1.0, 16, 1),
@@ -57,7 +58,7 @@ def test_plot_timeline_missing_file_is_clear(tmp_path):
 
 
 def test_weight_sync_benchmark_splits_pushes_and_ends_with_speedup_and_bandwidth(capsys):
-    from tools.benchmark_weight_sync import report, split
+    from rollpacker.benchmarks.benchmark_weight_sync import report, split
 
     # Files: transport = the push without the engine's load; the tensor push: without the tail
     # after the last byte reached the engine (its loaders' busy time may overlap the transport).
@@ -76,7 +77,7 @@ def test_weight_sync_benchmark_splits_pushes_and_ends_with_speedup_and_bandwidth
 
 
 def test_speculative_benchmark_columns_from_metrics_rows():
-    from tools.benchmark_speculative import column_figures
+    from rollpacker.benchmarks.benchmark_speculative import column_figures
 
     def row(step, rt, rollout, drafted=0.0, accepted=0.0, **extra):
         return {"step": step, "round_type": rt, "time/step": rollout + 1.0, "time/rollout": rollout, "time/train": 0.5,
@@ -101,7 +102,7 @@ def test_speculative_benchmark_columns_from_metrics_rows():
 
 
 def test_speculative_benchmark_ceiling_is_the_speedup_without_rollout_and_runs_interleave():
-    from tools.benchmark_speculative import add_ceilings, run_order
+    from rollpacker.benchmarks.benchmark_speculative import add_ceilings, run_order
 
     def fig(loop, rollout):
         rest = loop - rollout  # split evenly over what stays without a rollout
@@ -124,7 +125,7 @@ def test_speculative_benchmark_ceiling_is_the_speedup_without_rollout_and_runs_i
 def test_arms_benchmark_parses_arms_and_sums_figures():
     import argparse
 
-    from tools.benchmark_arms import parse_arm, run_figures
+    from rollpacker.benchmarks.benchmark_arms import parse_arm, run_figures
 
     assert parse_arm("mp:rollout.cpu_executor=mp,rollout.max_num_seqs=8") == (
         "mp", ["rollout.cpu_executor=mp", "rollout.max_num_seqs=8"])
@@ -139,12 +140,8 @@ def test_arms_benchmark_parses_arms_and_sums_figures():
 
 
 def test_quantization_benchmark_summary_report_and_last_line(capsys):
-    from tools.benchmark import _own_module
-    from tools.benchmark_quantization import print_report, speedup_line, summarize_curve
+    from rollpacker.benchmarks.benchmark_quantization import print_report, speedup_line, summarize_curve
 
-    assert _own_module(["--compare", "quantization", "--repeats", "3"]) == "tools.benchmark_quantization"
-    assert _own_module(["--compare=quantization"]) == "tools.benchmark_quantization"
-    assert _own_module(["--compare", "weight_sync"]) is None
     rows = [{"step": s, "reward/mean": 0.1 * s, "reward/accuracy": 0.05 * s, "rollout/logprob_abs_diff_mean": 0.01,
              "rollout/logprob_abs_diff_max": 0.1 + s, "rollout/tokens_per_s": 100.0 + s, "time/step": 2.0,
              "time/weight_sync": 0.5, "train/tis_weight_mean": 1.0, "train/tis_weight_abs_dev": 0.01,
@@ -167,3 +164,49 @@ def test_quantization_benchmark_summary_report_and_last_line(capsys):
     assert "| small (70M, 280 MB fp32) | 100 [90-120] | 150 [140-160] | 1.50 (1.40 [1.10-1.90])" in out
     assert "| val pass@1 at step 10 | 0.500 | 0.500 |" in out and "| TIS weight mean | - | 1.0000 |" in out
     assert speedup_line(tp) == "rollout speedup (int8 vs full precision): 2.25"  # the largest model's
+
+
+def test_spread_cells():
+    assert spread([]) == "-" and spread([None, "x"]) == "-"
+    assert spread([2.0]) == "2.00" and spread([1.0, 1.0], "{:.1f}") == "1.0"
+    assert spread([3.0, None, 1.0, 2.0]) == "2.00 [1.00-3.00]"
+
+
+def test_compare_dispatch_hands_the_rest_of_the_command_line_to_the_registered_module(monkeypatch):
+    from rollpacker.benchmarks import (
+        benchmark,
+        benchmark_arms,
+        benchmark_quantization,
+        benchmark_speculative,
+        benchmark_weight_sync,
+    )
+
+    assert benchmark.OWN_COMPARISONS == {"weight_sync": benchmark_weight_sync.main,
+                                         "speculative": benchmark_speculative.main,
+                                         "quantization": benchmark_quantization.main, "arms": benchmark_arms.main}
+    assert benchmark.split_compare(["--periods", "2"]) == ("schedulers", ["--periods", "2"])
+    assert benchmark.split_compare(["--seeds", "3", "--compare", "speculative", "x=1"]) == ("speculative",
+                                                                                          ["--seeds", "3", "x=1"])
+    assert benchmark.split_compare(["--compare=arms", "--arm", "a:k=v"]) == ("arms", ["--arm", "a:k=v"])
+    calls = []
+    for name in benchmark.OWN_COMPARISONS:
+        monkeypatch.setitem(benchmark.OWN_COMPARISONS, name, lambda argv, name=name: calls.append((name, argv)) or 7)
+    assert benchmark.main(["--compare", "quantization", "--repeats", "3"]) == 7
+    assert benchmark.main(["--runs", "2", "--compare=speculative"]) == 7
+    assert calls == [("quantization", ["--repeats", "3"]), ("speculative", ["--runs", "2"])]
+    assert benchmark.main(["--compare", "nonsense"]) == 2
+
+
+def test_benchmark_modules_import_no_circle():
+    """common is a leaf and the benchmarks' imports form no cycle (the --compare dispatch imports
+    the modules it runs; none of them imports it back)."""
+    import grimp
+
+    graph = grimp.build_graph("rollpacker", include_external_packages=False, cache_dir=None)
+    package = "rollpacker.benchmarks"
+    modules = {m for m in graph.modules if m.startswith(package + ".")}
+    assert not {m for m in graph.find_modules_directly_imported_by(f"{package}.common") if m in modules}
+    for module in modules:
+        upstream = graph.find_upstream_modules(module) & modules
+        assert module not in upstream and not any(
+            module in graph.find_upstream_modules(other) for other in upstream), module

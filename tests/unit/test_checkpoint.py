@@ -10,7 +10,6 @@ import sys
 import textwrap
 import time
 from collections import deque
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,8 +25,6 @@ from megatron_rl.checkpoint import (
     read_manifest,
     restore_rng_state,
 )
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_commit_layout_manifest_and_worker_files(tmp_path):
@@ -195,7 +192,7 @@ _WRITER = textwrap.dedent(
 
 def test_sigkill_mid_write_keeps_previous_checkpoint(tmp_path):
     ready = tmp_path / "ready"
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), str(ready)], env=env)
     try:
         deadline = time.monotonic() + 60

@@ -142,7 +142,7 @@ def test_readme_config_reference_is_current():
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, str(REPO / "tools/config_reference.py"), "--check", str(REPO / "README.md")],
+    result = subprocess.run([sys.executable, "-m", "megatron_rl.tools.config_reference", "--check", str(REPO / "README.md")],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
 

@@ -1,22 +1,19 @@
-"""tools/convert_checkpoint.py: HF -> Megatron dist checkpoint -> HF is bit-exact, the checkpoint
+"""megatron_rl/tools/convert_checkpoint.py: HF -> Megatron dist checkpoint -> HF is bit-exact, the checkpoint
 holds Megatron's own global tensors (so it loads at any layout), legacy formats still export,
 clear errors."""
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import convert_checkpoint as cc  # noqa: E402
-
 from megatron_rl.checkpoint import CheckpointError  # noqa: E402
 from megatron_rl.distributed.process_groups import ParallelLayout  # noqa: E402
 from megatron_rl.model.hf_weights import hf_to_megatron_shard, to_te_names  # noqa: E402
 from megatron_rl.model.qwen2 import read_qwen2_arch  # noqa: E402
 from megatron_rl.resharding import checkpoint_format as fmt  # noqa: E402
+from megatron_rl.tools import convert_checkpoint as cc
 from megatron_rl.training.weights_io import LazySafetensors  # noqa: E402
 
 
@@ -121,7 +118,7 @@ def test_legacy_conversion_still_exports_and_names_the_new_command(tiny_untied_m
     back, original = read_hf(cc.megatron_to_hf(str(legacy), str(tmp_path / "hf"))), read_hf(Path(tiny_untied_model_dir))
     assert back.keys() == original.keys() and all(torch.equal(back[k], v) for k, v in original.items())
     with pytest.raises(ValueError, match="converted for TP=2, PP=2 but the trainer runs TP=1, PP=2; convert the HF "
-                                         "checkpoint again with tools/convert_checkpoint.py hf-to-megatron"):
+                                         "checkpoint again with megatron-rl-convert-checkpoint hf-to-megatron"):
         fmt.read_converted_shard(legacy, 0, 0, 1, 2)
     with pytest.raises(CheckpointError, match="legacy .* conversion: convert the HF checkpoint again"):
         fmt.find_dist_checkpoint(legacy)

@@ -17,7 +17,7 @@ import pytest
 from megatron_rl.reward.graders.answer_extraction import extract_ground_truth, extract_response_answer
 from megatron_rl.reward.graders.math_grader import VerifyOptions, answers_match, parse_gold
 from megatron_rl.reward.graders.math_reward import MathReward, grade
-from tools.grader_report import DEFAULT_DATA, FORMS, evaluate, format_report, load_rows
+from megatron_rl.tools.grader_report import DEFAULT_DATA, FORMS, evaluate, format_report, load_rows
 
 MIN_ROWS = 300
 MIN_RECALL = 0.97

@@ -11,7 +11,7 @@ from megatron_rl.reward.graders.answer_extraction import extract_ground_truth, e
 from megatron_rl.reward.graders.math_reward import MAX_ANSWER_CHARS, MathReward, grade
 from megatron_rl.reward.graders.result import RewardResult
 from megatron_rl.reward.sandbox.isolated_call import CallFailed, CallTimeout, IsolatedCall
-from tools.grader_report import adversarial_cases
+from megatron_rl.tools.grader_report import adversarial_cases
 
 GSM8K_SOLUTION = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nAltogether 48+24 = <<48+24=72>>72.\n#### 72"
 

@@ -89,7 +89,7 @@ def test_wandb_missing_gives_clear_error(tmp_path, monkeypatch):
 def test_wandb_offline_run_records_metrics_and_resumes_the_same_run(tmp_path):
     """The real wandb package, offline: metrics reach the run file, config too, and a resumed
     logger (start_step > 0) continues the same run id."""
-    pytest.importorskip("wandb", reason="wandb is in requirements-cpu.txt; this venv lacks it")
+    pytest.importorskip("wandb", reason="wandb is in requirements/cpu.lock; this venv lacks it")
     from megatron_rl.metrics import new_wandb_run_id
     from tests.helpers.wandb_offline import offline_runs
 

@@ -165,7 +165,7 @@ def test_shape_from_config_json_and_unknown_name(tmp_path):
 
 
 def test_plan_cli_exit_codes(capsys):
-    from tools.plan_cluster import main
+    from rollpacker.benchmarks.plan_cluster import main
 
     recipe = str(REPO / "examples/qwen2.5/qwen2.5_7b_math_2x8_tp2_rtp1.yaml")
     assert main(["--config", recipe]) == 0

@@ -1,7 +1,6 @@
-"""tools/plot_curves.py renders a PNG from a synthetic metrics.jsonl (function and CLI)."""
+"""megatron_rl/tools/plot_curves.py (megatron-rl-plot-curves) renders a PNG from a synthetic metrics.jsonl (function and CLI)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,10 +14,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _load_tool():
-    spec = importlib.util.spec_from_file_location("plot_curves", REPO_ROOT / "tools" / "plot_curves.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from megatron_rl.tools import plot_curves
+
+    return plot_curves
 
 
 def _write_metrics(run_dir: Path, steps: int = 12) -> None:
@@ -68,7 +66,8 @@ def test_plot_cli_out_option(tmp_path):
     out = tmp_path / "plots" / "run.png"
     env = dict(os.environ, OMP_NUM_THREADS="1", MPLBACKEND="Agg")
     result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "tools" / "plot_curves.py"), str(tmp_path), "--out", str(out)],
+        # The console entry point, from a directory outside the checkout: found because installed.
+        [str(Path(sys.executable).parent / "megatron-rl-plot-curves"), str(tmp_path), "--out", str(out)],
         capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr

@@ -132,7 +132,7 @@ def test_recipe_cluster_uses_its_layout():
 
 
 def test_cli_with_measured_constants_prints_speedup(tmp_path, capsys, tiny_model_dir):
-    from tools.simulate import main
+    from rollpacker.benchmarks.simulate import main
 
     consts = tmp_path / "cpu.json"
     consts.write_text(json.dumps({"step_s": 0.02, "per_seq_s": 0.0005, "per_ctx_token_s": 2e-7,

@@ -1,11 +1,11 @@
-"""tools/speculative_engine_check.py: argument checks and the report's figures (the engine part
-runs the real vLLM engine: `python tools/speculative_engine_check.py`, README "Speculative
+"""rollpacker/benchmarks/speculative_engine_check.py: argument checks and the report's figures (the engine part
+runs the real vLLM engine: `rollpacker-speculative-engine-check`, README "Speculative
 decoding of the tail")."""
 from __future__ import annotations
 
 import pytest
 
-from tools import speculative_engine_check as check
+from rollpacker.benchmarks import speculative_engine_check as check
 
 
 def _model(tmp_path):

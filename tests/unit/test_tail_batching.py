@@ -1,6 +1,6 @@
 """Tail batching on a fake engine: short/long rounds, the long-prompt queue, aborts, DAPO refills,
 exactly-once over an epoch, checkpointed queue. (The real engine runs it in the integration tests
-and in tools/benchmark.py.)"""
+and in rollpacker-benchmark.)"""
 from __future__ import annotations
 
 import asyncio

@@ -3,7 +3,6 @@ file and key, and used by the elastic-TP hook for each round type's first TP."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,8 +10,6 @@ import pytest
 import rollpacker.plugins  # noqa: F401  (RollPacker's sections, as megatron_rl.train registers them)
 from megatron_rl.config_io import ConfigError, load_config, validate
 from rollpacker.tp_profile import ProfileError, fastest_tp, load_profile, profile_from_runs, save_profile
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def fake_run(root: Path, name: str, tp: int, rows: list[dict]) -> Path:
@@ -40,8 +37,7 @@ def test_profile_is_the_mean_rollout_time_per_round_type_and_tp(tmp_path):
 
 
 def test_cli_writes_the_profile_and_reports_bad_runs(tmp_path, capsys):
-    sys.path.insert(0, str(REPO / "tools"))
-    import rollout_profile
+    from rollpacker.benchmarks import rollout_profile
 
     run = fake_run(tmp_path, "r", 2, [{"round_type": "long", "time/rollout": 7.5}])
     assert rollout_profile.main(["--run", str(run), "--out", str(tmp_path / "p.json")]) == 0

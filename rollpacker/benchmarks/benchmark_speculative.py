@@ -1,0 +1,263 @@
+"""``rollpacker-benchmark --compare speculative``: baseline / tail batching / tail batching +
+speculative decoding + rollout history, on the same seeds and prompts.
+
+``--runs`` passes over ``--seeds`` seeds; in each (pass, seed) the three columns run back to back,
+in the order ABC on one and CBA on the next, so that a drift of this noisy machine's speed hits
+every column alike. Each run covers ``--periods`` tail-batching periods of a prompt set sized so
+that the runs see it more than once (``--epochs``; history needs a second epoch to matter).
+Columns:
+
+* ``baseline``: veRL-style scheduler (P0 x R0, wait for all);
+* ``tail``: RollPacker tail batching;
+* ``tail+spec+hist``: tail batching with ``rollout.speculative.method=suffix`` (drafts in long
+  rounds, from the prompt's earlier responses and its running siblings) and
+  ``tail_batching.history_routing=true``.
+
+Prints every run's figures and, per column, the median [range] over all runs: training-loop time,
+its split (rollout in short and long rounds, reward tail, scoring, training, weight sync, the
+rest), long-round rollout time, acceptance, decode steps, wasted and aborted tokens, train reward,
+pass@1, and the column's **ceiling**: baseline loop time / (the column's scoring + training +
+weight sync + reward tail + the rest), i.e. its speedup if its rollout took no time, with
+``fraction of ceiling`` = its speedup / its ceiling (= the share of its loop time that is not
+rollout). Then lines a script can read: ``ceiling <column>: X``, ``fraction of ceiling <column>:
+X``, ``tail batching speedup (baseline / tail): median X (range A-B)``, ``long-round rollout
+speedup (speculation): X (range A-B)`` (tail / tail+spec+hist long-round rollout time) and, last,
+``speedup: X`` (baseline / tail+spec+hist loop time; medians over runs, each ratio taken within
+its own (pass, seed)). Writes <out>/speculative.json and <out>/curves.png (train reward and
+validation pass@1 of the three columns, one line per run).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from rollpacker.benchmarks.common import REPO, add_run_options, benchmark_config, check_run_options, run_shape, spread
+
+COLUMNS = [
+    ("baseline", "baseline", []),
+    ("tail", "tail_batching", []),
+    ("tail+spec+hist", "tail_batching", ["rollout.speculative.method=suffix", "tail_batching.history_routing=true"]),
+]
+
+
+def column_figures(rows: list[dict]) -> dict:
+    """One run's figures from its metrics.jsonl rows."""
+    def total(key, sel=rows):
+        return sum(float(r.get(key, 0.0)) for r in sel)
+
+    long_rows = [r for r in rows if r["round_type"] == "long"]
+    short_rows = [r for r in rows if r["round_type"] != "long"]
+    loop = total("time/step")
+    split = {"rollout_short": total("time/rollout", short_rows), "rollout_long": total("time/rollout", long_rows),
+             "reward_tail": total("time/reward"), "scoring": total("time/logprob"), "train": total("time/train"),
+             "weight_sync": total("time/weight_sync")}
+    split["other"] = loop - sum(split.values())
+    drafted, accepted = total("rollout/spec/draft_tokens"), total("rollout/spec/accepted_tokens")
+    vals = [r["val/pass@1"] for r in rows if isinstance(r.get("val/pass@1"), (int, float))]
+    hist = {k: total(f"rollout/history/{k}") for k in ("true_long", "false_long", "false_short", "routed")}
+    return {
+        "steps": len(rows), "loop_time": loop, "split": split,
+        "long_rollout_time": split["rollout_long"] if long_rows else None,
+        "long_rounds": len(long_rows),
+        "acceptance": accepted / drafted if drafted else None,
+        "draft_tokens": drafted, "accepted_tokens": accepted,
+        "decode_steps": total("rollout/spec/decode_steps"),
+        "long_decode_steps": total("rollout/spec/decode_steps", long_rows),
+        "wasted_tokens": total("rollout/wasted_tokens"), "aborted_tokens": total("rollout/aborted_tokens"),
+        "train_reward": statistics.mean(r["reward/mean"] for r in rows),
+        "pass@1": vals[-1] if vals else None, "pass@1_initial": vals[0] if vals else None,
+        "history": {**hist,
+                    "precision": hist["true_long"] / (hist["true_long"] + hist["false_long"])
+                    if hist["true_long"] + hist["false_long"] else None,
+                    "recall": hist["true_long"] / (hist["true_long"] + hist["false_short"])
+                    if hist["true_long"] + hist["false_short"] else None},
+        "curves": {"step": [r["step"] for r in rows], "reward": [r["reward/mean"] for r in rows],
+                   "val_step": [r["step"] for r in rows if "val/pass@1" in r], "val": vals},
+    }
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _fmt(value, fmt="{:.2f}"):
+    return "-" if value is None else fmt.format(value)
+
+
+SPLIT_KEYS = ["rollout_short", "rollout_long", "reward_tail", "scoring", "train", "weight_sync", "other"]
+CRITICAL_KEYS = ("reward_tail", "scoring", "train", "weight_sync", "other")
+"""What stays of a step when its rollout takes no time (the ceiling's denominator)."""
+
+
+def add_ceilings(runs: dict[str, dict[str, dict]]) -> None:
+    """Per run and column: ``speedup`` (baseline / column loop time, same run), ``ceiling``
+    (baseline loop time / the column's non-rollout time) and ``fraction_of_ceiling``."""
+    for cols in runs.values():
+        base = cols["baseline"]["loop_time"]
+        for fig in cols.values():
+            critical = sum(fig["split"][k] for k in CRITICAL_KEYS)
+            fig["speedup"] = base / fig["loop_time"]
+            fig["ceiling"] = base / critical if critical > 0 else None
+            fig["fraction_of_ceiling"] = fig["speedup"] / fig["ceiling"] if fig["ceiling"] else None
+
+
+ROWS = [("training-loop time (s)", "loop_time", "{:.1f}"), ("speedup vs baseline", "speedup", "{:.2f}"),
+        ("ceiling (no rollout)", "ceiling", "{:.2f}"), ("fraction of ceiling", "fraction_of_ceiling", "{:.2f}"),
+        ("long-round rollout time (s)", "long_rollout_time", "{:.1f}"),
+        ("acceptance (accepted/drafted)", "acceptance", "{:.3f}"), ("decode steps, long rounds", "long_decode_steps", "{:.0f}"),
+        ("wasted tokens", "wasted_tokens", "{:.0f}"), ("aborted tokens", "aborted_tokens", "{:.0f}"),
+        ("train reward (mean)", "train_reward", "{:.3f}"), ("val pass@1 (end)", "pass@1", "{:.3f}")]
+
+
+def _table(title: str, names: list[str], cell) -> None:
+    print(f"\n{title}")
+    print(f"| {'metric':<32} | " + " | ".join(f"{n:>20}" for n in names) + " |")
+    print("| " + "-" * 32 + " | " + " | ".join("-" * 19 + ":" for _ in names) + " |")
+    for row_title, key, fmt in ROWS:
+        print(f"| {row_title:<32} | " + " | ".join(f"{cell(n, key, fmt):>20}" for n in names) + " |")
+    for k in SPLIT_KEYS:
+        print(f"| {'  time: ' + k + ' (s)':<32} | " + " | ".join(f"{cell(n, ('split', k), '{:.1f}'):>20}"
+                                                              for n in names) + " |")
+
+
+def _get(fig: dict, key):
+    return fig["split"][key[1]] if isinstance(key, tuple) else fig[key]
+
+
+def print_columns(runs: dict[str, dict[str, dict]]) -> dict[str, dict]:
+    """Every run's figures, then median [range] over runs; returns the medians per column."""
+    names = [c[0] for c in COLUMNS]
+    for label, cols in runs.items():
+        _table(label, names, lambda n, key, fmt, cols=cols: _fmt(_get(cols[n], key), fmt))
+    _table(f"median [range] over {len(runs)} runs", names,
+           lambda n, key, fmt: spread([_get(cols[n], key) for cols in runs.values()], fmt))
+    medians: dict[str, dict] = {}
+    for n in names:
+        medians[n] = {key: _median([cols[n][key] for cols in runs.values()]) for _, key, _ in ROWS}
+        medians[n]["split"] = {k: _median([cols[n]["split"][k] for cols in runs.values()]) for k in SPLIT_KEYS}
+    return medians
+
+
+def plot(runs: dict[str, dict[str, dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_r, ax_v) = plt.subplots(1, 2, figsize=(11, 4))
+    colors = {"baseline": "tab:gray", "tail": "tab:blue", "tail+spec+hist": "tab:red"}
+    first = next(iter(runs))
+    for label, cols in runs.items():
+        for name, fig_data in cols.items():
+            c = fig_data["curves"]
+            legend = name if label == first else None
+            ax_r.plot(c["step"], c["reward"], color=colors[name], alpha=0.6, label=legend)
+            if c["val"]:
+                ax_v.plot(c["val_step"], c["val"], "o-", color=colors[name], alpha=0.6, label=legend)
+    ax_r.set(title="train reward (mean per step)", xlabel="step")
+    ax_v.set(title="validation pass@1", xlabel="step")
+    for ax in (ax_r, ax_v):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def column_config(args, column: str, seed: int, run_dir: Path):
+    """The run config of one column at one seed (same prompts and seeds in every column)."""
+    scheduler, extra = next((sched, extra) for name, sched, extra in COLUMNS if name == column)
+    steps, num_prompts = run_shape(args)
+    args.seed = seed
+    return benchmark_config(args, scheduler, steps, run_dir, [
+        f"data.builtin_num_prompts={num_prompts}", f"data.eval_every={max(1, steps // 2)}", *extra])
+
+
+def run_order(passes: int, seeds: list[int]) -> list[tuple[int, int, list[str]]]:
+    """(pass, seed, columns in run order): ABC, then CBA, alternating over every (pass, seed)."""
+    names = [c[0] for c in COLUMNS]
+    order, flip = [], False
+    for run in range(passes):
+        for seed in seeds:
+            order.append((run, seed, names[::-1] if flip else names))
+            flip = not flip
+    return order
+
+
+def _ratio_line(title: str, values: list[float]) -> str:
+    if not values:
+        return f"{title}: n/a"
+    return (f"{title}: {statistics.median(values):.2f} (range {min(values):.2f}-{max(values):.2f}, "
+            f"{len(values)} runs: " + ", ".join(f"{x:.2f}" for x in values) + ")")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(REPO / "runs/benchmark_speculative"))
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=2, help="passes over the seeds (each column runs seeds x runs times)")
+    add_run_options(parser)
+    args = parser.parse_args(argv)
+    if error := check_run_options(args):
+        print(error, file=sys.stderr)
+        return 2
+    if args.seeds < 1 or args.runs < 1:
+        print("--seeds and --runs must be >= 1", file=sys.stderr)
+        return 2
+
+    from megatron_rl.metrics import read_metrics
+    from megatron_rl.train import build_and_run
+
+    steps, num_prompts = run_shape(args)
+    out = Path(args.out)
+    first_seed = args.seed
+    runs: dict[str, dict[str, dict]] = {}
+    for run, seed, names in run_order(args.runs, list(range(first_seed, first_seed + args.seeds))):
+        label = f"seed {seed}, pass {run}"
+        runs[label] = {}
+        for name in names:
+            run_dir = out / f"pass{run}" / f"seed{seed}" / name.replace("+", "_")
+            cfg = column_config(args, name, seed, run_dir)
+            print(f"[benchmark] {label} {name}: {steps} steps x {args.prompts_per_step} prompts x "
+                  f"{args.responses} responses over {num_prompts} prompts -> {run_dir}", flush=True)
+            start = time.monotonic()
+            build_and_run(cfg)
+            runs[label][name] = column_figures(read_metrics(run_dir))
+            runs[label][name]["wall_time_with_startup"] = time.monotonic() - start
+        runs[label] = {n: runs[label][n] for n in (c[0] for c in COLUMNS)}
+    add_ceilings(runs)
+    print(f"\nmodel {args.model}; {args.seeds} seed(s) from {first_seed} x {args.runs} pass(es); {steps} steps per run; "
+          f"P0={args.prompts_per_step}, R0={args.responses}, {num_prompts} prompts "
+          f"(~{steps * args.prompts_per_step / num_prompts:.1f} epochs), max_new_tokens={args.max_new_tokens}")
+    medians = print_columns(runs)
+    tail_hist = [cols["tail"]["history"] for cols in runs.values()]
+    print("\nhistory prediction (tail column: scored, not acted on): precision "
+          + ", ".join(_fmt(h["precision"], "{:.2f}") for h in tail_hist) + "; recall "
+          + ", ".join(_fmt(h["recall"], "{:.2f}") for h in tail_hist) + " (per run)")
+    for name in (c[0] for c in COLUMNS):
+        print(f"ceiling {name}: {spread([cols[name]['ceiling'] for cols in runs.values()])}")
+        print(f"fraction of ceiling {name}: {spread([cols[name]['fraction_of_ceiling'] for cols in runs.values()])}")
+    tb = [cols["tail"]["speedup"] for cols in runs.values()]
+    long = [cols["tail"]["long_rollout_time"] / cols["tail+spec+hist"]["long_rollout_time"] for cols in runs.values()
+            if cols["tail"]["long_rollout_time"] and cols["tail+spec+hist"]["long_rollout_time"]]
+    total = [cols["tail+spec+hist"]["speedup"] for cols in runs.values()]
+    result = {"runs": runs, "medians": medians, "tail_batching_speedups": tb, "long_round_speedups": long,
+              "speedups": total, "steps": steps, "num_prompts": num_prompts, "args": vars(args)}
+    (out / "speculative.json").write_text(json.dumps(result, indent=2))
+    try:
+        plot(runs, out / "curves.png")
+        print(f"curves: {out / 'curves.png'}")
+    except Exception as exc:  # the numbers stand without the picture
+        print(f"curve plot failed: {exc}", file=sys.stderr)
+    print(_ratio_line("tail batching speedup (baseline / tail)", tb))
+    print(_ratio_line("long-round rollout speedup (speculation)", long))
+    print(f"speedup: {statistics.median(total):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
