@@ -111,8 +111,8 @@ _head_ip() {
   srun --overlap --nodes=1 --ntasks=1 "--nodelist=$1" hostname --ip-address | awk '{print $1; exit}'
 }
 
-_alive_nodes() {
-  "$RAY_BIN" status --address "$RAY_ADDRESS" 2>/dev/null | grep -c ' node_' || true
+_alive_nodes() {  # [TIMEOUT_S]: nodes `ray status` lists (it waits ~40 s for a GCS not up yet: bounded)
+  timeout "${1:-60}" "$RAY_BIN" status --address "$RAY_ADDRESS" 2>/dev/null | grep -c ' node_' || true
 }
 
 _on_term() {
@@ -166,23 +166,24 @@ _cleanup() {
     wait "$TRAIN_PID" 2>/dev/null || true
   fi
   _stop_steps
+  # The head node's step was cleaned while the trainer could still be running: sweep what a
+  # killed trainer left in this node's /dev/shm (only dead processes' directories).
+  [ -n "${SLURM_JOB_ID:-}" ] && { "$PYTHON" -m megatron_rl.distributed.node_cleanup --shm-only || true; }
   _log "teardown done (exit $rc)"
   exit "$rc"
 }
 
 _wait_for_nodes() {
   # Until `ray status` lists NUM_NODES nodes; fails with the reason when the head died or the
-  # nodes did not all join within RAY_JOIN_TIMEOUT_S.
-  local waited=0 alive=0
-  while [ "$waited" -lt "$RAY_JOIN_TIMEOUT_S" ]; do
-    alive="$(_alive_nodes)"
-    [ "$alive" -ge "$NUM_NODES" ] && break
+  # nodes did not all join within RAY_JOIN_TIMEOUT_S (wall clock, each status call bounded by it).
+  local deadline=$((SECONDS + RAY_JOIN_TIMEOUT_S)) alive=0 left
+  while left=$((deadline - SECONDS)); [ "$left" -gt 0 ]; do
+    alive="$(_alive_nodes "$left")"
+    [ "$alive" -ge "$NUM_NODES" ] && return 0
     kill -0 "${STARTED_PIDS[0]}" 2>/dev/null || _die "the Ray head on $1 exited (see $LOG_DIR/ray-head.log)"
     sleep "$RAY_POLL_S"
-    waited=$((waited + RAY_POLL_S))
   done
-  [ "$alive" -ge "$NUM_NODES" ] \
-    || _die "only $alive of $NUM_NODES nodes joined Ray within RAY_JOIN_TIMEOUT_S=${RAY_JOIN_TIMEOUT_S}s (see $LOG_DIR/ray-*.log)"
+  _die "only $alive of $NUM_NODES nodes joined Ray within RAY_JOIN_TIMEOUT_S=${RAY_JOIN_TIMEOUT_S}s (see $LOG_DIR/ray-*.log)"
 }
 
 _launch() {

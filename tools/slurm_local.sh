@@ -202,14 +202,17 @@ cmd_up() {
   echo "export SLURM_CONF=$CONF"
 }
 
-# Processes of this cluster's jobs still alive: their environment names our slurm.conf.
+# Processes of this cluster's jobs still alive: their environment names a job (SLURM_JOB_ID) and
+# our slurm.conf (sbatch passes the submitter's SLURM_CONF on). Never this script or its callers:
+# a shell or test that exported SLURM_CONF has no SLURM_JOB_ID of ours.
 _job_processes() {
   local env_file pid
   for env_file in /proc/[0-9]*/environ; do
     pid="${env_file#/proc/}"
     pid="${pid%/environ}"
     [ "$pid" != "$$" ] || continue
-    tr '\0' '\n' < "$env_file" 2>/dev/null | grep -qxF "SLURM_CONF=$CONF" && echo "$pid"
+    tr '\0' '\n' < "$env_file" 2>/dev/null | grep -qxF "SLURM_CONF=$CONF" || continue
+    tr '\0' '\n' < "$env_file" 2>/dev/null | grep -qE '^SLURM_JOB_ID=[0-9]+$' && echo "$pid"
   done
   return 0
 }

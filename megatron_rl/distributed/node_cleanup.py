@@ -12,12 +12,15 @@ SLURM_STEP_ID and SLURMD_NODENAME from its environment):
   only this host's names, only our uid; never a live run's).
 
 It never touches a process without this step's ids, nor its own ancestors (the srun task).
+``--shm-only`` does the second part alone: the batch script runs it after its trainer exited,
+since the head node's step may have been cleaned while the trainer was still finishing.
 """
 from __future__ import annotations
 
 import logging
 import os
 import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -100,12 +103,23 @@ def clean_node(step: dict[str, str]) -> dict[str, int]:
     """Stop ``step``'s leftover processes on this node, then sweep dead runs' shared-memory dirs
     (in /dev/shm, and in the temp dir where push rings go without a writable /dev/shm)."""
     stopped = stop_processes(step_processes(step))
-    removed = sweep_dead_run_dirs("/dev/shm") + sweep_dead_run_dirs(tempfile.gettempdir())
-    return {"processes": len(stopped), "directories": len(removed)}
+    return {"processes": len(stopped), "directories": sweep_shared_memory()}
 
 
-def main() -> int:
+def sweep_shared_memory() -> int:
+    """Remove this host's dead runs' dirs from /dev/shm and the temp dir; returns how many."""
+    return len(sweep_dead_run_dirs("/dev/shm")) + len(sweep_dead_run_dirs(tempfile.gettempdir()))
+
+
+def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[node-cleanup %(asctime)s] %(message)s", datefmt="%H:%M:%S")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv == ["--shm-only"]:
+        log.info("%d dead run dir(s) removed", sweep_shared_memory())
+        return 0
+    if argv:
+        log.error("usage: python -m megatron_rl.distributed.node_cleanup [--shm-only]")
+        return 2
     step = {k: os.environ.get(k, "") for k in STEP_KEYS}
     if not all(step.values()):
         log.error("not inside a Slurm job step (%s unset): nothing to clean", ", ".join(k for k, v in step.items() if not v))
