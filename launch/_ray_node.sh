@@ -22,7 +22,8 @@ role="${1:?usage: _ray_node.sh head PORT | worker HEAD_IP:PORT}"
 target="${2:?usage: _ray_node.sh head PORT | worker HEAD_IP:PORT}"
 node_ip="${RAY_NODE_IP:-$(hostname --ip-address | awk '{print $1}')}"
 temp_dir="${RAY_NODE_TMPDIR:-/tmp/ray-j${SLURM_JOB_ID:-0}-$(hostname -s)}"
-args=(start --block "--node-ip-address=$node_ip" "--num-gpus=${GPUS_PER_NODE:-0}" "--temp-dir=$temp_dir" --disable-usage-stats)
+args=(start --block "--node-ip-address=$node_ip" "--num-gpus=${GPUS_PER_NODE:-0}" "--temp-dir=$temp_dir" --disable-usage-stats
+      --dashboard-agent-listen-port=0)  # a free port: nodes sharing a machine would collide on 52365
 [ -n "${SLURM_CPUS_ON_NODE:-}" ] && args+=("--num-cpus=$SLURM_CPUS_ON_NODE")
 case "$role" in
   head) args+=(--head "--port=$target" --include-dashboard=false) ;;

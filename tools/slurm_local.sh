@@ -206,13 +206,13 @@ cmd_up() {
 # our slurm.conf (sbatch passes the submitter's SLURM_CONF on). Never this script or its callers:
 # a shell or test that exported SLURM_CONF has no SLURM_JOB_ID of ours.
 _job_processes() {
-  local env_file pid
+  local env_file pid env_text
   for env_file in /proc/[0-9]*/environ; do
     pid="${env_file#/proc/}"
     pid="${pid%/environ}"
     [ "$pid" != "$$" ] || continue
-    tr '\0' '\n' < "$env_file" 2>/dev/null | grep -qxF "SLURM_CONF=$CONF" || continue
-    tr '\0' '\n' < "$env_file" 2>/dev/null | grep -qE '^SLURM_JOB_ID=[0-9]+$' && echo "$pid"
+    env_text="$(tr '\0' '\n' 2>/dev/null < "$env_file")" || continue  # gone, or not ours to read
+    grep -qxF "SLURM_CONF=$CONF" <<< "$env_text" && grep -qE '^SLURM_JOB_ID=[0-9]+$' <<< "$env_text" && echo "$pid"
   done
   return 0
 }
