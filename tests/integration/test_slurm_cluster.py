@@ -14,8 +14,8 @@ slurmctld + slurmd n1 at 127.0.0.1 and n2 at 127.0.0.2), jobs submitted with pla
 
 Set-up: the test starts the cluster itself (as root; apt installs slurm-wlm and munge when
 absent) and stops it at the end; it skips, with the reason, only where the packages are missing
-and apt cannot install them (or when not root). It took 12 min 47 s on a loaded 2-core machine, mostly the two full jobs' start-up
-(docs/cluster.md).
+and apt cannot install them (or when not root). It took 12 min 47 s on a loaded 2-core
+machine, mostly the two full jobs' start-up (docs/cluster.md).
 """
 from __future__ import annotations
 
