@@ -76,6 +76,12 @@ class ClusterConfig:
     """Address of an existing Ray cluster ('auto' on Slurm); empty starts a local one."""
     master_port: int = 0
     """torch.distributed rendezvous port for trainer ranks; 0 picks a free one."""
+    placement: str = "auto"
+    """Which Ray node runs what. 'auto': wherever Ray finds the resources (on GPUs the engines
+    share the trainer ranks' GPUs: the hybrid engine). 'split': the trainer ranks on the driver's
+    node (the Ray head, where the launch scripts start the trainer), the rollout engines only on
+    the other nodes, so every weight push crosses nodes (CPU clusters, disaggregated runs; needs
+    cluster.num_nodes >= 2). Reward workers go wherever they fit either way."""
 
 
 @dataclass

@@ -201,6 +201,10 @@ def validate(cfg: RunConfig, arch: dict | None = None, device: str | None = None
     _choice(cfg.model.dtype, ("float32", "bfloat16"), "model.dtype")
     _choice(cfg.model.transformer_impl, ("auto", "local", "transformer_engine"), "model.transformer_impl")
     _choice(cfg.cluster.device, ("auto", "cpu", "cuda"), "cluster.device")
+    _choice(cfg.cluster.placement, ("auto", "split"), "cluster.placement")
+    if cfg.cluster.placement == "split" and cfg.cluster.num_nodes < 2:
+        raise ConfigError("cluster.placement 'split' puts the engines on other nodes than the trainer ranks: "
+                          f"it needs cluster.num_nodes >= 2 (got {cfg.cluster.num_nodes})")
     _choice(cfg.rollout.backend, ("vllm",), "rollout.backend")
     _choice(cfg.rollout.cpu_executor, ("auto", "inproc", "mp"), "rollout.cpu_executor")
     _positive(cfg.rollout.cpu_threads, "rollout.cpu_threads", allow_zero=True)
@@ -306,6 +310,9 @@ def validate(cfg: RunConfig, arch: dict | None = None, device: str | None = None
         if cfg.rollout.tensor_parallel_size > cfg.cluster.gpus_per_node:
             raise ConfigError("rollout.tensor_parallel_size: a TP group must fit in one node "
                               f"({cfg.cluster.gpus_per_node} GPUs)")
+        if cfg.cluster.placement == "split" and _world_size(cfg) > cfg.cluster.gpus_per_node:
+            raise ConfigError(f"cluster.placement 'split' keeps the trainer ranks on the driver's node: trainer world "
+                              f"size {_world_size(cfg)} exceeds its {cfg.cluster.gpus_per_node} GPUs")
     _validate_quantization(cfg, device)
     for check in _VALIDATORS:  # plug-in packages' sections (e.g. RollPacker's tail_batching, stream, planner)
         check(cfg)

@@ -146,6 +146,11 @@ def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict
         if not cfg.trainer.offload_during_rollout:
             asyncio.run(policy.load_hf(cfg.model.hf_path))
         fanout_source = asyncio.run(policy.rank0_node_id()) if cfg.cluster.num_nodes > 1 else ""
+        if cfg.cluster.num_nodes > 1:
+            from megatron_rl.distributed.cluster import describe_placement
+
+            engine_nodes = [node for _, node in asyncio.run(engine.weight_receivers())]
+            log.info("placement: %s", describe_placement(asyncio.run(policy.rank_nodes()), engine_nodes))
         log.info("weights for the engines go to %s", sync_dir)
         parts = TrainerParts(cfg=cfg, policy=policy, engine=engine, rewards=rewards, train_prompts=train_prompts,
                              eval_prompts=eval_prompts, scheduler=scheduler, plugins=plugins,
