@@ -208,8 +208,10 @@ class PartialRolloutScheduler(RolloutScheduler):
         waiting: dict[asyncio.Future, _Group] = {}
 
         def watch(group: _Group) -> None:
-            """The group's R0 responses are in: complete once their rewards are."""
-            tasks = [flight.scoring[s.request_id] for s in group.finished if s.request_id in flight.scoring]
+            """The group's R0 responses are in: complete once their rewards are. A continued
+            response is scored under its continuation's request id, not the sample's first one."""
+            mine = {id(s) for s in group.finished}
+            tasks = [flight.scoring[rid] for rid, s in flight.finished.items() if id(s) in mine]
             waiting[asyncio.ensure_future(asyncio.gather(*tasks))] = group
 
         for group in groups:

@@ -46,10 +46,12 @@ class Harness:
         self.prompts, self.engine = prompts, engine
         self.cursor = PromptCursor(len(prompts), seed=0, shuffle=False)
         self.scored: list[str] = []
+        self.completed: list[str] = []
+        """Prompt ids of the groups reported complete (ctx.on_group_complete), in order."""
         self.loop = asyncio.new_event_loop()
 
     async def score(self, sample):
-        await asyncio.sleep(0)
+        await asyncio.sleep(TICK / 2)  # a reward takes a moment: a group must wait for its scores
         sample.reward = float(sample.response_index % 2)
         self.scored.append(sample.request_id)
         return sample
@@ -57,7 +59,12 @@ class Harness:
     def ctx(self, step: int) -> RolloutContext:
         return RolloutContext(cfg=self.cfg, engine=self.engine, score=self.score, cancel_scores=lambda ss: None,
                               next_prompts=lambda n: [self.prompts[i] for i in self.cursor.take(n)],
-                              policy_version=step, step=step)
+                              policy_version=step, step=step, on_group_complete=self.group_complete)
+
+    def group_complete(self, group) -> None:
+        """Plug-ins hear of a group only once every response in it is scored."""
+        assert all(s.reward is not None for s in group), [s.request_id for s in group if s.reward is None]
+        self.completed.append(group[0].prompt.prompt_id)
 
     def step(self, sched, step: int):
         """One step: the engine holds version ``step`` (the loop synced it), the batch is made,
@@ -90,7 +97,7 @@ def test_partial_rollout_aborts_at_p0_and_keeps_every_generated_token():
     assert len(engine.submitted) == launched * R0 == batch.metrics["rollout/responses_launched"]
     # p4 is long: the first P0 complete groups are p0-p3; p4's two responses were aborted once
     # those were in, and kept with their tokens, not thrown away.
-    assert trained_prompt_ids(batch) == ["p0", "p1", "p2", "p3"]
+    assert sorted(trained_prompt_ids(batch)) == ["p0", "p1", "p2", "p3"]
     assert all(len(g) == R0 and all(s.reward is not None and s.round_type == "partial" for s in g)
                for g in batch.groups)
     [carried] = sched.carried
@@ -125,6 +132,7 @@ def test_a_group_carried_max_continuations_times_is_finished_first_and_versions_
     # p4 (launched at step 0) is carried twice, then due: step 2 waits for it and trains it,
     # while p9 (long too, launched at step 2) is carried on.
     assert "p4" not in ids[0] + ids[1] and "p4" in ids[2] and "p9" not in ids[2]
+    assert h.completed == [p for row in ids for p in row]  # each trained group reported once, scored
     assert batches[2].metrics["rollout/partial/due_groups"] == 1
     p4 = next(g for g in batches[2].groups if g[0].prompt.prompt_id == "p4")
     # Its tokens came from three policy versions, oldest first, each part where the last stopped.
