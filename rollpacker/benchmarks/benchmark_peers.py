@@ -65,9 +65,9 @@ def run_figures(rows: list[dict]) -> dict:
     tokens = [float(r.get("batch/response_tokens_trained", 0.0)) for r in rows]
 
     def token_mean(key: str) -> float | None:
-        pairs = [(float(r[key]), n) for r, n in zip(rows, tokens) if key in r]
-        weight = sum(n for _, n in pairs)
-        return sum(v * n for v, n in pairs) / weight if weight else None
+        """Weighted by each step's trained tokens; a step without the key trained none stale."""
+        weight = sum(tokens)
+        return sum(float(r.get(key, 0.0)) * n for r, n in zip(rows, tokens)) / weight if weight else None
 
     tis = [float(r["off_policy/tis_weight_mean"]) for r in rows if "off_policy/tis_weight_mean" in r]
     vals = [r["val/pass@1"] for r in rows if isinstance(r.get("val/pass@1"), (int, float))]
