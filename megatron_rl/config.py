@@ -243,8 +243,10 @@ class DataConfig:
 class SchedulerConfig:
     name: str = "baseline"
     """Rollout scheduler: 'baseline' (veRL-style: P0 prompts x R0 responses, wait for all),
-    'tail_batching' (RollPacker: speculative short rounds, a long-prompt queue, long rounds), or
-    an import path 'package.module:Class' of your own RolloutScheduler."""
+    'tail_batching' (RollPacker: speculative short rounds, a long-prompt queue, long rounds), the
+    off-policy peers RollPacker is measured against, 'partial_rollout' (APRIL) and 'one_step_off'
+    (async, one version stale), a name a plug-in package registered, or an import path
+    'package.module:Class' of your own RolloutScheduler."""
 
 
 @dataclass
@@ -333,7 +335,13 @@ class AlgorithmConfig:
     one token with a huge log-ratio gives a finite loss; 0 disables the clamp."""
     tis_cap: float = 0.0
     """Truncated importance sampling: weight tokens by min(pi_old/pi_engine, cap) to correct
-    engine/trainer numeric mismatch; 0 disables it."""
+    engine/trainer numeric mismatch, or the policy lag of off-policy tokens; 0 disables it."""
+    off_policy_tis_cap: float = 2.0
+    """With a scheduler that trains off-policy tokens (its staleness bound is > 0: partial
+    rollout, one-step-off async) and tis_cap 0: the truncated-importance-sampling cap the run
+    uses instead, so a token an older policy generated is weighted by min(pi_current /
+    pi_behaviour, cap) (logged at start-up). 0 trains such tokens uncorrected; an explicit
+    tis_cap wins."""
     ppo_mini_batches: int = 1
     """Optimizer steps per training step (the batch split into this many mini-batches)."""
     recompute_old_logprobs: bool | None = None

@@ -2,9 +2,10 @@
 
 Validates the whole configuration before any process starts, then places the trainer ranks,
 rollout engines and reward workers with Ray, builds the scheduler and the plug-ins the config
-names, and runs the loop. This is the one module of ``megatron_rl`` that names RollPacker: it
-imports ``rollpacker.plugins``, which registers RollPacker's scheduler, config sections and
-plug-in factory with the core's registries.
+names, and runs the loop. Plug-in packages (RollPacker among them) register their schedulers,
+config sections and plug-in factories through the ``megatron_rl.plugins`` entry-point group,
+loaded before the command line is parsed (``megatron_rl.plugins.load_plugin_packages``): no
+module of ``megatron_rl`` names RollPacker.
 """
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import os
 import sys
 from pathlib import Path
 
-import rollpacker.plugins  # noqa: F401  (registers RollPacker's scheduler, config sections and plug-ins)
 from megatron_rl.config import RunConfig
 from megatron_rl.config_io import (
     ConfigError,
@@ -25,12 +25,13 @@ from megatron_rl.config_io import (
     load_config,
     read_hf_architecture,
     resolve_device,
+    resolve_off_policy_tis,
     resolve_quantization_tis,
     validate,
 )
 from megatron_rl.graceful_stop import GracefulStop
 from megatron_rl.hooks import PluginSetup, TrainerPlugin
-from megatron_rl.plugins import PluginError, make_scheduler, plugin_factories
+from megatron_rl.plugins import PluginError, load_plugin_packages, make_scheduler, plugin_factories
 from megatron_rl.rollout.engine import RolloutEngine
 
 log = logging.getLogger("megatron_rl")
@@ -86,6 +87,7 @@ def _fan_out_from(source: str):
 def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict]:
     """Validate, place every process, run the loop, tear down. Returns per-step metrics (fewer
     than trainer.steps when ``stop`` was requested: the loop checkpointed and returned early)."""
+    load_plugin_packages()  # a config built in code (benchmarks, tests) names plug-ins too
     device = resolve_device(cfg)
     arch = read_hf_architecture(cfg.model.hf_path)
     if arch is None:
@@ -94,9 +96,12 @@ def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict
     validate(cfg, arch, device)
     if cfg.algorithm.kl_coef > 0:
         cfg.model.use_reference_model = True
-    quantization_note = resolve_quantization_tis(cfg)  # quantized rollout: TIS on unless turned off
-    if quantization_note:
-        log.info(quantization_note)
+    scheduler = make_scheduler(cfg)
+    # TIS on unless turned off: for a quantized rollout, then for a scheduler that trains
+    # off-policy tokens (one cap serves both).
+    for note in (resolve_quantization_tis(cfg), resolve_off_policy_tis(cfg, scheduler.max_staleness(cfg))):
+        if note:
+            log.info(note)
     run_dir = Path(cfg.trainer.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
@@ -121,7 +126,6 @@ def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict
     train_prompts = load_prompts(cfg.data, tokenizer, split="train")
     eval_prompts = load_prompts(cfg.data, tokenizer, split="eval") if cfg.data.eval_every else []
     log.info("data: %d train prompts, %d eval prompts", len(train_prompts), len(eval_prompts))
-    scheduler = make_scheduler(cfg)
 
     start_ray(cfg, run_dir, device)
     if stop is not None:
