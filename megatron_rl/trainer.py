@@ -40,6 +40,7 @@ from megatron_rl.training.policy import Policy
 
 if TYPE_CHECKING:
     from megatron_rl.reward.pool.reward_pool import RewardPool
+    from megatron_rl.rollout.engine_restart import RestartingEngine
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,10 @@ class TrainerParts:
     """SIGTERM (train.py installs it): the loop checkpoints after the current step and returns."""
     on_cpu: bool = True
     """Whether the run is on CPU (the engine dtype, and lent cores become trainer threads)."""
+    engine_restarts: "RestartingEngine | None" = None
+    """The supervisor that replaces dead engines (``rollout.engine_restart``; it sits inside
+    ``engine``, below any plug-in wrapper): the loop gives it the current weights for new engines
+    and logs its ``fault/*`` metrics. None: an engine death fails the step."""
 
 
 class Trainer:
@@ -96,6 +101,9 @@ class Trainer:
         transport = make_transport(self.cfg.rollout.weight_sync_format, parts.policy, parts.weight_sync_dir, dtype,
                                    self.cfg, on_gpu=not parts.on_cpu)
         self.weight_sync = WeightSync(transport, parts.policy, parts.engine, self.colocation, parts.fan_out)
+        self._weights_pushed = False  # whether the weight directory / push set-up holds self.version
+        if parts.engine_restarts is not None:
+            parts.engine_restarts.restore_weights = self._weights_for_new_engine
         for plugin in self.plugins:
             plugin.attach(self)
 
@@ -110,6 +118,7 @@ class Trainer:
             await self._warm_up_engine()
             if self.start_step > 0:
                 await self.weight_sync.push(self.version)  # the engine started from HF weights
+                self._weights_pushed = True
             # Validation before training goes into the first step's record (val/policy_version = 0).
             timer = PhaseTimer()
             initial_val = {}
@@ -179,6 +188,9 @@ class Trainer:
         self.version += 1
         with timer("weight_sync"):
             extra.update(await self.weight_sync.push(self.version))
+            self._weights_pushed = True
+        if self.p.engine_restarts is not None:
+            extra.update(self.p.engine_restarts.step_metrics())
         phases = {k: v for k, v in timer.as_dict().items() if k in _STEP_PHASES}
         metrics = loop_metrics.step_metrics(self.cfg, step, self.version, batch, samples, phases,
                                             time.monotonic() - step_start)
@@ -269,6 +281,13 @@ class Trainer:
         while (await stream.__anext__()).request_id != "warmup":
             pass
         log.info("engine warm-up took %.1f s", time.monotonic() - start)
+
+    async def _weights_for_new_engine(self, engine: RolloutEngine) -> dict:
+        """A replacement engine starts from the run's initial weights (version 0): bring it to
+        the current policy version, so the step's resubmitted requests stay on-policy."""
+        if not self._weights_pushed:
+            return {}
+        return await self.weight_sync.load_into(engine, self.version)
 
     async def _validate(self) -> dict:
         return await evaluation.validate(self.cfg, self.engine, self.p.rewards, self.p.eval_prompts,

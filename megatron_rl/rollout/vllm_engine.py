@@ -477,6 +477,13 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
             },
         ))
 
+    async def check_health(self) -> None:
+        """Raises vLLM's EngineDeadError once the engine-core process died (AsyncLLM's output
+        handler notices its exit); returns at once otherwise."""
+        if self._closed:
+            raise RuntimeError("VLLMEngine is shut down")
+        await self._llm.check_health()
+
     async def shutdown(self) -> None:
         """Abort what is pending, stop vLLM's processes and remove this engine's scratch dir."""
         if self._closed:
