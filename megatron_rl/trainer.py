@@ -101,7 +101,6 @@ class Trainer:
         transport = make_transport(self.cfg.rollout.weight_sync_format, parts.policy, parts.weight_sync_dir, dtype,
                                    self.cfg, on_gpu=not parts.on_cpu)
         self.weight_sync = WeightSync(transport, parts.policy, parts.engine, self.colocation, parts.fan_out)
-        self._weights_pushed = False  # whether the weight directory / push set-up holds self.version
         if parts.engine_restarts is not None:
             parts.engine_restarts.restore_weights = self._weights_for_new_engine
         for plugin in self.plugins:
@@ -117,8 +116,7 @@ class Trainer:
         try:
             await self._warm_up_engine()
             if self.start_step > 0:
-                await self.weight_sync.push(self.version)  # the engine started from HF weights
-                self._weights_pushed = True
+                await self._push_weights()  # the engine started from HF weights
             # Validation before training goes into the first step's record (val/policy_version = 0).
             timer = PhaseTimer()
             initial_val = {}
@@ -187,8 +185,7 @@ class Trainer:
                 train_metrics = await self.p.policy.train_step(samples) if samples else {}
         self.version += 1
         with timer("weight_sync"):
-            extra.update(await self.weight_sync.push(self.version))
-            self._weights_pushed = True
+            extra.update(await self._push_weights())
         if self.p.engine_restarts is not None:
             extra.update(self.p.engine_restarts.step_metrics())
         phases = {k: v for k, v in timer.as_dict().items() if k in _STEP_PHASES}
@@ -285,9 +282,22 @@ class Trainer:
     async def _weights_for_new_engine(self, engine: RolloutEngine) -> dict:
         """A replacement engine starts from the run's initial weights (version 0): bring it to
         the current policy version, so the step's resubmitted requests stay on-policy."""
-        if not self._weights_pushed:
+        if self.version == 0:
             return {}
         return await self.weight_sync.load_into(engine, self.version)
+
+    async def _push_weights(self) -> dict:
+        """The weight sync of ``self.version``; when it failed because the engines died, their
+        replacement takes the same weights as it starts (``_weights_for_new_engine``)."""
+        try:
+            return await self.weight_sync.push(self.version)
+        except Exception as exc:
+            restarts = self.p.engine_restarts
+            if restarts is None or not await restarts.recover_if_dead(exc):
+                raise
+            log.warning("the weight sync of policy version %d failed because the engines died (%s); their "
+                        "replacement holds version %d", self.version, exc, self.version)
+            return {"weight_sync/engine_replaced": 1.0}
 
     async def _validate(self) -> dict:
         return await evaluation.validate(self.cfg, self.engine, self.p.rewards, self.p.eval_prompts,

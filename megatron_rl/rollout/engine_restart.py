@@ -207,6 +207,20 @@ class RestartingEngine(RolloutEngine):
                     "%d aborted ones ended", record.restart_s, len(self.restarts), self.max_restarts,
                     record.resubmitted, record.aborted)
 
+    async def recover_if_dead(self, exc: BaseException) -> bool:
+        """After a call through this engine failed with ``exc`` (e.g. a weight push, which a
+        replacement cannot retry from inside): replace the engines when they are dead and return
+        True once the new ones are up (restored to the current weights); False when they are
+        healthy (``exc`` was not a death). Raises when replacing failed or the budget is spent."""
+        if self._failed is not None:
+            raise self._failed
+        if not self._recovering():
+            if not await self._is_dead(self._engine, tries=3):
+                return False
+            self._died(exc)
+        await self._settled()
+        return True
+
     def _fail(self, exc: Exception) -> None:
         self._failed = exc
         self._queue.put_nowait(exc)

@@ -490,7 +490,10 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
             return
         self._closed = True
         if self._inflight:
-            await self.abort(list(self._inflight))
+            try:
+                await self.abort(list(self._inflight))
+            except Exception as exc:  # a dead engine core cannot abort: its processes still get stopped
+                logger.warning("aborting %d request(s) at shutdown failed: %r", len(self._inflight), exc)
             tasks = [t for t in self._inflight.values() if t is not None]
             if tasks:
                 await asyncio.wait(tasks, timeout=10.0)

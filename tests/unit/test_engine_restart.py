@@ -216,3 +216,20 @@ def test_a_failed_replacement_is_an_error_naming_the_death() -> None:
         await h.engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_recover_if_dead_after_a_failed_push() -> None:
+    """A weight push that failed because the engine died: the replacement takes the weights as
+    it starts; a push that failed on a healthy engine is left to the caller."""
+    async def main():
+        h = Harness(health_check_s=0)
+        assert await h.engine.recover_if_dead(RuntimeError("push failed")) is False  # healthy: not a death
+        h.engines[0].die()
+        assert await h.engine.recover_if_dead(RuntimeError("push failed: engine gone")) is True
+        assert len(h.engines) == 2 and h.restored == [id(h.engines[1])]
+        assert "push failed: engine gone" in h.engine.restarts[0].cause
+        await h.engine.submit(_request(1))
+        assert (await h.collect(1))["r1"].weight_version == 7
+        await h.engine.shutdown()
+
+    asyncio.run(main())
