@@ -478,8 +478,7 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
         ))
 
     async def check_health(self) -> None:
-        """Raises vLLM's EngineDeadError once the engine-core process died (AsyncLLM's output
-        handler notices its exit); returns at once otherwise."""
+        """Raises vLLM's EngineDeadError once the engine-core process died; else returns at once."""
         if self._closed:
             raise RuntimeError("VLLMEngine is shut down")
         await self._llm.check_health()

