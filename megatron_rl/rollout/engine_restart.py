@@ -121,8 +121,8 @@ class RestartingEngine(RolloutEngine):
             if generation != self._generation:
                 return
             if await self._is_dead(engine, tries=3):
-                self._died(exc)
-            else:  # a failure of the engine's own (a rejected request): the consumer's error
+                self._died(exc, generation)
+            elif generation == self._generation:  # a failure of the engine's own (a rejected request): the consumer's error
                 self._queue.put_nowait(exc)
 
     async def _watch(self) -> None:
@@ -134,15 +134,15 @@ class RestartingEngine(RolloutEngine):
             try:
                 await self._engine.check_health()
             except Exception as exc:
-                if generation == self._generation:
-                    self._died(exc)
+                self._died(exc, generation)
 
     def _recovering(self) -> bool:
         return self._recovery is not None and not self._recovery.done()
 
-    def _died(self, exc: BaseException) -> None:
-        """The current engines are dead: start their replacement (once per death)."""
-        if self._closed or self._recovering() or self._failed is not None:
+    def _died(self, exc: BaseException, generation: int) -> None:
+        """The engines of ``generation`` are dead: start their replacement, once per death (a
+        late report about engines already replaced is ignored)."""
+        if generation != self._generation or self._closed or self._recovering() or self._failed is not None:
             return
         record = RestartRecord(cause=f"{type(exc).__name__}: {exc}"[:300], detected_at=time.monotonic())
         log.warning("rollout engine died (%s) with %d request(s) unfinished", record.cause, len(self._requests))
@@ -217,7 +217,7 @@ class RestartingEngine(RolloutEngine):
         if not self._recovering():
             if not await self._is_dead(self._engine, tries=3):
                 return False
-            self._died(exc)
+            self._died(exc, self._generation)
         await self._settled()
         return True
 
@@ -258,12 +258,15 @@ class RestartingEngine(RolloutEngine):
         self._requests[request.request_id] = request
         if self._recovering():
             return  # the replacement submits it with the rest
-        engine = self._engine
+        engine, generation = self._engine, self._generation
         try:
             await engine.submit(request)
         except Exception as exc:
-            if engine is not self._engine or await self._is_dead(engine):
-                self._died(exc)  # kept in _requests: the replacement submits it
+            # Kept in _requests: the replacement (started now, or since the call began) submits it.
+            if generation != self._generation:
+                return
+            if await self._is_dead(engine):
+                self._died(exc, generation)
                 return
             self._requests.pop(request.request_id, None)
             raise
@@ -285,12 +288,14 @@ class RestartingEngine(RolloutEngine):
         self._aborted.update(ids)
         if not ids or self._recovering():
             return  # the replacement ends them
-        engine = self._engine
+        engine, generation = self._engine, self._generation
         try:
             await engine.abort(ids)
         except Exception as exc:
-            if engine is not self._engine or await self._is_dead(engine):
-                self._died(exc)
+            if generation != self._generation:
+                return  # the replacement ends them
+            if await self._is_dead(engine):
+                self._died(exc, generation)
                 return
             raise
 

