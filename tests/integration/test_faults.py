@@ -44,7 +44,7 @@ weights, tagged): completions must carry it whichever engine produced them."""
 HERE = "tests/integration/test_faults.py"
 
 
-def run(loop, coro, timeout: float = 240.0):
+def run(loop, coro, timeout: float = 400.0):
     return run_with_timeout(loop, coro, timeout)
 
 
@@ -287,6 +287,13 @@ def test_a_death_beyond_max_restarts_stops_with_a_clear_error(supervised, loop) 
            "no processes or psm segments left after shutdown")
 
 
+def run_processes_of(pid: int) -> list[int]:
+    """The descendants of ``pid`` (a reward worker's grading process)."""
+    import psutil
+
+    return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+
+
 def _math_samples(tokenizer, n: int) -> list:
     from megatron_rl.sample import Prompt, Sample
 
@@ -333,6 +340,7 @@ def test_reward_worker_killed_under_load_keeps_every_verdict(ray_session, tokeni
             more, pending = pool.poll(pending, timeout_s=0.2)
             done += more
         assert pending, "the batch finished before the kill: make it larger"
+        victim_tree = [pid, *run_processes_of(pid)]
         os.kill(pid, signal.SIGKILL)
         killed_at = time.time()
         pool.wait(handles, timeout_s=300)
@@ -343,6 +351,8 @@ def test_reward_worker_killed_under_load_keeps_every_verdict(ray_session, tokeni
         assert lost, "the kill lost no task: nothing was tested"
         detect_s = min(r.created for r in lost) - killed_at
         assert pool.status_counts.get("error", 0) == 0
+        alive, _ = left_behind(victim_tree)
+        assert not alive, f"the killed worker's processes outlived it: {[(p, describe(p)) for p in alive]}"
     finally:
         pool.shutdown()
     record("reward worker SIGKILLed with a queue of work", "recovered: its tasks resubmitted, every verdict kept",
