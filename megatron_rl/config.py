@@ -175,6 +175,17 @@ class RolloutConfig:
     weight_push_channel: str = "auto"
     """'tensor' sync: 'auto' (shared memory / CUDA IPC for engines on a trainer rank's node, the
     push group for the others) or 'network' (the push group for every engine)."""
+    max_engine_restarts: int = 3
+    """Engines that died (engine-core process or its Ray actor gone) are replaced inside the
+    step: a new engine on the same placement takes the current weights and the step's unfinished
+    requests are submitted again from their prompts. After this many restarts within one run the
+    next death stops the run with an error instead; 0 stops at the first death."""
+    engine_health_check_s: float = 2.0
+    """While requests are in flight, how often the engines' health is checked (a death that no
+    completion reports, e.g. an actor that stopped answering, is noticed within this plus
+    ``engine_health_timeout_s``)."""
+    engine_health_timeout_s: float = 10.0
+    """Longest wait for an engine's health answer before it counts as dead."""
     sleep_during_train: bool = False
     """Colocated GPUs: put the engines to sleep (vLLM sleep mode level 1: weights to host memory,
     KV cache freed) once a step's rollout is done, so training can use that memory; they wake

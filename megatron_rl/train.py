@@ -62,6 +62,25 @@ def _engine_factory(cfg: RunConfig, device: str):
     return factory
 
 
+def _restarting_engines(cfg: RunConfig, engine_start: str, device: str) -> RolloutEngine:
+    """The run's engines under a supervisor that replaces them when they die
+    (``rollout.max_engine_restarts``): replacements start like the first ones, from
+    ``engine_start`` on the same placement, and the loop pushes the current weights into them."""
+    from megatron_rl.distributed.cluster import engine_actor_options
+    from megatron_rl.rollout.engine_restart import RestartingEngine
+    from megatron_rl.rollout.ray_engine import create_engine_client
+
+    def start_engines() -> RolloutEngine:
+        return create_engine_client(cfg, engine_start, engine_actor_options(cfg, device))
+
+    async def restart() -> RolloutEngine:
+        # Engine start-up blocks on ray.get: keep the event loop (reward tasks) running meanwhile.
+        return await asyncio.to_thread(start_engines)
+
+    return RestartingEngine(start_engines(), restart, max_restarts=cfg.rollout.max_engine_restarts,
+                            health_check_s=cfg.rollout.engine_health_check_s)
+
+
 def build_plugins(setup: PluginSetup) -> tuple[RolloutEngine, list[TrainerPlugin]]:
     """Every plug-in factory in turn (registered ones, then trainer.plugins); each may wrap the
     engine the next one and the loop get."""
@@ -115,9 +134,8 @@ def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict
     from transformers import AutoTokenizer
 
     from megatron_rl.data.datasets import load_prompts
-    from megatron_rl.distributed.cluster import engine_actor_options, free_port, start_ray, trainer_actor_options
+    from megatron_rl.distributed.cluster import free_port, start_ray, trainer_actor_options
     from megatron_rl.reward.pool.reward_pool import RewardPool
-    from megatron_rl.rollout.ray_engine import create_engine_client
     from megatron_rl.rollout.weight_sync.sync_dir import default_sync_dir, sweep_dead_sync_dirs
     from megatron_rl.trainer import TrainerParts, run_trainer
     from megatron_rl.training.policy_group import PolicyGroup
@@ -144,7 +162,7 @@ def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict
             asyncio.run(policy.offload_for_rollout())
         engine_start = _quantized_start(cfg, run_dir, sync_dir, device) if cfg.rollout.quantization != "none" \
             else cfg.model.hf_path
-        engine = create_engine_client(cfg, engine_start, engine_actor_options(cfg, device))
+        engine = restarting = _restarting_engines(cfg, engine_start, device)
         engine, plugins = build_plugins(PluginSetup(cfg, device, engine, _engine_factory(cfg, device)))
         rewards = RewardPool.from_run_config(cfg)
         if not cfg.trainer.offload_during_rollout:
@@ -160,7 +178,7 @@ def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict
                              eval_prompts=eval_prompts, scheduler=scheduler, plugins=plugins,
                              weight_sync_dir=str(sync_dir),
                              fan_out=_fan_out_from(fanout_source) if fanout_source else None,
-                             stop=stop, on_cpu=device == "cpu")
+                             stop=stop, on_cpu=device == "cpu", engine_restarts=restarting)
         return run_trainer(parts)
     finally:
         for part in (rewards, engine, policy):

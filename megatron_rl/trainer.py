@@ -41,6 +41,7 @@ from megatron_rl.training.policy import Policy
 
 if TYPE_CHECKING:
     from megatron_rl.reward.pool.reward_pool import RewardPool
+    from megatron_rl.rollout.engine_restart import RestartingEngine
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,10 @@ class TrainerParts:
     """SIGTERM (train.py installs it): the loop checkpoints after the current step and returns."""
     on_cpu: bool = True
     """Whether the run is on CPU (the engine dtype, and lent cores become trainer threads)."""
+    engine_restarts: "RestartingEngine | None" = None
+    """The supervisor that replaces dead engines (``rollout.engine_restart``; it sits inside
+    ``engine``, below any plug-in wrapper): the loop gives it the current weights for new engines
+    and logs its ``fault/*`` metrics. None: an engine death fails the step."""
 
 
 class Trainer:
@@ -102,6 +107,8 @@ class Trainer:
         transport = make_transport(self.cfg.rollout.weight_sync_format, parts.policy, parts.weight_sync_dir, dtype,
                                    self.cfg, on_gpu=not parts.on_cpu)
         self.weight_sync = WeightSync(transport, parts.policy, parts.engine, self.colocation, parts.fan_out)
+        if parts.engine_restarts is not None:
+            parts.engine_restarts.restore_weights = self._weights_for_new_engine
         for plugin in self.plugins:
             plugin.attach(self)
 
@@ -115,7 +122,7 @@ class Trainer:
         try:
             await self._warm_up_engine()
             if self.start_step > 0:
-                await self.weight_sync.push(self.version)  # the engine started from HF weights
+                await self._push_weights()  # the engine started from HF weights
             # Validation before training goes into the first step's record (val/policy_version = 0).
             timer = PhaseTimer()
             initial_val = {}
@@ -187,7 +194,9 @@ class Trainer:
         extra.update(await self.p.scheduler.before_weight_sync(step))
         self.version += 1
         with timer("weight_sync"):
-            extra.update(await self.weight_sync.push(self.version))
+            extra.update(await self._push_weights())
+        if self.p.engine_restarts is not None:
+            extra.update(self.p.engine_restarts.step_metrics())
         phases = {k: v for k, v in timer.as_dict().items() if k in _STEP_PHASES}
         metrics = loop_metrics.step_metrics(self.cfg, step, self.version, batch, samples, phases,
                                             time.monotonic() - step_start)
@@ -280,6 +289,26 @@ class Trainer:
         while (await stream.__anext__()).request_id != "warmup":
             pass
         log.info("engine warm-up took %.1f s", time.monotonic() - start)
+
+    async def _weights_for_new_engine(self, engine: RolloutEngine) -> dict:
+        """A replacement engine starts from the run's initial weights (version 0): bring it to
+        the current policy version, so the step's resubmitted requests stay on-policy."""
+        if self.version == 0:
+            return {}
+        return await self.weight_sync.load_into(engine, self.version)
+
+    async def _push_weights(self) -> dict:
+        """The weight sync of ``self.version``; when it failed because the engines died, their
+        replacement takes the same weights as it starts (``_weights_for_new_engine``)."""
+        try:
+            return await self.weight_sync.push(self.version)
+        except Exception as exc:
+            restarts = self.p.engine_restarts
+            if restarts is None or not await restarts.recover_if_dead(exc):
+                raise
+            log.warning("the weight sync of policy version %d failed because the engines died (%s); their "
+                        "replacement holds version %d", self.version, exc, self.version)
+            return {"weight_sync/engine_replaced": 1.0}
 
     async def _validate(self) -> dict:
         return await evaluation.validate(self.cfg, self.engine, self.p.rewards, self.p.eval_prompts,

@@ -20,6 +20,7 @@ import pytest
 
 from megatron_rl.checkpoint import CheckpointManager
 from megatron_rl.data.cursor import PromptCursor
+from tests.helpers.processes import left_behind, run_processes
 from tests.helpers.wandb_offline import offline_runs
 
 pytestmark = pytest.mark.integration
@@ -156,10 +157,13 @@ def test_sigterm_finishes_the_step_checkpoints_and_resumes(tiny_model_dir, tmp_p
         assert proc.poll() is None, (tmp_path / "log1.txt").read_text()[-4000:]
         assert time.monotonic() < deadline, "first run made no progress"
         time.sleep(0.2)
+    running = run_processes(proc.pid)
     os.kill(proc.pid, signal.SIGTERM)  # the driver only, as Slurm's teardown does
     rc = proc.wait(timeout=300)
     log = (tmp_path / "log1.txt").read_text()
     assert rc == 143, log[-4000:]
+    alive, _ = left_behind(list(running))
+    assert not alive, f"left running after the SIGTERM stop: {[(p, running[p]) for p in alive]}"
     done = len(_read_jsonl(metrics_file))
     assert 1 <= done < steps
     assert f"stopped after step {done - 1} of {steps} on request" in log
