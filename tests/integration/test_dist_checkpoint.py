@@ -19,10 +19,10 @@ import re
 
 import pytest
 import torch
-from _checkpoint_cases import KILLED, device_check_on_cpu, run_cases, save_then_die
-from _megatron_cases import make_samples, run_spmd
 
 from megatron_rl.tools import convert_checkpoint as cc
+from tests.helpers.checkpoint_cases import KILLED, device_check_on_cpu, run_cases, save_then_die
+from tests.helpers.megatron_cases import make_samples, run_spmd
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
 

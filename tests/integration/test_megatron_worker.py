@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _megatron_cases import hf_reference, make_samples, parity_scenarios, run_spmd
+
+from tests.helpers.megatron_cases import hf_reference, make_samples, parity_scenarios, run_spmd
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

@@ -23,7 +23,8 @@ import dataclasses
 
 import pytest
 import torch
-from _megatron_cases import make_samples, run_spmd, toy_loss
+
+from tests.helpers.megatron_cases import make_samples, run_spmd, toy_loss
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

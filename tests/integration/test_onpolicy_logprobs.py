@@ -23,7 +23,8 @@ import functools
 
 import pytest
 import torch
-from _megatron_cases import make_samples, policy_loss_cfg, run_spmd
+
+from tests.helpers.megatron_cases import make_samples, policy_loss_cfg, run_spmd
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import functools
 
 import pytest
-from _megatron_cases import make_samples, run_spmd
+
+from tests.helpers.megatron_cases import make_samples, run_spmd
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

@@ -12,8 +12,9 @@ import itertools
 
 import pytest
 import torch
-from _megatron_cases import run_spmd
-from _resharding_cases import reshard_scenarios, vllm_reference_shard
+
+from tests.helpers.megatron_cases import run_spmd
+from tests.helpers.resharding_cases import reshard_scenarios, vllm_reference_shard
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

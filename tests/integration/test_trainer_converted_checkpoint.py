@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from _megatron_cases import hf_reference, make_samples, run_spmd
-from _resharding_cases import trainer_from_converted
 from safetensors.torch import load_file
 
 from megatron_rl.tools import convert_checkpoint as cc
+from tests.helpers.megatron_cases import hf_reference, make_samples, run_spmd
+from tests.helpers.resharding_cases import trainer_from_converted
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
