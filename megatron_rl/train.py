@@ -100,6 +100,11 @@ def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict
     run_dir = Path(cfg.trainer.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
+    from megatron_rl.model.fingerprint import model_record
+
+    model = model_record(cfg.model.hf_path)  # which weights every figure of this run comes from
+    (run_dir / "model.json").write_text(json.dumps(model, indent=2))
+    log.info("model %s: weights sha256 %s", cfg.model.hf_path, model["weights_sha256"][:16])
 
     import ray
     from transformers import AutoTokenizer

@@ -1,7 +1,7 @@
 """RollPacker, plugged into the loop: importing this module registers everything.
 
 * the ``tail_batching`` scheduler (``scheduler.name=tail_batching``);
-* the ``stream`` and ``planner`` config sections and the checks of RollPacker's settings
+* the ``tail_batching``, ``stream`` and ``planner`` config sections and the checks of RollPacker's settings
   (``rollpacker.config``);
 * the plug-in factory :func:`build`, which turns those sections into trainer plug-ins:
   the stream trainer when ``stream.enabled``, the elastic-TP planner (wrapping the engines so it

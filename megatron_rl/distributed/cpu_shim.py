@@ -1,6 +1,6 @@
 """Run Megatron-Core on a machine without a GPU by redirecting its CUDA calls to the CPU.
 
-Megatron-Core assumes CUDA in a handful of places (see docs/cpu-stack.md): it passes
+Megatron-Core assumes CUDA in a handful of places: it passes
 ``torch.cuda.current_device()`` as the device of buffers, keeps its RNG tracker on CUDA
 generators, creates a few tensors with a literal ``device="cuda"``, asserts
 ``torch.cuda.FloatTensor`` gradients in grad clipping, and synchronises streams. This module

@@ -2,7 +2,7 @@
 
 * ``convert_checkpoint`` (``megatron-rl-convert-checkpoint``): Hugging Face <-> Megatron dist checkpoints;
 * ``make_tiny_model`` (``megatron-rl-make-tiny-model``): the tiny Qwen2.5-architecture model of the CPU runs;
-* ``config_reference`` (``megatron-rl-config-reference``): the configuration reference in the README;
+* ``config_reference`` (``megatron-rl-config-reference``): the configuration reference in docs/configuration.md;
 * ``plot_curves`` (``megatron-rl-plot-curves``): a run's training curves;
 * ``grader_report`` / ``code_reward_report`` (``megatron-rl-grader-report`` /
   ``megatron-rl-code-reward-report``): the math grader's and the code sandbox's figures on the sets

@@ -1,10 +1,12 @@
 """Print the configuration reference (every section and field with its default and docstring)
 as Markdown, straight from the config dataclasses (megatron_rl/config.py, then the sections
-plug-in packages register, e.g. rollpacker/config.py), so the README cannot drift from the code.
+plug-in packages register, e.g. rollpacker/config.py), so the reference page cannot drift from
+the code. The page (docs/configuration.md) holds the table between two marker lines.
 
-    megatron-rl-config-reference                    # print
-    megatron-rl-config-reference --check README.md  # exit 1 if README's copy is stale
-    bash tools/update_readme_config.sh              # rewrite README's copy
+    megatron-rl-config-reference                                 # print
+    megatron-rl-config-reference --check docs/configuration.md   # exit 1 if the page's copy is stale
+    megatron-rl-config-reference --write docs/configuration.md   # rewrite the page's copy
+    bash tools/update_config_reference.sh                        # the same, for docs/configuration.md
 
 The sections are those ``megatron-rl-train`` accepts: importing ``megatron_rl.train`` registers
 them (RollPacker's through ``rollpacker.plugins``), so this module names no plug-in package itself.
@@ -77,21 +79,36 @@ def render() -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def main() -> int:
+def _split(page: str) -> tuple[str, str, str] | None:
+    """(text up to and including BEGIN, the block, text from END on), or None without both markers."""
+    if BEGIN not in page or END not in page.split(BEGIN, 1)[1]:
+        return None
+    head, rest = page.split(BEGIN, 1)
+    block, tail = rest.split(END, 1)
+    return head + BEGIN, block, END + tail
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", metavar="README", help="fail if the README's reference block differs")
-    args = parser.parse_args()
+    action = parser.add_mutually_exclusive_group()
+    action.add_argument("--check", metavar="PAGE", help="exit 1 if the page's reference block differs from the code")
+    action.add_argument("--write", metavar="PAGE", help="replace the page's reference block with the current one")
+    args = parser.parse_args(argv)
     text = render()
-    if not args.check:
+    page_path = args.check or args.write
+    if page_path is None:
         print(text, end="")
         return 0
-    readme = Path(args.check).read_text()
-    if BEGIN not in readme or END not in readme:
-        print(f"{args.check}: no {BEGIN} ... {END} block", file=sys.stderr)
+    parts = _split(Path(page_path).read_text())
+    if parts is None:
+        print(f"{page_path}: no {BEGIN} ... {END} block", file=sys.stderr)
         return 1
-    current = readme.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n") + "\n"
-    if current != text:
-        print(f"{args.check}: the config reference is stale; regenerate with bash tools/update_readme_config.sh",
+    head, block, tail = parts
+    if args.write:
+        Path(page_path).write_text(f"{head}\n{text}{tail}")
+        return 0
+    if block.strip("\n") + "\n" != text:
+        print(f"{page_path}: the config reference is stale; regenerate with bash tools/update_config_reference.sh",
               file=sys.stderr)
         return 1
     return 0

@@ -64,6 +64,11 @@ class SFTReport:
     sampled_len_max: int = 0
     recheck_rate: float = 0.0
     recheck_continue: float = 0.0
+    build: dict = None  # type: ignore[assignment]
+    """What the weights depend on besides the arguments above: torch threads, batch size, lr,
+    shape, torch version, the CPU kernels torch picked (``torch.backends.cpu.get_cpu_capability``),
+    and the sha256 of the written weights (``megatron_rl.model.fingerprint``), so a figure can
+    say exactly which model it was measured with."""
 
 
 @dataclass
@@ -305,6 +310,11 @@ def make_tiny_model(
         )
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        from megatron_rl.model.fingerprint import weights_sha256
+
+        report.build = {"threads": num_threads, "batch_size": batch_size, "lr": lr, "shape": asdict(shape),
+                        "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                        "weights_sha256": weights_sha256(tmp)}
         (tmp / "make_tiny_model.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
         _swap_in(tmp, out)
     finally:

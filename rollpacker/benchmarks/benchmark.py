@@ -24,7 +24,7 @@ lists their options:
 ``--compare weight_sync`` (``benchmark_weight_sync``) times the weight sync alone, three formats
 in one run (hf files, sharded files, tensor push; ``--repeats`` pushes each) against an in-memory
 copy of the same bytes, with each push split into transport and the engine's own load; its
-default model is the 70M random one of the README, large enough for the sync to move bytes worth
+default model is the 70M random one of docs/weight_sync.md, large enough for the sync to move bytes worth
 measuring. Its last two lines are ``weight-sync speedup (tensor vs sharded):`` and ``tensor
 bandwidth fraction of memcpy:``.
 

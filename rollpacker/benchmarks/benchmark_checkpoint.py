@@ -4,8 +4,8 @@ Megatron dist_checkpointing (torch_dist, fully parallel), side by side in one ru
     python -m rollpacker.benchmarks.benchmark_checkpoint [--model DIR] [--world 2] [--tp 2] [--pp 1] [--repeats 3]
         [--reference] [--out DIR]
 
-Without ``--model`` it builds the 70M-parameter random Qwen2 of the README's weight-sync
-benchmark (h=768, 8 layers, 12 heads / 4 KV heads, ffn 3072). ``--world`` gloo processes each
+Without ``--model`` it builds the 70M-parameter random Qwen2 of the weight-sync
+benchmark (docs/weight_sync.md) (h=768, 8 layers, 12 heads / 4 KV heads, ffn 3072). ``--world`` gloo processes each
 host a MegatronWorker (``--tp`` x ``--pp``, DP the rest), take one optimizer step (so Adam's
 moments exist) and then, ``--repeats`` times (after one untimed-in-the-table first round, whose
 times are printed apart: torch_dist's first save in a process starts a queue-manager process),

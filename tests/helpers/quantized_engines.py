@@ -10,7 +10,7 @@ from megatron_rl.quantization.scheme import quant_spec
 
 INT8 = quant_spec("int8", "float32")
 # Parity tolerance of a quantized engine vs the fp32 trainer on these models (mean |logprob gap|
-# over a response). An fp32 engine stays under 1e-4 (README); int8 rounding moved these models'
+# over a response). An fp32 engine stays under 1e-4 (the loop's parity check); int8 rounding moved these models'
 # logprobs by 4e-3 on average (measured); weights written with a 25 % scale error by 6.5e-2.
 MEAN_GAP_TOLERANCE = 0.02
 

@@ -210,3 +210,24 @@ def test_benchmark_modules_import_no_circle():
         upstream = graph.find_upstream_modules(module) & modules
         assert module not in upstream and not any(
             module in graph.find_upstream_modules(other) for other in upstream), module
+
+
+def test_training_benchmark_replays_the_recorded_shapes(tmp_path, tiny_model_dir):
+    import json as _json
+    import random
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollpacker.benchmarks.benchmark_training import step_shapes, torch_step
+
+    (tmp_path / "trained_prompts.jsonl").write_text(
+        _json.dumps({"step": 0, "prompt_ids": ["a"], "lengths": [[5, 3], [5, 7]]}) + "\n"
+        + _json.dumps({"step": 1, "prompt_ids": ["b"]}) + "\n")  # a record without shapes is skipped
+    assert step_shapes(tmp_path) == [[(5, 3), (5, 7)]]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = [p.detach().clone() for p in model.parameters()]
+    assert torch_step(model, opt, [(5, 3), (5, 7)], budget=64, vocab=model.config.vocab_size,
+                      rng=random.Random(0)) > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # it really trained

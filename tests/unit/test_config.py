@@ -138,13 +138,34 @@ def test_exponent_floats_without_dot(tmp_path):
         load_config(None, ["optimizer.lr=fast"])
 
 
-def test_readme_config_reference_is_current():
+CONFIG_PAGE = REPO / "docs/configuration.md"
+
+
+def test_config_reference_page_is_current():
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, "-m", "megatron_rl.tools.config_reference", "--check", str(REPO / "README.md")],
+    result = subprocess.run([sys.executable, "-m", "megatron_rl.tools.config_reference", "--check", str(CONFIG_PAGE)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_config_reference_check_fails_on_a_stale_page_and_write_repairs_it(tmp_path, capsys):
+    from megatron_rl.tools import config_reference
+
+    page = CONFIG_PAGE.read_text()
+    row = "| `trainer.steps` |"
+    assert row in page
+    stale = tmp_path / "configuration.md"
+    stale.write_text(page.replace(row, "| `trainer.steps_renamed` |", 1))  # a row the code no longer has
+    assert config_reference.main(["--check", str(stale)]) == 1
+    assert "stale" in capsys.readouterr().err
+    assert config_reference.main(["--write", str(stale)]) == 0
+    assert stale.read_text() == page  # only the block changed: the text around it is kept
+    assert config_reference.main(["--check", str(stale)]) == 0
+    unmarked = tmp_path / "unmarked.md"
+    unmarked.write_text("# no reference here\n")
+    assert config_reference.main(["--check", str(unmarked)]) == 1
 
 
 def test_old_logprob_pass_is_skipped_by_default_only_with_one_optimizer_step(tmp_path):

@@ -1,6 +1,6 @@
 """rollpacker/benchmarks/speculative_engine_check.py: argument checks and the report's figures (the engine part
-runs the real vLLM engine: `rollpacker-speculative-engine-check`, README "Speculative
-decoding of the tail")."""
+runs the real vLLM engine: `rollpacker-speculative-engine-check`, docs/speculation.md
+"Benchmarks")."""
 from __future__ import annotations
 
 import pytest

@@ -3,7 +3,7 @@
 :class:`RewardStats` accumulates what the pool reports as it goes (queue wait and worker time of
 every collected result, busy workers over time, scaling events, timeouts, errors, retries,
 cancellations); :func:`step_metrics` drains one step's window into the ``reward/*`` metrics
-(the README's metrics table) and warns when responses timed out or failed; :func:`reward_overlap`
+(the metrics table in docs/metrics.md) and warns when responses timed out or failed; :func:`reward_overlap`
 measures from a step's samples how much reward time was hidden under rollout. Every count is per
 step: draining resets it. ``wait_ema`` is not reset: it is the autoscaler's trailing signal.
 """
