@@ -1,4 +1,10 @@
-"""Fixtures shared by integration test modules (each module gets its own instance)."""
+"""Fixtures shared by integration test modules.
+
+``ray_session`` is one Ray instance for the whole pytest session (test_engine_handoff,
+test_ray_engine, test_reward_pool_ray, test_reward_scheduler_ray share it: each start costs
+seconds of the suite's 2 cores), shut down right after the last test that uses it, so the
+modules after it (whole-loop runs that start their own Ray, test_weight_fanout's two-node
+cluster) run without an idle instance beside them. ``loop`` is per module."""
 from __future__ import annotations
 
 import asyncio
@@ -6,8 +12,28 @@ import os
 
 import pytest
 
+_RAY_USERS = pytest.StashKey[set]()
+"""Node ids of the collected tests that use ``ray_session``."""
 
-@pytest.fixture(scope="module")
+
+@pytest.hookimpl(trylast=True)  # after -m / -k deselected what will not run
+def pytest_collection_modifyitems(session, config, items):
+    config.stash[_RAY_USERS] = {item.nodeid for item in items if "ray_session" in getattr(item, "fixturenames", ())}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last ``ray_session`` test (its module's fixtures already torn down): stop Ray."""
+    yield
+    users = item.config.stash.get(_RAY_USERS, set())
+    users.discard(item.nodeid)
+    if not users and "ray_session" in getattr(item, "fixturenames", ()):
+        import ray
+
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
 def ray_session():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray

@@ -11,7 +11,7 @@ import torch
 
 from tests.helpers.megatron_cases import hf_reference, make_samples, parity_scenarios, run_spmd
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 BIG, SMALL = 4096, 24  # token budgets: one microbatch per rank vs many microbatches
 LAYOUTS = [

@@ -26,7 +26,7 @@ import torch
 
 from tests.helpers.megatron_cases import make_samples, run_spmd, toy_loss
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 GRANULARITIES = ("none", "selective", "full")
 RECOMPUTE_LAYOUTS = [("tp2", 2, 1), ("pp2", 1, 2)]  # name, TP, PP (world 2)

@@ -26,7 +26,7 @@ import torch
 
 from tests.helpers.megatron_cases import make_samples, policy_loss_cfg, run_spmd
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 NUM_SAMPLES = 10
 CASES = [

@@ -34,7 +34,8 @@ from tests.helpers.quantized_engines import (
     rank_files,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
+
 
 @pytest.fixture(scope="module")
 def models(tiny_model_dir, tmp_path_factory):

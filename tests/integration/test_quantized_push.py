@@ -36,7 +36,7 @@ from tests.helpers.quantized_engines import (
     rank_files,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
 ONEDNN_INT8 = ("CompressedTensorsW8A8Int8", "CPUInt8ScaledMMLinearKernel", "_apply_weights_onednn")
 

@@ -26,7 +26,7 @@ from megatron_rl.tools import convert_checkpoint as cc
 from megatron_rl.training.weights_io import LazySafetensors
 from tests.helpers.engine_checks import hf_logprobs, run, sample
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from tests.helpers.engine_checks import hf_logprobs, run, sample
 from tests.helpers.megatron_cases import run_spmd
 from tests.helpers.resharding_cases import rollout_shards_from_trainer, vllm_reference_shard
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
 TPS = (1, 2, 4)
 

@@ -32,7 +32,7 @@ from megatron_rl.rollout.vllm_engine import VLLMEngine
 from tests.helpers.engine_io import LongRequestsIgnoreEOS, collect, generate, model_logprobs
 from tests.helpers.engine_io import run as run_with_timeout
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 MAX_MODEL_LEN = 1024
 K = 6

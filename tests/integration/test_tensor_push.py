@@ -25,7 +25,7 @@ from megatron_rl.rollout.weight_sync.push.transport import PushOptions, TensorTr
 from tests.helpers.engine_checks import hf_logprobs, run, sample
 from tests.helpers.push_writer import ThreadTrainer
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")

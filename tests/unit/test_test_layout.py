@@ -1,7 +1,8 @@
 """The test tree's layout (docs/tests.md): no test module imports another test module; what tests
 share lives in ``tests/helpers/`` (modules) or a ``conftest.py`` (fixtures); ``unit/`` and
 ``integration/`` hold test modules and their conftest only; every test module under
-``integration/`` is marked ``integration``, and the fast tier's ``slow`` marker is declared."""
+``integration/`` is marked ``integration``, the fast tier's ``slow`` marker is declared, and every
+integration test but the fast tier's smoke run carries it."""
 from __future__ import annotations
 
 import ast
@@ -64,3 +65,44 @@ def test_integration_modules_are_marked_and_the_slow_marker_is_declared():
     unmarked = [p.name for p in sorted((TESTS / "integration").glob("test_*.py"))
                 if "pytest.mark.integration" not in p.read_text()]
     assert not unmarked, f"integration test modules without the integration marker: {unmarked}"
+
+
+SMOKE = {"test_train_loop.py::test_loop_runs_on_policy_with_engine_parity"}
+"""The integration tests of the fast tier (``-m "not slow"``): one real-stack run of the loop."""
+
+
+def _marks(decorators: list[ast.expr]) -> set[str]:
+    """The ``pytest.mark.<name>`` names in decorators or a ``pytestmark`` value."""
+    return {node.attr for expr in decorators for node in ast.walk(expr)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "mark"}
+
+
+def _integration_tests_and_slowness(path: Path) -> dict[str, tuple[bool, bool]]:
+    """``file::test`` -> (marked integration, marked slow), module marks included."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    module = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets):
+            module |= _marks([node.value])
+    found = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test_"):
+            marks = module | _marks(node.decorator_list)
+            found[f"{path.name}::{node.name}"] = ("integration" in marks, "slow" in marks)
+    return found
+
+
+def test_every_integration_test_but_the_smoke_run_is_slow():
+    tests = {}
+    for path in sorted((TESTS / "integration").glob("test_*.py")):
+        tests.update(_integration_tests_and_slowness(path))
+    fast = {name for name, (integration, slow) in tests.items() if integration and not slow}
+    assert fast == SMOKE, f"integration tests outside the slow tier: {sorted(fast - SMOKE)}; smoke run missing: {sorted(SMOKE - fast)}"
+
+
+def test_the_mark_reader_sees_module_and_function_marks(tmp_path):
+    sample = tmp_path / "test_sample.py"
+    sample.write_text("import pytest\npytestmark = [pytest.mark.integration, pytest.mark.timeout(9)]\n\n"
+                      "@pytest.mark.slow\ndef test_a():\n    pass\n\ndef test_b():\n    pass\n")
+    assert _integration_tests_and_slowness(sample) == {"test_sample.py::test_a": (True, True),
+                                                       "test_sample.py::test_b": (True, False)}
