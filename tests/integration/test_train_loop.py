@@ -82,8 +82,8 @@ def test_sigkill_then_sigterm_then_resume_at_another_layout(tiny_model_dir, tmp_
     1. TP2, a checkpoint every step, SIGKILLed (the whole process group) while step 2 or later is
        in flight, with prompts in the long-prompt queue;
     2. resumed at TP2 without periodic checkpoints and with W&B (offline), SIGTERMed (the driver
-       only, as Slurm's teardown does) once it has trained a step: it finishes the step in
-       flight, writes one checkpoint, tears down and exits 143;
+       only, as Slurm's teardown does) during its first step: it finishes that step, writes one
+       checkpoint, tears down and exits 143;
     3. resumed at TP1 (the dist_checkpointing format loads at any layout) to the end.
 
     Checked: attempt 2's start-up swept what the killed attempt could not remove (its weights
@@ -100,7 +100,7 @@ def test_sigkill_then_sigterm_then_resume_at_another_layout(tiny_model_dir, tmp_
     # 1. SIGKILL mid-step: checkpoint step_000002 exists (steps 0-1 committed).
     proc = run_train(args, logs[0])
     _wait_for(proc, logs[0], lambda: (run_dir / "checkpoints" / "step_000002").is_dir(), "checkpoint step_000002")
-    time.sleep(1.0)
+    time.sleep(0.3)  # step 2 has begun; a later kill may find it done (a tiny model's step takes ~1 s)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     before = read_jsonl(run_dir / "trained_prompts.jsonl")
@@ -111,16 +111,14 @@ def test_sigkill_then_sigterm_then_resume_at_another_layout(tiny_model_dir, tmp_
     assert len(rings) == 2
     time.sleep(3)  # let the killed run's Ray processes notice their driver died
 
-    # 2. Resume, then SIGTERM once a step was trained: the step in flight finishes, one checkpoint.
+    # 2. Resume, then SIGTERM during the first step after the resume (the handler is installed by
+    # then): that step finishes, one checkpoint is written, and a step is left for attempt 3.
     saved_before_term = _checkpoints(run_dir)
     metrics_file = run_dir / "metrics.jsonl"
     proc = run_train(args + ["trainer.resume=true", "trainer.save_every=0", *wandb], logs[1])
     _wait_for(proc, logs[1], lambda: re.search(r"resumed from \S+ at step \d+", logs[1].read_text()), "the resume")
     resumed_at = int(re.search(r"resumed from \S+ at step (\d+)", logs[1].read_text()).group(1))
-    assert resumed_at >= 2
-    time.sleep(2.0)  # the metrics log is cut back to the resume step right after that line
-    _wait_for(proc, logs[1], lambda: metrics_file.read_text().count("\n") > resumed_at,  # whole lines only
-              "a trained step after the resume")
+    assert 2 <= resumed_at < steps - 1
     os.kill(proc.pid, signal.SIGTERM)
     rc = proc.wait(timeout=300)
     log2 = logs[1].read_text()
@@ -132,7 +130,7 @@ def test_sigkill_then_sigterm_then_resume_at_another_layout(tiny_model_dir, tmp_
         assert not ring.parents[1].exists(), f"{ring} was not swept"
         assert f"removed {ring.parents[1]}" in log2
     done = len(read_jsonl(metrics_file))
-    assert resumed_at < done < steps
+    assert done == resumed_at + 1 < steps
     assert f"stopped after step {done - 1} of {steps} on request" in log2
     assert _checkpoints(run_dir) - saved_before_term == {f"step_{done:06d}"}  # save_every=0: the stop's only
     sync_dir = re.search(r"weights for the engines go to (\S+)", log2).group(1)
