@@ -76,6 +76,12 @@ class ClusterConfig:
     """Address of an existing Ray cluster ('auto' on Slurm); empty starts a local one."""
     master_port: int = 0
     """torch.distributed rendezvous port for trainer ranks; 0 picks a free one."""
+    placement: str = "auto"
+    """Which Ray node runs what. 'auto': wherever Ray finds the resources (on GPUs the engines
+    share the trainer ranks' GPUs: the hybrid engine). 'split': the trainer ranks on the driver's
+    node (the Ray head, where the launch scripts start the trainer), the rollout engines only on
+    the other nodes, so every weight push crosses nodes (CPU clusters, disaggregated runs; needs
+    cluster.num_nodes >= 2). Reward workers go wherever they fit either way."""
 
 
 @dataclass
@@ -169,6 +175,17 @@ class RolloutConfig:
     weight_push_channel: str = "auto"
     """'tensor' sync: 'auto' (shared memory / CUDA IPC for engines on a trainer rank's node, the
     push group for the others) or 'network' (the push group for every engine)."""
+    max_engine_restarts: int = 3
+    """Engines that died (engine-core process or its Ray actor gone) are replaced inside the
+    step: a new engine on the same placement takes the current weights and the step's unfinished
+    requests are submitted again from their prompts. After this many restarts within one run the
+    next death stops the run with an error instead; 0 stops at the first death."""
+    engine_health_check_s: float = 2.0
+    """While requests are in flight, how often the engines' health is checked (a death that no
+    completion reports, e.g. an actor that stopped answering, is noticed within this plus
+    ``engine_health_timeout_s``)."""
+    engine_health_timeout_s: float = 10.0
+    """Longest wait for an engine's health answer before it counts as dead."""
     sleep_during_train: bool = False
     """Colocated GPUs: put the engines to sleep (vLLM sleep mode level 1: weights to host memory,
     KV cache freed) once a step's rollout is done, so training can use that memory; they wake
@@ -237,8 +254,10 @@ class DataConfig:
 class SchedulerConfig:
     name: str = "baseline"
     """Rollout scheduler: 'baseline' (veRL-style: P0 prompts x R0 responses, wait for all),
-    'tail_batching' (RollPacker: speculative short rounds, a long-prompt queue, long rounds), or
-    an import path 'package.module:Class' of your own RolloutScheduler."""
+    'tail_batching' (RollPacker: speculative short rounds, a long-prompt queue, long rounds), the
+    off-policy peers RollPacker is measured against, 'partial_rollout' (APRIL) and 'one_step_off'
+    (async, one version stale), a name a plug-in package registered, or an import path
+    'package.module:Class' of your own RolloutScheduler."""
 
 
 @dataclass
@@ -327,7 +346,13 @@ class AlgorithmConfig:
     one token with a huge log-ratio gives a finite loss; 0 disables the clamp."""
     tis_cap: float = 0.0
     """Truncated importance sampling: weight tokens by min(pi_old/pi_engine, cap) to correct
-    engine/trainer numeric mismatch; 0 disables it."""
+    engine/trainer numeric mismatch, or the policy lag of off-policy tokens; 0 disables it."""
+    off_policy_tis_cap: float = 2.0
+    """With a scheduler that trains off-policy tokens (its staleness bound is > 0: partial
+    rollout, one-step-off async) and tis_cap 0: the truncated-importance-sampling cap the run
+    uses instead, so a token an older policy generated is weighted by min(pi_current /
+    pi_behaviour, cap) (logged at start-up). 0 trains such tokens uncorrected; an explicit
+    tis_cap wins."""
     ppo_mini_batches: int = 1
     """Optimizer steps per training step (the batch split into this many mini-batches)."""
     recompute_old_logprobs: bool | None = None

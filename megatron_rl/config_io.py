@@ -15,7 +15,7 @@ from typing import Any, Callable
 import yaml
 
 from megatron_rl.config import RunConfig, plugin_sections
-from megatron_rl.plugins import PluginError, scheduler_path
+from megatron_rl.plugins import PluginError, load_plugin_packages, scheduler_path
 
 
 class ConfigError(ValueError):
@@ -143,7 +143,13 @@ def apply_override(cfg: RunConfig, assignment: str) -> None:
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> RunConfig:
-    """Read a recipe (or start from defaults when ``path`` is None) and apply overrides."""
+    """Read a recipe (or start from defaults when ``path`` is None) and apply overrides. The
+    installed plug-in packages register their sections first (``plugins.load_plugin_packages``),
+    so their keys parse like the core's."""
+    try:
+        load_plugin_packages()
+    except PluginError as exc:
+        raise ConfigError(str(exc)) from None
     cfg = RunConfig()
     if path is not None:
         p = Path(path)
@@ -201,6 +207,10 @@ def validate(cfg: RunConfig, arch: dict | None = None, device: str | None = None
     _choice(cfg.model.dtype, ("float32", "bfloat16"), "model.dtype")
     _choice(cfg.model.transformer_impl, ("auto", "local", "transformer_engine"), "model.transformer_impl")
     _choice(cfg.cluster.device, ("auto", "cpu", "cuda"), "cluster.device")
+    _choice(cfg.cluster.placement, ("auto", "split"), "cluster.placement")
+    if cfg.cluster.placement == "split" and cfg.cluster.num_nodes < 2:
+        raise ConfigError("cluster.placement 'split' puts the engines on other nodes than the trainer ranks: "
+                          f"it needs cluster.num_nodes >= 2 (got {cfg.cluster.num_nodes})")
     _choice(cfg.rollout.backend, ("vllm",), "rollout.backend")
     _choice(cfg.rollout.cpu_executor, ("auto", "inproc", "mp"), "rollout.cpu_executor")
     _positive(cfg.rollout.cpu_threads, "rollout.cpu_threads", allow_zero=True)
@@ -248,6 +258,7 @@ def validate(cfg: RunConfig, arch: dict | None = None, device: str | None = None
     _positive(cfg.algorithm.clip_high, "algorithm.clip_high", allow_zero=True)
     _positive(cfg.algorithm.kl_coef, "algorithm.kl_coef", allow_zero=True)
     _positive(cfg.algorithm.tis_cap, "algorithm.tis_cap", allow_zero=True)
+    _positive(cfg.algorithm.off_policy_tis_cap, "algorithm.off_policy_tis_cap", allow_zero=True)
     if cfg.algorithm.clip_ratio_c and cfg.algorithm.clip_ratio_c <= 1.0:
         raise ConfigError(f"algorithm.clip_ratio_c: the dual-clip bound must be > 1 (or 0 to disable), "
                           f"got {cfg.algorithm.clip_ratio_c}")
@@ -306,6 +317,9 @@ def validate(cfg: RunConfig, arch: dict | None = None, device: str | None = None
         if cfg.rollout.tensor_parallel_size > cfg.cluster.gpus_per_node:
             raise ConfigError("rollout.tensor_parallel_size: a TP group must fit in one node "
                               f"({cfg.cluster.gpus_per_node} GPUs)")
+        if cfg.cluster.placement == "split" and _world_size(cfg) > cfg.cluster.gpus_per_node:
+            raise ConfigError(f"cluster.placement 'split' keeps the trainer ranks on the driver's node: trainer world "
+                              f"size {_world_size(cfg)} exceeds its {cfg.cluster.gpus_per_node} GPUs")
     _validate_quantization(cfg, device)
     for check in _VALIDATORS:  # plug-in packages' sections (e.g. RollPacker's tail_batching, stream, planner)
         check(cfg)
@@ -391,6 +405,24 @@ def resolve_quantization_tis(cfg: RunConfig) -> str:
                 "engine's logprob gap; rollout.quantization_tis_cap=0 turns it off")
     return (f"rollout.quantization={r.quantization}: truncated importance sampling OFF "
             "(rollout.quantization_tis_cap=0): the engine/trainer logprob gap goes uncorrected")
+
+
+def resolve_off_policy_tis(cfg: RunConfig, max_staleness: int) -> str:
+    """A scheduler that trains off-policy tokens (staleness bound ``max_staleness`` > 0) turns
+    truncated importance sampling on by default: with algorithm.tis_cap 0, set it to
+    algorithm.off_policy_tis_cap. Returns the start-up message (empty for an on-policy scheduler).
+    Runs after :func:`resolve_quantization_tis`: one cap serves both corrections."""
+    a = cfg.algorithm
+    if max_staleness <= 0:
+        return ""
+    what = f"scheduler.name={cfg.scheduler.name} trains tokens up to {max_staleness} policy version(s) old"
+    if a.tis_cap > 0:
+        return f"{what}: truncated importance sampling on with algorithm.tis_cap={a.tis_cap:g}"
+    if a.off_policy_tis_cap > 0:
+        a.tis_cap = a.off_policy_tis_cap
+        return (f"{what}: truncated importance sampling on by default (algorithm.tis_cap={a.tis_cap:g}, from "
+                "algorithm.off_policy_tis_cap); algorithm.off_policy_tis_cap=0 turns it off")
+    return f"{what}: truncated importance sampling OFF (algorithm.off_policy_tis_cap=0): they train uncorrected"
 
 
 # parallel.recompute_granularity values; megatron_rl.model.qwen2 maps them to TransformerConfig.

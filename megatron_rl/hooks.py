@@ -5,7 +5,11 @@ Three kinds of extension, all named in the config and assembled by ``megatron_rl
 * :class:`RolloutScheduler` (``scheduler.name``) decides which prompts are generated, how many
   responses each gets, when to stop and what to abort. It returns one training batch (P0
   complete groups) per step. The baseline (veRL-style: submit P0 x R0, wait for all) lives in
-  ``megatron_rl.baseline``; RollPacker's tail batching in ``rollpacker.tail_batching``.
+  ``megatron_rl.baseline``; RollPacker's tail batching in ``rollpacker.tail_batching``; the
+  peers it is measured against (partial rollout, one-step-off async) in ``rollpacker.peers``.
+  A scheduler declares how stale its data may be (:meth:`RolloutScheduler.max_staleness`, 0:
+  strictly on-policy); the loop holds every trained token to that bound
+  (``megatron_rl.off_policy``) and trains older tokens with truncated importance weights.
 * :class:`TrainerPlugin` (built by plug-in factories, see ``megatron_rl.plugins``) gets named
   points of every step, in this order::
 
@@ -55,7 +59,9 @@ class RolloutContext:
     next_prompts: Callable[[int], list[Prompt]]
     """Takes the next n prompts from the data cursor (exactly-once over an epoch)."""
     policy_version: int
-    """Version of the weights now loaded in the engine; every trained sample must carry it."""
+    """Version of the weights now loaded in the engine: requests submitted now generate with it
+    (the loop trains a sample only if every token is within the scheduler's staleness bound of
+    the trainer's version)."""
     step: int
     """Training step being assembled."""
     on_round_start: Callable[[str, int], None] = lambda round_type, num_groups: None
@@ -98,7 +104,24 @@ class RolloutScheduler(abc.ABC):
 
     @abc.abstractmethod
     async def next_batch(self, ctx: RolloutContext) -> RolloutBatch:
-        """Generate, score and return the step's groups. Must leave no request running."""
+        """Generate, score and return the step's groups. Requests it starts must be finished or
+        aborted by the time :meth:`before_weight_sync` returns (no request runs across a weight
+        change); a synchronous scheduler leaves none running when it returns."""
+
+    def max_staleness(self, cfg: RunConfig) -> int:
+        """The most policy versions any token of a batch may lag behind the policy that trains
+        it. 0 (the default; the baseline and tail batching): strictly on-policy, the loop refuses
+        any older token. More: the loop trains tokens up to that old with the engine's logprobs
+        as the behaviour policy and truncated importance weights (``algorithm.tis_cap``;
+        ``algorithm.off_policy_tis_cap`` turns it on), and refuses anything older."""
+        return 0
+
+    async def before_weight_sync(self, step: int) -> dict[str, float]:
+        """Step ``step`` has trained; the new weights go to the engines next. A scheduler whose
+        generation overlaps training (one-step-off async) finishes it here: what runs now runs on
+        the old weights. Returns metrics (``time/*`` keys become the step's phases). Default:
+        nothing runs past :meth:`next_batch`."""
+        return {}
 
     def next_round_type(self, cfg: RunConfig) -> str:
         """The round type the next :meth:`next_batch` will run (plug-ins get it in

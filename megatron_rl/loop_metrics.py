@@ -15,12 +15,19 @@ from megatron_rl.sample import Sample
 def parity_metrics(trained: list[Sample], train_metrics: dict) -> dict[str, float]:
     """Trainer vs engine logprobs of the same tokens (catches stale or mis-mapped weight syncs):
     from the scoring pass's old logprobs or, with algorithm.recompute_old_logprobs=false, from
-    the training forward (its ``logprob_abs_diff_*`` sums, taken out of ``train_metrics``)."""
+    the training forward (its ``logprob_abs_diff_*`` sums, taken out of ``train_metrics``). Only
+    on-policy tokens count (``Sample.staleness`` 0): an older policy's engine logprobs differ by
+    design. No on-policy token: no parity figures."""
     if "logprob_abs_diff_sum" in train_metrics:
         diff_sum = train_metrics.pop("logprob_abs_diff_sum")
-        return {"rollout/logprob_abs_diff_max": train_metrics.pop("logprob_abs_diff_max", 0.0),
-                "rollout/logprob_abs_diff_mean": diff_sum / max(1.0, train_metrics.get("num_tokens", 0.0))}
-    diffs = [abs(a - b) for s in trained if s.engine_logprobs for a, b in zip(s.old_logprobs, s.engine_logprobs)]
+        diff_max = train_metrics.pop("logprob_abs_diff_max", 0.0)
+        counted = train_metrics.pop("logprob_abs_diff_tokens", train_metrics.get("num_tokens", 0.0))
+        if not counted:
+            return {}
+        return {"rollout/logprob_abs_diff_max": diff_max, "rollout/logprob_abs_diff_mean": diff_sum / counted}
+    diffs = [abs(a - b) for s in trained if s.engine_logprobs
+             for a, b, lag in zip(s.old_logprobs, s.engine_logprobs, s.staleness or [0] * len(s.old_logprobs))
+             if lag == 0]
     if not diffs:
         return {}
     return {"rollout/logprob_abs_diff_max": max(diffs), "rollout/logprob_abs_diff_mean": sum(diffs) / len(diffs)}
@@ -35,10 +42,15 @@ def step_metrics(cfg: RunConfig, step: int, version: int, batch: RolloutBatch, t
     rewards = [s.reward for s in samples]
     last_finish = max((s.timings.get("finished", 0.0) for s in samples), default=batch.rollout_window[1])
     phases = dict(phases)
-    # Rewards are computed while generation runs; only the wait after the last response counts.
+    # Rewards are computed while generation runs; only the wait after the last response counts,
+    # and only as far as the step waited for it (a rollout that overlapped the previous step's
+    # training, one-step-off, was scored there).
     reward_tail = max(0.0, batch.rollout_window[1] - last_finish) if samples else 0.0
+    reward_tail = min(reward_tail, phases.get("rollout", 0.0))
     phases["rollout"] = max(0.0, phases.get("rollout", 0.0) - reward_tail)
     phases["reward"] = reward_tail
+    # Generation throughput over the time the batch was generating, inside this step or not.
+    generating = max(phases["rollout"], batch.rollout_window[1] - batch.rollout_window[0] - reward_tail)
     capacity = cfg.rollout.max_num_seqs * cfg.rollout.num_engines
     m = {
         "step": step,
@@ -48,7 +60,7 @@ def step_metrics(cfg: RunConfig, step: int, version: int, batch: RolloutBatch, t
         **{f"time/{k}": v for k, v in phases.items()},
         "reward/mean": sum(rewards) / max(1, len(rewards)),
         "reward/accuracy": sum(bool(s.correct) for s in samples) / max(1, len(samples)),
-        "rollout/tokens_per_s": sum(lengths) / max(1e-9, phases["rollout"]),
+        "rollout/tokens_per_s": sum(lengths) / max(1e-9, generating),
         "rollout/engine_occupancy": occupancy([(s, e) for s, e, _ in batch.requests], capacity, batch.rollout_window),
         "rollout/truncated_fraction": sum(s.finish_reason == "length" for s in samples) / max(1, len(samples)),
         "batch/samples_trained": float(len(trained)),

@@ -7,18 +7,35 @@ reward functions. Plug-in factories (:data:`~megatron_rl.hooks.PluginFactory`) a
 packages (RollPacker's builds the elastic-TP planner and the stream trainer from its config
 sections) or named in ``trainer.plugins`` as import paths ``package.module:function``.
 
-Registering happens when a package's registration module is imported; ``megatron_rl.train``
-imports RollPacker's (``rollpacker.plugins``). Nothing here imports a plug-in until it is used.
+Registering happens when a package's registration module is imported. Packages name those
+modules in the entry-point group ``megatron_rl.plugins`` of their distribution (the way vLLM
+loads ``vllm.general_plugins``), and :func:`load_plugin_packages` imports every one before a
+config is parsed (``config_io.load_config`` calls it), so a package's own config sections,
+validators and scheduler names are known to the parser: ``peers.partial.max_continuations=2``
+works on the command line like a core key. RollPacker registers itself this way
+(``rollpacker`` and ``rollpacker_peers`` in pyproject.toml), exactly as a third-party package
+would; the core names no plug-in package. ``MEGATRON_RL_PLUGINS`` (comma-separated entry-point
+names) restricts which are loaded. Nothing else here imports a plug-in until it is used.
 """
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import logging
+import os
 from typing import Any
 
 from megatron_rl.config import RunConfig
 
 _SCHEDULERS: dict[str, str] = {"baseline": "megatron_rl.baseline:BaselineScheduler"}
 _FACTORIES: list[str] = []
+_LOADED: dict[str, str] = {}
+"""Entry points loaded so far: name -> value."""
+
+ENTRY_POINT_GROUP = "megatron_rl.plugins"
+"""Distributions list their registration modules (or functions) here."""
+
+log = logging.getLogger(__name__)
 
 
 class PluginError(ValueError):
@@ -36,6 +53,29 @@ def register_plugin_factory(path: str) -> None:
     """Call the factory at ``path`` ('module:function') for every run (idempotent)."""
     if path not in _FACTORIES:
         _FACTORIES.append(path)
+
+
+def load_plugin_packages() -> list[str]:
+    """Import every registration module of the ``megatron_rl.plugins`` entry-point group (an entry
+    point naming a function is called, with no arguments), the ones named in
+    ``MEGATRON_RL_PLUGINS`` only when that is set. Each loads once per process; later calls pick
+    up distributions that appeared since (cheap: a metadata scan). Returns the names loaded so
+    far. A registration that fails to import is a PluginError naming it."""
+    allowed = os.environ.get("MEGATRON_RL_PLUGINS")
+    names = None if allowed is None else {n.strip() for n in allowed.split(",") if n.strip()}
+    for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if entry.name in _LOADED or (names is not None and entry.name not in names):
+            continue
+        try:
+            registered = entry.load()
+        except Exception as exc:
+            raise PluginError(f"plug-in package {entry.name!r} ({entry.value}, entry point group "
+                              f"{ENTRY_POINT_GROUP}) failed to load: {type(exc).__name__}: {exc}") from exc
+        if callable(registered) and not isinstance(registered, type):
+            registered()
+        _LOADED[entry.name] = entry.value
+        log.debug("loaded plug-in package %s (%s)", entry.name, entry.value)
+    return sorted(_LOADED)
 
 
 def scheduler_names() -> list[str]:

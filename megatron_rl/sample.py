@@ -41,7 +41,12 @@ class Sample:
     finish_reason: str = ""
     """'stop', 'length' or 'abort'."""
     policy_version: int = -1
-    """Trainer step whose weights generated this response."""
+    """Trainer step whose weights generated this response (its newest tokens, for a response
+    continued across steps)."""
+    token_versions: list[int] = field(default_factory=list)
+    """Policy version that generated each response token (``sampling.accept_completion`` records
+    it). A response continued across steps (a partial rollout) holds several. Empty: every token
+    is of ``policy_version``."""
     round_type: str = "baseline"
     """Which scheduling round produced it (baseline, short, long)."""
     reward: float | None = None
@@ -56,6 +61,10 @@ class Sample:
     """Trainer logprobs of the response under the generating policy."""
     ref_logprobs: list[float] = field(default_factory=list)
     """Reference-model logprobs (when a KL term is used)."""
+    staleness: list[int] = field(default_factory=list)
+    """Per response token: how many versions the policy that generated it lags behind the one
+    being trained. Set by the loop before training, and only when some token of the batch is
+    stale (``megatron_rl.off_policy``); empty means every token is on-policy."""
     timings: dict = field(default_factory=dict)
     """Wall-clock stamps: submitted, finished, reward_done (seconds, time.monotonic())."""
 

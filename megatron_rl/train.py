@@ -2,9 +2,10 @@
 
 Validates the whole configuration before any process starts, then places the trainer ranks,
 rollout engines and reward workers with Ray, builds the scheduler and the plug-ins the config
-names, and runs the loop. This is the one module of ``megatron_rl`` that names RollPacker: it
-imports ``rollpacker.plugins``, which registers RollPacker's scheduler, config sections and
-plug-in factory with the core's registries.
+names, and runs the loop. Plug-in packages (RollPacker among them) register their schedulers,
+config sections and plug-in factories through the ``megatron_rl.plugins`` entry-point group,
+loaded before the command line is parsed (``megatron_rl.plugins.load_plugin_packages``): no
+module of ``megatron_rl`` names RollPacker.
 """
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import os
 import sys
 from pathlib import Path
 
-import rollpacker.plugins  # noqa: F401  (registers RollPacker's scheduler, config sections and plug-ins)
 from megatron_rl.config import RunConfig
 from megatron_rl.config_io import (
     ConfigError,
@@ -25,12 +25,13 @@ from megatron_rl.config_io import (
     load_config,
     read_hf_architecture,
     resolve_device,
+    resolve_off_policy_tis,
     resolve_quantization_tis,
     validate,
 )
 from megatron_rl.graceful_stop import GracefulStop
 from megatron_rl.hooks import PluginSetup, TrainerPlugin
-from megatron_rl.plugins import PluginError, make_scheduler, plugin_factories
+from megatron_rl.plugins import PluginError, load_plugin_packages, make_scheduler, plugin_factories
 from megatron_rl.rollout.engine import RolloutEngine
 
 log = logging.getLogger("megatron_rl")
@@ -61,6 +62,25 @@ def _engine_factory(cfg: RunConfig, device: str):
     return factory
 
 
+def _restarting_engines(cfg: RunConfig, engine_start: str, device: str) -> RolloutEngine:
+    """The run's engines under a supervisor that replaces them when they die
+    (``rollout.max_engine_restarts``): replacements start like the first ones, from
+    ``engine_start`` on the same placement, and the loop pushes the current weights into them."""
+    from megatron_rl.distributed.cluster import engine_actor_options
+    from megatron_rl.rollout.engine_restart import RestartingEngine
+    from megatron_rl.rollout.ray_engine import create_engine_client
+
+    def start_engines() -> RolloutEngine:
+        return create_engine_client(cfg, engine_start, engine_actor_options(cfg, device))
+
+    async def restart() -> RolloutEngine:
+        # Engine start-up blocks on ray.get: keep the event loop (reward tasks) running meanwhile.
+        return await asyncio.to_thread(start_engines)
+
+    return RestartingEngine(start_engines(), restart, max_restarts=cfg.rollout.max_engine_restarts,
+                            health_check_s=cfg.rollout.engine_health_check_s)
+
+
 def build_plugins(setup: PluginSetup) -> tuple[RolloutEngine, list[TrainerPlugin]]:
     """Every plug-in factory in turn (registered ones, then trainer.plugins); each may wrap the
     engine the next one and the loop get."""
@@ -86,6 +106,7 @@ def _fan_out_from(source: str):
 def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict]:
     """Validate, place every process, run the loop, tear down. Returns per-step metrics (fewer
     than trainer.steps when ``stop`` was requested: the loop checkpointed and returned early)."""
+    load_plugin_packages()  # a config built in code (benchmarks, tests) names plug-ins too
     device = resolve_device(cfg)
     arch = read_hf_architecture(cfg.model.hf_path)
     if arch is None:
@@ -94,9 +115,12 @@ def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict
     validate(cfg, arch, device)
     if cfg.algorithm.kl_coef > 0:
         cfg.model.use_reference_model = True
-    quantization_note = resolve_quantization_tis(cfg)  # quantized rollout: TIS on unless turned off
-    if quantization_note:
-        log.info(quantization_note)
+    scheduler = make_scheduler(cfg)
+    # TIS on unless turned off: for a quantized rollout, then for a scheduler that trains
+    # off-policy tokens (one cap serves both).
+    for note in (resolve_quantization_tis(cfg), resolve_off_policy_tis(cfg, scheduler.max_staleness(cfg))):
+        if note:
+            log.info(note)
     run_dir = Path(cfg.trainer.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
@@ -110,9 +134,8 @@ def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict
     from transformers import AutoTokenizer
 
     from megatron_rl.data.datasets import load_prompts
-    from megatron_rl.distributed.cluster import engine_actor_options, free_port, start_ray, trainer_actor_options
+    from megatron_rl.distributed.cluster import free_port, start_ray, trainer_actor_options
     from megatron_rl.reward.pool.reward_pool import RewardPool
-    from megatron_rl.rollout.ray_engine import create_engine_client
     from megatron_rl.rollout.weight_sync.sync_dir import default_sync_dir, sweep_dead_sync_dirs
     from megatron_rl.trainer import TrainerParts, run_trainer
     from megatron_rl.training.policy_group import PolicyGroup
@@ -121,7 +144,6 @@ def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict
     train_prompts = load_prompts(cfg.data, tokenizer, split="train")
     eval_prompts = load_prompts(cfg.data, tokenizer, split="eval") if cfg.data.eval_every else []
     log.info("data: %d train prompts, %d eval prompts", len(train_prompts), len(eval_prompts))
-    scheduler = make_scheduler(cfg)
 
     start_ray(cfg, run_dir, device)
     if stop is not None:
@@ -140,18 +162,23 @@ def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict
             asyncio.run(policy.offload_for_rollout())
         engine_start = _quantized_start(cfg, run_dir, sync_dir, device) if cfg.rollout.quantization != "none" \
             else cfg.model.hf_path
-        engine = create_engine_client(cfg, engine_start, engine_actor_options(cfg, device))
+        engine = restarting = _restarting_engines(cfg, engine_start, device)
         engine, plugins = build_plugins(PluginSetup(cfg, device, engine, _engine_factory(cfg, device)))
         rewards = RewardPool.from_run_config(cfg)
         if not cfg.trainer.offload_during_rollout:
             asyncio.run(policy.load_hf(cfg.model.hf_path))
         fanout_source = asyncio.run(policy.rank0_node_id()) if cfg.cluster.num_nodes > 1 else ""
+        if cfg.cluster.num_nodes > 1:
+            from megatron_rl.distributed.cluster import describe_placement
+
+            engine_nodes = [node for _, node in asyncio.run(engine.weight_receivers())]
+            log.info("placement: %s", describe_placement(asyncio.run(policy.rank_nodes()), engine_nodes))
         log.info("weights for the engines go to %s", sync_dir)
         parts = TrainerParts(cfg=cfg, policy=policy, engine=engine, rewards=rewards, train_prompts=train_prompts,
                              eval_prompts=eval_prompts, scheduler=scheduler, plugins=plugins,
                              weight_sync_dir=str(sync_dir),
                              fan_out=_fan_out_from(fanout_source) if fanout_source else None,
-                             stop=stop, on_cpu=device == "cpu")
+                             stop=stop, on_cpu=device == "cpu", engine_restarts=restarting)
         return run_trainer(parts)
     finally:
         for part in (rewards, engine, policy):

@@ -1,8 +1,9 @@
-"""The synchronous on-policy RL loop, top to bottom.
+"""The RL loop, top to bottom (synchronous and on-policy unless the scheduler declares otherwise).
 
     plug-ins' before_rollout -> rollout (the scheduler) -> plug-ins' after_rollout -> memory to
-    the training side -> shaping, filtering, advantages -> old/ref logprobs + train step (or a
-    plug-in that takes the step over) -> weight sync -> metrics, validation, checkpoint.
+    the training side -> shaping, filtering, advantages, the staleness check -> old/ref logprobs
+    + train step (or a plug-in that takes the step over) -> the scheduler's before_weight_sync ->
+    weight sync -> metrics, validation, checkpoint.
 
 The loop owns no policy: the scheduler picks prompts and decides when a step's rollout is done;
 plug-ins (``megatron_rl.hooks.TrainerPlugin``) get the named points above and reach the loop
@@ -18,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from megatron_rl import evaluation, loop_metrics
+from megatron_rl import evaluation, loop_metrics, off_policy
 from megatron_rl.algorithms.advantages import compute_advantages
 from megatron_rl.algorithms.filters import filter_zero_variance
 from megatron_rl.checkpoint import CheckpointManager
@@ -40,6 +41,7 @@ from megatron_rl.training.policy import Policy
 
 if TYPE_CHECKING:
     from megatron_rl.reward.pool.reward_pool import RewardPool
+    from megatron_rl.rollout.engine_restart import RestartingEngine
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,10 @@ class TrainerParts:
     """SIGTERM (train.py installs it): the loop checkpoints after the current step and returns."""
     on_cpu: bool = True
     """Whether the run is on CPU (the engine dtype, and lent cores become trainer threads)."""
+    engine_restarts: "RestartingEngine | None" = None
+    """The supervisor that replaces dead engines (``rollout.engine_restart``; it sits inside
+    ``engine``, below any plug-in wrapper): the loop gives it the current weights for new engines
+    and logs its ``fault/*`` metrics. None: an engine death fails the step."""
 
 
 class Trainer:
@@ -89,6 +95,11 @@ class Trainer:
         self.checkpoints = CheckpointManager(self.cfg.trainer.run_dir, keep=self.cfg.trainer.keep_checkpoints,
                                              config_dict=config_to_dict(self.cfg))
         self.version = 0  # policy version == number of optimizer steps taken == step index
+        self.max_staleness = parts.scheduler.max_staleness(self.cfg)
+        """The scheduler's staleness bound: 0 is the strict on-policy check."""
+        if self.max_staleness > 0 and self.cfg.algorithm.tis_cap <= 0:
+            log.warning("scheduler %s trains tokens up to %d versions old without truncated importance sampling "
+                        "(algorithm.tis_cap=0)", parts.scheduler.name, self.max_staleness)
         self.t0 = time.monotonic()
         self.start_step = 0
         self.colocation = Colocation(self.cfg, parts.policy, parts.engine, on_cpu=parts.on_cpu)
@@ -96,6 +107,8 @@ class Trainer:
         transport = make_transport(self.cfg.rollout.weight_sync_format, parts.policy, parts.weight_sync_dir, dtype,
                                    self.cfg, on_gpu=not parts.on_cpu)
         self.weight_sync = WeightSync(transport, parts.policy, parts.engine, self.colocation, parts.fan_out)
+        if parts.engine_restarts is not None:
+            parts.engine_restarts.restore_weights = self._weights_for_new_engine
         for plugin in self.plugins:
             plugin.attach(self)
 
@@ -109,7 +122,7 @@ class Trainer:
         try:
             await self._warm_up_engine()
             if self.start_step > 0:
-                await self.weight_sync.push(self.version)  # the engine started from HF weights
+                await self._push_weights()  # the engine started from HF weights
             # Validation before training goes into the first step's record (val/policy_version = 0).
             timer = PhaseTimer()
             initial_val = {}
@@ -164,6 +177,7 @@ class Trainer:
             plugin.on_batch_ready(step, batch)
         samples, prep_metrics = self._prepare(batch)
         self._check_on_policy(samples)
+        prep_metrics.update(off_policy.staleness_metrics(samples, self.version))
         owner = self._training_owner(step)
         if owner is not None:
             with timer("train"):
@@ -176,9 +190,13 @@ class Trainer:
                     await self._set_logprobs(samples)
             with timer("train"):
                 train_metrics = await self.p.policy.train_step(samples) if samples else {}
+        # A generation that overlapped training (one-step-off) ends here, on the old weights.
+        extra.update(await self.p.scheduler.before_weight_sync(step))
         self.version += 1
         with timer("weight_sync"):
-            extra.update(await self.weight_sync.push(self.version))
+            extra.update(await self._push_weights())
+        if self.p.engine_restarts is not None:
+            extra.update(self.p.engine_restarts.step_metrics())
         phases = {k: v for k, v in timer.as_dict().items() if k in _STEP_PHASES}
         metrics = loop_metrics.step_metrics(self.cfg, step, self.version, batch, samples, phases,
                                             time.monotonic() - step_start)
@@ -188,6 +206,7 @@ class Trainer:
         metrics.update(loop_metrics.speculation_metrics(batch, engine_before, engine_after))
         metrics.update(extra)
         metrics.update(loop_metrics.parity_metrics(samples, train_metrics))
+        metrics.update(off_policy.tis_metrics(train_metrics))
         metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
         # Reward scheduler: queue wait, busy workers, reward time hidden under rollout, scaling.
         metrics.update(self.p.rewards.step_metrics(batch.samples))
@@ -240,10 +259,11 @@ class Trainer:
         return result.kept, result.num_filtered
 
     def _check_on_policy(self, samples: list[Sample]) -> None:
-        stale = [s.request_id for s in samples if s.policy_version != self.version]
-        if stale:
-            raise RuntimeError(f"{len(stale)} samples were not generated by the current policy version "
-                               f"{self.version} (e.g. {stale[:3]}): training would be off-policy")
+        """Every token within the scheduler's staleness bound of the current version (bound 0:
+        every sample and token of exactly this version), or the step fails; then marks each
+        token's staleness when some are stale (the trainer tells on-policy tokens by it)."""
+        off_policy.check_staleness(samples, self.version, self.max_staleness)
+        off_policy.mark_staleness(samples, self.version)
 
     async def _set_logprobs(self, samples: list[Sample]) -> None:
         if self.cfg.algorithm.recomputes_old_logprobs():  # else the training forward scores the batch
@@ -269,6 +289,26 @@ class Trainer:
         while (await stream.__anext__()).request_id != "warmup":
             pass
         log.info("engine warm-up took %.1f s", time.monotonic() - start)
+
+    async def _weights_for_new_engine(self, engine: RolloutEngine) -> dict:
+        """A replacement engine starts from the run's initial weights (version 0): bring it to
+        the current policy version, so the step's resubmitted requests stay on-policy."""
+        if self.version == 0:
+            return {}
+        return await self.weight_sync.load_into(engine, self.version)
+
+    async def _push_weights(self) -> dict:
+        """The weight sync of ``self.version``; when it failed because the engines died, their
+        replacement takes the same weights as it starts (``_weights_for_new_engine``)."""
+        try:
+            return await self.weight_sync.push(self.version)
+        except Exception as exc:
+            restarts = self.p.engine_restarts
+            if restarts is None or not await restarts.recover_if_dead(exc):
+                raise
+            log.warning("the weight sync of policy version %d failed because the engines died (%s); their "
+                        "replacement holds version %d", self.version, exc, self.version)
+            return {"weight_sync/engine_replaced": 1.0}
 
     async def _validate(self) -> dict:
         return await evaluation.validate(self.cfg, self.engine, self.p.rewards, self.p.eval_prompts,

@@ -60,6 +60,14 @@ def tiny_untied_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def sft_model_dir() -> Path:
+    """The SFT'd tiny model (launch/local.sh's), built once per machine (tests/helpers/sft_model)."""
+    from tests.helpers.sft_model import ensure_sft_tiny_model
+
+    return ensure_sft_tiny_model()
+
+
+@pytest.fixture(scope="session")
 def gsm8k_dir() -> Path:
     path = SHARED_DATA / "gsm8k"
     if not (path / "train.jsonl").is_file():

@@ -32,7 +32,15 @@ data-parallel ranks, with an all-reduce SUM) by adding them:
   ``tis_weight_mean``, ``tis_weight_abs_dev``, ``entropy_proxy``, ``ratio_mean``): sum over this microbatch's response
   tokens / ``num_tokens_total`` -> the batch token mean after summing;
 * ``pg_loss`` and ``kl_loss``: the two parts of ``loss``, aggregated exactly like it;
-* ``num_tokens``, ``num_seqs``: this microbatch's counts (sums give the totals).
+* ``num_tokens``, ``num_seqs``: this microbatch's counts (sums give the totals);
+* with ``staleness`` and TIS on: ``tis_stale_weight_sum`` and ``tis_stale_tokens`` (raw sums over
+  the tokens an older policy generated: their ratio is those tokens' mean weight) and
+  ``tis_stale_weight_max``.
+
+Off-policy tokens (a scheduler with a staleness bound > 0, see ``megatron_rl.off_policy``) need
+nothing else: ``engine_logp`` is then the behaviour policy's logprob and ``old_logp`` the current
+policy's, so ``w`` is the truncated importance weight between the two, whichever way the old
+logprobs come (a scoring pass or the training forward).
 """
 from __future__ import annotations
 
@@ -118,6 +126,7 @@ def compute_policy_loss(
     ref_logprobs: Tensor | None = None,
     engine_logprobs: Tensor | None = None,
     seq_ids: Tensor | None = None,
+    staleness: Tensor | None = None,
     num_tokens_total: int,
     num_seqs_total: int,
 ) -> tuple[Tensor, dict[str, float]]:
@@ -136,6 +145,8 @@ def compute_policy_loss(
         engine_logprobs: rollout-engine logprobs; required when ``cfg.tis_cap > 0``.
         seq_ids: each token's sequence index (any integers, equal within a sequence);
             required by the sequence aggregations.
+        staleness: per token, the versions between the policy that generated it and the one
+            being trained (> 0: off-policy); only read for the stale tokens' TIS metrics.
         num_tokens_total: response tokens in the whole batch of this optimizer step.
         num_seqs_total: sequences in the whole batch of this optimizer step.
 
@@ -146,7 +157,7 @@ def compute_policy_loss(
     _check_inputs(
         logprobs,
         {"old_logprobs": old_logprobs, "advantages": advantages, "mask": mask,
-         "ref_logprobs": ref_logprobs, "engine_logprobs": engine_logprobs},
+         "ref_logprobs": ref_logprobs, "engine_logprobs": engine_logprobs, "staleness": staleness},
         cfg, seq_ids, num_tokens_total, num_seqs_total,
     )
     valid = mask.bool()
@@ -207,6 +218,8 @@ def compute_policy_loss(
         ratio.detach(), log_ratio.detach(), adv, logp.detach(), maskf, cfg,
         kl.detach() if kl is not None else None, tis_weight, num_tokens_total,
     )
+    if tis_weight is not None and staleness is not None:
+        metrics.update(_stale_tis_metrics(tis_weight, valid & (staleness > 0)))
     if dual_clipped is not None:
         metrics["clip_frac_dual"] = float((dual_clipped.to(maskf.dtype) * maskf).sum()) / num_tokens_total
     metrics["pg_loss"] = float(pg_loss.detach())
@@ -253,4 +266,14 @@ def _metrics(
         metrics["tis_clip_frac"] = token_sum((tis_weight >= cfg.tis_cap).to(maskf.dtype))
         # How far the correction moves tokens from weight 1 (quantized rollout: its size).
         metrics["tis_weight_abs_dev"] = token_sum((tis_weight - 1.0).abs())
+    return metrics
+
+
+def _stale_tis_metrics(tis_weight: Tensor, stale: Tensor) -> dict[str, float]:
+    """Raw sums over the tokens an older policy generated (they add up over microbatches and
+    ranks; the loop divides): their truncated importance weights and how many there are."""
+    weights = tis_weight.detach()[stale]
+    metrics = {"tis_stale_weight_sum": float(weights.sum()), "tis_stale_tokens": float(weights.numel())}
+    if weights.numel():
+        metrics["tis_stale_weight_max"] = float(weights.max())
     return metrics

@@ -103,3 +103,45 @@ def sweep_dead_run_dirs(root: str | Path) -> list[Path]:
             removed.append(path)
             log.info("removed %s (%.1f MB) left by a dead run of this host", path, size / 1e6)
     return removed
+
+
+# ---------------------------------------------------------------------- shared-memory segments
+# vLLM's message queues are ``psm_*`` segments (``multiprocessing.shared_memory``) created by the
+# engine's processes; one killed with SIGKILL cannot unlink its own. Their names carry no owner,
+# so the engine's host records which segments its processes map while they live, and after a
+# death removes those of them that no live process maps any more.
+SHM_ROOT = Path("/dev/shm")
+
+
+def mapped_segments(pids: list[int] | None = None) -> set[str]:
+    """``psm_*`` names the given processes (default: every readable process) have mapped, from
+    /proc/<pid>/maps; processes that are gone or unreadable are skipped."""
+    paths = [Path(f"/proc/{pid}/maps") for pid in pids] if pids is not None else Path("/proc").glob("[0-9]*/maps")
+    names: set[str] = set()
+    for maps in paths:
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            at = line.find(f"{SHM_ROOT}/psm_")
+            if at >= 0:
+                names.add(line[at + len(str(SHM_ROOT)) + 1:].split()[0])
+    return names
+
+
+def remove_unmapped_segments(names: set[str]) -> list[str]:
+    """Unlink the segments of ``names`` that no live process maps; returns those removed."""
+    if not names:
+        return []
+    in_use = mapped_segments()
+    removed = []
+    for name in sorted(names - in_use):
+        try:
+            os.unlink(SHM_ROOT / name)
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+    if removed:
+        log.info("removed %d shared-memory segment(s) of a dead engine: %s", len(removed), removed)
+    return removed

@@ -175,6 +175,12 @@ class RolloutEngine(abc.ABC):
     async def close_weight_receiver(self) -> None:
         """Leave the push set-up (vLLM ``shutdown_weight_transfer_engine``); no-op when none."""
 
+    async def check_health(self) -> None:
+        """Raise if the engine can no longer serve (its processes died); return at once when it
+        can. Cheap and bounded: a supervisor (``engine_restart``) calls it periodically while
+        requests are in flight, so a dead engine is noticed even when no completion fails. The
+        default (an in-process engine with nothing to lose) is always healthy."""
+
     @abc.abstractmethod
     async def stats(self) -> EngineStats:
         """Current load: running, waiting, preemptions, KV usage."""

@@ -251,6 +251,13 @@ class EnginePool(RolloutEngine):
                 by_engine.setdefault(entry.engine, []).append(entry.part_id)
         await asyncio.gather(*(self.engines[i].abort(ids) for i, ids in by_engine.items()))
 
+    async def check_health(self) -> None:
+        """Every engine's health check; the first failure is raised, naming the engine."""
+        results = await asyncio.gather(*(e.check_health() for e in self.engines), return_exceptions=True)
+        for index, result in enumerate(results):
+            if isinstance(result, BaseException):
+                raise RuntimeError(f"engine {index} of the pool is not healthy: {result!r}") from result
+
     # ------------------------------------------------------------------ resource handoff
 
     async def release_engines(self, count: int) -> dict[str, float]:

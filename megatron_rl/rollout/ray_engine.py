@@ -10,11 +10,17 @@ amortises the round trip over many completions.
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import socket
+import time
 from typing import Any, AsyncIterator
 
 from megatron_rl.config import RolloutConfig, RunConfig
 from megatron_rl.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine, forward_completions
 from megatron_rl.rollout.engine_pool import EnginePool
+
+log = logging.getLogger(__name__)
 
 
 class EngineActor:
@@ -28,6 +34,8 @@ class EngineActor:
         from megatron_rl.rollout.vllm_engine import VLLMEngine
 
         self._engine = VLLMEngine(model_path, cfg, seed, max_model_len)
+        self._segments: set[str] = set()
+        """``psm_*`` segments this actor's engine processes mapped (removed after a death)."""
         self._buffer: list[Completion | Exception] = []
         self._ready = asyncio.Event()
         self._pump: asyncio.Task | None = None
@@ -48,7 +56,30 @@ class EngineActor:
     async def ready(self) -> bool:
         """Returns once the actor (and its engine) is constructed."""
         self._ensure_pump()
+        self._record_segments()
         return True
+
+    def process_ids(self) -> dict[str, Any]:
+        """This actor's pid and its engine's processes (vLLM's engine core and any workers), for
+        health reports and fault-injection tests."""
+        import psutil
+
+        return {"actor": os.getpid(), "node": socket.gethostname(),
+                "engine": [p.pid for p in psutil.Process().children(recursive=True)]}
+
+    def _record_segments(self) -> None:
+        from megatron_rl.distributed.local_state import mapped_segments
+
+        self._segments |= mapped_segments([os.getpid(), *self.process_ids()["engine"]])
+
+    async def check_health(self) -> None:
+        """Forward to VLLMEngine.check_health (raises once the engine core died)."""
+        await self._engine.check_health()
+        self._record_segments()  # segments of workers started late (TP > 1) are caught too
+
+    def shm_segments(self) -> list[str]:
+        """The ``psm_*`` segments this actor's engine processes were seen to map."""
+        return sorted(self._segments)
 
     async def submit(self, request: GenerationRequest) -> None:
         """Forward to VLLMEngine.submit."""
@@ -107,10 +138,15 @@ class EngineActor:
         await self._engine.wake_up()
 
     async def shutdown(self) -> None:
-        """Stop the engine's processes."""
-        await self._engine.shutdown()
-        if self._pump is not None:
-            await asyncio.wait([self._pump], timeout=5.0)
+        """Stop the engine's processes and remove the shared memory a dead one left behind."""
+        from megatron_rl.distributed.local_state import remove_unmapped_segments
+
+        try:
+            await self._engine.shutdown()
+            if self._pump is not None:
+                await asyncio.wait([self._pump], timeout=5.0)
+        finally:
+            remove_unmapped_segments(self._segments)
 
 
 class RayEngineClient(RolloutEngine):
@@ -122,8 +158,9 @@ class RayEngineClient(RolloutEngine):
     """
 
     def __init__(self, actor: Any, poll_wait_s: float = 0.5, call_timeout_s: float = 600.0,
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, health_timeout_s: float = 10.0) -> None:
         self.actor = actor
+        self.health_timeout_s = health_timeout_s
         self._tp = tensor_parallel_size
         self.poll_wait_s = poll_wait_s
         self.call_timeout_s = call_timeout_s
@@ -160,7 +197,7 @@ class RayEngineClient(RolloutEngine):
         actor = ray.remote(EngineActor).options(**options).remote(model_path, cfg, seed, max_model_len)
         if start_timeout_s is not None:
             ray.get(actor.ready.remote(), timeout=start_timeout_s)
-        return cls(actor, tensor_parallel_size=cfg.tensor_parallel_size)
+        return cls(actor, tensor_parallel_size=cfg.tensor_parallel_size, health_timeout_s=cfg.engine_health_timeout_s)
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -232,6 +269,19 @@ class RayEngineClient(RolloutEngine):
         """The actor engine's current load."""
         return await self._call("stats")
 
+    async def check_health(self) -> None:
+        """Raises when the engine core died (vLLM's EngineDeadError), the actor died (Ray's
+        ActorDiedError) or the actor does not answer within ``health_timeout_s`` (TimeoutError)."""
+        ref = self.actor.check_health.remote()
+        try:
+            await asyncio.wait_for(ref, timeout=self.health_timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"engine actor gave no health answer within {self.health_timeout_s:.0f} s") from None
+
+    async def process_ids(self) -> dict[str, Any]:
+        """The actor's pid, node and engine processes (see ``EngineActor.process_ids``)."""
+        return await self._call("process_ids")
+
     async def shutdown(self) -> None:
         """Stop the engine and kill the actor."""
         import ray
@@ -244,10 +294,32 @@ class RayEngineClient(RolloutEngine):
                 self._pump_task.cancel()
             except RuntimeError:  # its event loop is already closed
                 pass
+        segments: list[str] = []
         try:
+            segments = await asyncio.wait_for(self.actor.shm_segments.remote(), timeout=self.health_timeout_s)
             await asyncio.wait_for(self.actor.shutdown.remote(), timeout=60.0)
         finally:
             ray.kill(self.actor)
+            if segments:
+                await _remove_after_exit(self.actor, set(segments))
+
+
+async def _remove_after_exit(actor: Any, segments: set[str], wait_s: float = 10.0) -> None:
+    """The killed actor may have mapped its engine's segments itself: once it is gone, remove
+    those no live process maps (on this node; a remote actor's node is swept by its own
+    shutdown, which ran first)."""
+    import ray
+
+    from megatron_rl.distributed.local_state import remove_unmapped_segments
+
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            await asyncio.wait_for(actor.ready.remote(), timeout=1.0)
+        except (ray.exceptions.RayActorError, asyncio.TimeoutError):
+            break
+        await asyncio.sleep(0.2)
+    remove_unmapped_segments(segments)
 
 
 def create_ray_engines(

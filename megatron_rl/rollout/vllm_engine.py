@@ -477,13 +477,22 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
             },
         ))
 
+    async def check_health(self) -> None:
+        """Raises vLLM's EngineDeadError once the engine-core process died; else returns at once."""
+        if self._closed:
+            raise RuntimeError("VLLMEngine is shut down")
+        await self._llm.check_health()
+
     async def shutdown(self) -> None:
         """Abort what is pending, stop vLLM's processes and remove this engine's scratch dir."""
         if self._closed:
             return
         self._closed = True
         if self._inflight:
-            await self.abort(list(self._inflight))
+            try:
+                await self.abort(list(self._inflight))
+            except Exception as exc:  # a dead engine core cannot abort: its processes still get stopped
+                logger.warning("aborting %d request(s) at shutdown failed: %r", len(self._inflight), exc)
             tasks = [t for t in self._inflight.values() if t is not None]
             if tasks:
                 await asyncio.wait(tasks, timeout=10.0)

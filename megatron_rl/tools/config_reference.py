@@ -8,8 +8,9 @@ the code. The page (docs/configuration.md) holds the table between two marker li
     megatron-rl-config-reference --write docs/configuration.md   # rewrite the page's copy
     bash tools/update_config_reference.sh                        # the same, for docs/configuration.md
 
-The sections are those ``megatron-rl-train`` accepts: importing ``megatron_rl.train`` registers
-them (RollPacker's through ``rollpacker.plugins``), so this module names no plug-in package itself.
+The sections are those ``megatron-rl-train`` accepts: the installed plug-in packages register
+them (``megatron_rl.plugins.load_plugin_packages``, RollPacker's among them), so this module
+names no plug-in package itself.
 """
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ import sys
 from pathlib import Path
 
 import megatron_rl.config as config_module
-import megatron_rl.train  # noqa: F401  (registers the plug-in packages' sections, as a training run has them)
 from megatron_rl.config import RunConfig, plugin_sections
+from megatron_rl.plugins import load_plugin_packages
 
 BEGIN, END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
 
@@ -44,6 +45,7 @@ def field_docs(module=config_module) -> dict[str, dict[str, str]]:
 
 def _sections() -> list[tuple[str, str, type, dict[str, str]]]:
     """(name, description, dataclass, field docs) of the core sections, then the plug-in ones."""
+    load_plugin_packages()  # the plug-in packages' sections, as a training run has them
     core_docs = field_docs()
     out = [(f.name, core_docs["RunConfig"][f.name], type(getattr(RunConfig(), f.name)), core_docs)
            for f in dataclasses.fields(RunConfig) if f.name != "extensions"]
@@ -62,7 +64,8 @@ def _field_rows(prefix: str, cls: type, obj, docs: dict[str, dict[str, str]]) ->
         text = docs[cls.__name__][f.name].replace("|", "\\|")
         if dataclasses.is_dataclass(value):
             rows.append(f"| `{prefix}.{f.name}.*` | | {text} |")
-            rows += _field_rows(f"{prefix}.{f.name}", type(value), value, docs)
+            # A nested section's class may live in another module than its parent's.
+            rows += _field_rows(f"{prefix}.{f.name}", type(value), value, field_docs(sys.modules[type(value).__module__]))
         else:
             rows.append(f"| `{prefix}.{f.name}` | `{value!r}` | {text} |")
     return rows

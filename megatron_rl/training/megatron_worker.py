@@ -53,7 +53,7 @@ from megatron_rl.training.weight_push import WeightPush
 from megatron_rl.training.weights_io import load_hf_into_model
 
 # loss_fn(logprobs, old_logprobs, advantages, mask, *, ref_logprobs, engine_logprobs, seq_ids,
-#         num_tokens_total, num_seqs_total) -> (loss, metrics); the signature of
+#         num_tokens_total, num_seqs_total[, staleness]) -> (loss, metrics); the signature of
 # megatron_rl.algorithms.losses.compute_policy_loss with ``cfg`` bound (functools.partial).
 LossFn = Callable[..., tuple[torch.Tensor, dict]]
 
@@ -227,7 +227,10 @@ class MegatronWorker(WeightExport, WeightPush):
                     )
             token_fields = {"old_logprobs": [list(s.old_logprobs) for s in samples] if recompute else None,
                             "ref_logprobs": _optional_field(samples, "ref_logprobs"),
-                            "engine_logprobs": _optional_field(samples, "engine_logprobs")}
+                            "engine_logprobs": _optional_field(samples, "engine_logprobs"),
+                            # Only when some token is off-policy (the loop sets it then): which
+                            # tokens the parity check may hold against the engine.
+                            "staleness": _optional_field(samples, "staleness")}
             seq_fields = {"advantages": [s.advantage for s in samples]}
         out = []
         for group in groups:
@@ -424,15 +427,20 @@ class MegatronWorker(WeightExport, WeightPush):
             scored_here = old is None  # algorithm.recompute_old_logprobs=false: these weights generated the batch
             if scored_here:
                 old = logprobs.detach()
+            staleness = batch.fields.get("staleness")
+            # Passed only when set: a loss that knows nothing of off-policy data keeps working.
+            stale_kw = {} if staleness is None else {"staleness": staleness}
             loss, metrics = loss_fn(
                 logprobs, old, batch.fields["advantages"], batch.loss_mask,
                 ref_logprobs=batch.fields.get("ref_logprobs"), engine_logprobs=engine,
                 seq_ids=batch.segment_ids, num_tokens_total=num_tokens_total, num_seqs_total=num_seqs_total,
+                **stale_kw,
             )
             values = {k: float(v.detach()) if torch.is_tensor(v) else float(v) for k, v in metrics.items()}
             values.setdefault("loss", float(loss.detach()))
             if scored_here and engine is not None:
-                values.update(parity_metrics(logprobs, engine, batch.loss_mask))
+                on_policy = batch.loss_mask if staleness is None else batch.loss_mask * (staleness == 0)
+                values.update(parity_metrics(logprobs, engine, on_policy))
             return loss, values
 
         payloads = run_microbatches(self.model, mbs, loss_callback, self.arch.vocab_size, forward_only=False)

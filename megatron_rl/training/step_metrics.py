@@ -35,10 +35,13 @@ def combine_over_ranks(local: dict[str, float]) -> dict[str, float]:
 
 
 def parity_metrics(logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """|trainer - engine| logprob of this microbatch's response tokens, as the ``_max`` and the
-    ``_sum`` (the caller divides by the token count): the on-policy check when the training
-    forward itself scores the batch (algorithm.recompute_old_logprobs=false)."""
+    """|trainer - engine| logprob of this microbatch's tokens where ``mask`` is set (the response
+    tokens the current weights generated: an off-policy token's engine logprob is an older
+    policy's), as the ``_max``, the ``_sum`` and the token count ``_tokens`` (the caller divides):
+    the on-policy check when the training forward itself scores the batch
+    (algorithm.recompute_old_logprobs=false)."""
     diff = (logprobs.detach() - engine_logprobs.to(logprobs.dtype)).abs()[mask.bool()]
     if diff.numel() == 0:
-        return {"logprob_abs_diff_sum": 0.0}
-    return {"logprob_abs_diff_max": float(diff.max()), "logprob_abs_diff_sum": float(diff.sum())}
+        return {"logprob_abs_diff_sum": 0.0, "logprob_abs_diff_tokens": 0.0}
+    return {"logprob_abs_diff_max": float(diff.max()), "logprob_abs_diff_sum": float(diff.sum()),
+            "logprob_abs_diff_tokens": float(diff.numel())}

@@ -35,6 +35,11 @@ model by default; its last lines are ``long-round rollout speedup (speculation):
 
 ``--compare arms`` (``benchmark_arms``): arms that differ in a few config keys, interleaved.
 
+``--compare peers`` (``benchmark_peers``): baseline / partial rollout / one-step-off async / tail
+batching / tail batching + speculation + history over ``--seeds`` seeds (3 by default), 30 steps
+on the re-checking model: speed, staleness and learning of the peers users would pick instead of
+tail batching; its last line is ``speedup (tail batching vs best peer):`` (docs/peers.md).
+
 ``--compare old_logprobs`` runs the baseline scheduler twice, ``algorithm.recompute_old_logprobs``
 true vs false (the separate scoring forward vs the training forward's own logprobs).
 
@@ -55,7 +60,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rollpacker.benchmarks import benchmark_arms, benchmark_quantization, benchmark_speculative, benchmark_weight_sync
+from rollpacker.benchmarks import (
+    benchmark_arms,
+    benchmark_peers,
+    benchmark_quantization,
+    benchmark_speculative,
+    benchmark_weight_sync,
+)
 from rollpacker.benchmarks.common import REPO, benchmark_config, period_steps, spread
 from rollpacker.benchmarks.plot_timeline import plot_timeline
 
@@ -73,6 +84,7 @@ OWN_COMPARISONS: dict[str, Callable[[list[str]], int]] = {
     "speculative": benchmark_speculative.main,
     "quantization": benchmark_quantization.main,
     "arms": benchmark_arms.main,
+    "peers": benchmark_peers.main,
 }
 """Comparisons with a module and options of their own: ``--compare NAME`` calls ``main(rest)``
 with the command line less ``--compare NAME``."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.integration._megatron_cases import hf_reference, make_samples, run_spmd
+from tests.helpers.megatron_cases import hf_reference, make_samples, run_spmd
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 

@@ -19,12 +19,12 @@ import re
 
 import pytest
 import torch
-from _checkpoint_cases import KILLED, device_check_on_cpu, run_cases, save_then_die
-from _megatron_cases import make_samples, run_spmd
 
 from megatron_rl.tools import convert_checkpoint as cc
+from tests.helpers.checkpoint_cases import KILLED, device_check_on_cpu, run_cases, save_then_die
+from tests.helpers.megatron_cases import make_samples, run_spmd
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 TIED_SAVED = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
               "data_parallel_size": 1, "world_size": 2}

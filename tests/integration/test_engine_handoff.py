@@ -16,7 +16,7 @@ from megatron_rl.rollout.ray_engine import create_ray_engines
 from megatron_rl.rollout.weight_sync.hf_files import write_hf_weights
 from tests.helpers.engine_io import collect, generate
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 PROMPT = [10, 20, 30, 40, 50]
 MAX_TOKENS = 64

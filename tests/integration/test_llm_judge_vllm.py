@@ -9,7 +9,7 @@ import torch
 from megatron_rl.config import RolloutConfig
 from megatron_rl.reward.graders.llm_judge import LLMJudge, parse_verdict
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_tiny_judge_scores_through_the_engine(tiny_model_dir) -> None:

@@ -16,6 +16,7 @@ def _load_tool():
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_make_tiny_model_is_deterministic_and_loads(tmp_path):
     import torch

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _megatron_cases import hf_reference, make_samples, parity_scenarios, run_spmd
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+from tests.helpers.megatron_cases import hf_reference, make_samples, parity_scenarios, run_spmd
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 BIG, SMALL = 4096, 24  # token budgets: one microbatch per rank vs many microbatches
 LAYOUTS = [

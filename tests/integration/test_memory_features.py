@@ -23,9 +23,10 @@ import dataclasses
 
 import pytest
 import torch
-from _megatron_cases import make_samples, run_spmd, toy_loss
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+from tests.helpers.megatron_cases import make_samples, run_spmd, toy_loss
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 GRANULARITIES = ("none", "selective", "full")
 RECOMPUTE_LAYOUTS = [("tp2", 2, 1), ("pp2", 1, 2)]  # name, TP, PP (world 2)

@@ -23,9 +23,10 @@ import functools
 
 import pytest
 import torch
-from _megatron_cases import make_samples, policy_loss_cfg, run_spmd
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+from tests.helpers.megatron_cases import make_samples, policy_loss_cfg, run_spmd
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 NUM_SAMPLES = 10
 CASES = [

@@ -5,9 +5,10 @@ from __future__ import annotations
 import functools
 
 import pytest
-from _megatron_cases import make_samples, run_spmd
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+from tests.helpers.megatron_cases import make_samples, run_spmd
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def _update_direction(rank: int, world: int, port: int, model_dir: str, samples):

@@ -20,7 +20,7 @@ from megatron_rl.quantization.engine_format import hf_quant_config, quantization
 from megatron_rl.quantization.modelopt_ops import _PLUGIN_PACKAGES, import_without_plugins
 from megatron_rl.quantization.scheme import QuantSpec, is_quantized_weight, quantize_state_dict
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def _modelopt():

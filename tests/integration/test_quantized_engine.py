@@ -21,30 +21,20 @@ import asyncio
 
 import pytest
 import torch
-from _engine_checks import hf_logprobs, run, sample
 
-from megatron_rl.config import RolloutConfig
 from megatron_rl.quantization.engine_format import quantize_hf_checkpoint
 from megatron_rl.quantization.scheme import is_scale, quant_spec, quantize_state_dict
+from tests.helpers.engine_checks import hf_logprobs, run, sample
+from tests.helpers.quantized_engines import (
+    INT8,
+    MEAN_GAP_TOLERANCE,
+    ModelTensors,
+    linear_layers,
+    quantized_engine,
+    rank_files,
+)
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
-
-INT8 = quant_spec("int8", "float32")
-# Parity tolerance of a quantized engine vs the fp32 trainer on these models (mean |logprob gap|
-# over a response). An fp32 engine stays under 1e-4 (the loop's parity check); int8 rounding moved these models'
-# logprobs by 4e-3 on average (measured); weights written with a 25 % scale error by 6.5e-2.
-MEAN_GAP_TOLERANCE = 0.02
-
-
-class _Tiny:
-    """The engine-side copies of a model: HF tensors, and what each sync writes of them."""
-
-    def __init__(self, path):
-        from megatron_rl.training.weights_io import LazySafetensors
-
-        self.path = path
-        hf = LazySafetensors(path)
-        self.hf = {name: hf[name] for name in hf}
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +42,7 @@ def models(tiny_model_dir, tmp_path_factory):
     from megatron_rl.model.tiny import build_tiny_qwen2
 
     other = build_tiny_qwen2(tmp_path_factory.mktemp("other"), seed=9)  # same shapes, other weights
-    return _Tiny(tiny_model_dir), _Tiny(other)
+    return ModelTensors(tiny_model_dir), ModelTensors(other)
 
 
 def _gap(logprobs, model_dir, tokens) -> torch.Tensor:
@@ -62,7 +52,7 @@ def _gap(logprobs, model_dir, tokens) -> torch.Tensor:
     return gap
 
 
-def _hf_sync(model: _Tiny, spec, directory, scale_factor: float = 1.0):
+def _hf_sync(model: ModelTensors, spec, directory, scale_factor: float = 1.0):
     """What TrainerRank.write_hf_weights writes for an engine of ``spec``."""
     from megatron_rl.rollout.weight_sync.hf_files import write_hf_weights
 
@@ -71,53 +61,13 @@ def _hf_sync(model: _Tiny, spec, directory, scale_factor: float = 1.0):
     return str(write_hf_weights(tensors, directory))
 
 
-class _OneProcess:
-    """The resharder's transport for a single-process trainer (a plan without rounds)."""
-
-    rank = 0
-
-    def barrier(self) -> None:
-        pass
-
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-
-def _rank_files(model: _Tiny, tp: int, spec, directory, version: int, dtype: torch.dtype = torch.float32) -> str:
-    """What the sharded sync (and an elastic-TP switch) writes: resharded from a TP1 trainer."""
-    from megatron_rl.model.hf_weights import hf_to_megatron_shard
-    from megatron_rl.model.qwen2 import read_qwen2_arch
-    from megatron_rl.resharding import MegatronLayout, VLLMLayout, build_plan
-    from megatron_rl.resharding.rollout_shards import RolloutShardPlan, write_rollout_shards
-
-    arch = read_qwen2_arch(model.path)
-    plan = RolloutShardPlan(arch, tp, build_plan(MegatronLayout(arch, 1, 1), VLLMLayout(arch, tp), [0], [0] * tp,
-                                                 256 << 20, dtype.itemsize), [0])
-    write_rollout_shards(hf_to_megatron_shard(model.hf, arch, 0, 1, 0, 1), plan, directory, hf_path=model.path,
-                         version=version, transport=_OneProcess(), dtype=dtype, quantization=spec)
-    return str(directory)
-
-
-def _engine(path, tmp_path_factory, method: str, tp: int = 1, dtype: str | None = None):
-    from megatron_rl.rollout.vllm_engine import VLLMEngine
-
-    cfg = RolloutConfig(max_num_seqs=4, cpu_kv_cache_gib=0.125, tensor_parallel_size=tp, quantization=method)
-    return VLLMEngine(str(path), cfg, seed=0, max_model_len=256, runtime_dir=tmp_path_factory.mktemp("rt"),
-                      dtype=dtype)
-
-
-def _linear_layers(summary: dict) -> dict[str, dict]:
-    return {name: row for name, row in summary.items() if name.rsplit(".", 1)[-1] in
-            ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
-
-
 def test_int8_engine_runs_int8_kernels_and_reloads_through_both_syncs(models, loop, tmp_path, tmp_path_factory):
     a, b = models
     start = quantize_hf_checkpoint(a.path, tmp_path / "start", INT8)
-    engine = _engine(start, tmp_path_factory, "int8")
+    engine = quantized_engine(start, tmp_path_factory, "int8")
     try:
         summary = run(loop, engine._llm.collective_rpc("quantization_summary"))[0]
-        linear = _linear_layers(summary)
+        linear = linear_layers(summary)
         assert len(linear) == 4 * 2  # every linear layer of both decoder layers
         for name, row in linear.items():
             assert (row["scheme"], row["kernel"], row["gemm"]) == (
@@ -148,12 +98,12 @@ def test_int8_engine_runs_int8_kernels_and_reloads_through_both_syncs(models, lo
         # At engine TP 1 the sharded sync's rank file and the HF sync give bit-identical weights.
         run(loop, engine.reload_weights(_hf_sync(a, INT8, tmp_path / "hf-a"), version=3))
         via_hf = run(loop, sample(engine, "hf-a"))
-        run(loop, engine.reload_weights(_rank_files(a, 1, INT8, tmp_path / "shards-a", version=4), version=4))
+        run(loop, engine.reload_weights(rank_files(a, 1, INT8, tmp_path / "shards-a", version=4), version=4))
         via_shards = run(loop, sample(engine, "shards-a"))
         assert via_shards[:2] == via_hf[:2] and via_shards[2] == 4
         assert float(_gap(via_shards[1], a.path, via_shards[0]).mean()) < MEAN_GAP_TOLERANCE
         again = run(loop, engine._llm.collective_rpc("quantization_summary"))[0]
-        assert _linear_layers(again) == linear  # still int8 after four reloads
+        assert linear_layers(again) == linear  # still int8 after four reloads
     finally:
         loop.run_until_complete(asyncio.wait_for(engine.shutdown(), timeout=60))
 
@@ -163,9 +113,9 @@ def test_int8_engine_on_the_70m_benchmark_model(loop, tmp_path, tmp_path_factory
     from rollpacker.benchmarks.benchmark_quantization import THROUGHPUT_MODELS
 
     model = build_tiny_qwen2(tmp_path / "sync-bench-70m", **THROUGHPUT_MODELS["sync-bench-70m"])
-    engine = _engine(quantize_hf_checkpoint(model, tmp_path / "int8", INT8), tmp_path_factory, "int8")
+    engine = quantized_engine(quantize_hf_checkpoint(model, tmp_path / "int8", INT8), tmp_path_factory, "int8")
     try:
-        linear = _linear_layers(run(loop, engine._llm.collective_rpc("quantization_summary"))[0])
+        linear = linear_layers(run(loop, engine._llm.collective_rpc("quantization_summary"))[0])
         assert len(linear) == 4 * 8
         assert {row["gemm"] for row in linear.values()} == {"_apply_weights_onednn"}, linear
         tokens, logprobs, _ = run(loop, sample(engine, "70m", max_tokens=32))
@@ -176,18 +126,18 @@ def test_int8_engine_on_the_70m_benchmark_model(loop, tmp_path, tmp_path_factory
         loop.run_until_complete(asyncio.wait_for(engine.shutdown(), timeout=60))
 
 
-def test_int8_tp2_engine_starts_from_quantized_rank_files(models, loop, tmp_path, tmp_path_factory):
+def test_int8_tp2_engine_starts_from_quantizedrank_files(models, loop, tmp_path, tmp_path_factory):
     a, b = models
-    engine = _engine(_rank_files(a, 2, INT8, tmp_path / "a-tp2", version=5), tmp_path_factory, "int8", tp=2)
+    engine = quantized_engine(rank_files(a, 2, INT8, tmp_path / "a-tp2", version=5), tmp_path_factory, "int8", tp=2)
     try:
         summaries = run(loop, engine._llm.collective_rpc("quantization_summary"))
         assert len(summaries) == 2
         for summary in summaries:
-            assert {row["scheme"] for row in _linear_layers(summary).values()} == {"CompressedTensorsW8A8Int8"}
+            assert {row["scheme"] for row in linear_layers(summary).values()} == {"CompressedTensorsW8A8Int8"}
         tokens, logprobs, version = run(loop, sample(engine, "tp2-start"))
         assert version == 5 and float(_gap(logprobs, a.path, tokens).mean()) < MEAN_GAP_TOLERANCE
         # The next sharded sync, in place, each rank its own file (row-parallel scales per rank).
-        run(loop, engine.reload_weights(_rank_files(b, 2, INT8, tmp_path / "b-tp2", version=6), version=6))
+        run(loop, engine.reload_weights(rank_files(b, 2, INT8, tmp_path / "b-tp2", version=6), version=6))
         tokens, logprobs, version = run(loop, sample(engine, "tp2-b"))
         good = _gap(logprobs, b.path, tokens)
         assert version == 6 and float(good.mean()) < MEAN_GAP_TOLERANCE
@@ -202,10 +152,10 @@ def test_fp8_export_format_loads_and_reloads_in_vllm(models, loop, tmp_path, tmp
     (sharded_state, as after an elastic-TP switch), then the HF sync and the sharded sync in place."""
     a, b = models
     fp8 = quant_spec("fp8", "bfloat16")
-    start = _rank_files(a, 1, fp8, tmp_path / "fp8-a", version=3, dtype=torch.bfloat16)
-    engine = _engine(start, tmp_path_factory, "fp8", dtype="bfloat16")
+    start = rank_files(a, 1, fp8, tmp_path / "fp8-a", version=3, dtype=torch.bfloat16)
+    engine = quantized_engine(start, tmp_path_factory, "fp8", dtype="bfloat16")
     try:
-        linear = _linear_layers(run(loop, engine._llm.collective_rpc("quantization_summary"))[0])
+        linear = linear_layers(run(loop, engine._llm.collective_rpc("quantization_summary"))[0])
         assert len(linear) == 8
         assert {(row["quant_method"], row["weight_dtype"]) for row in linear.values()} == {
             ("ModelOptLinearMethod", "float8_e4m3fn")}
@@ -217,7 +167,7 @@ def test_fp8_export_format_loads_and_reloads_in_vllm(models, loop, tmp_path, tmp
         good = _gap(logprobs, b.path, tokens)
         assert float(good.mean()) < 3 * MEAN_GAP_TOLERANCE
         assert float(_gap(logprobs, a.path, tokens).mean()) > 2 * float(good.mean())
-        run(loop, engine.reload_weights(_rank_files(a, 1, fp8, tmp_path / "fp8-a2", version=5, dtype=torch.bfloat16),
+        run(loop, engine.reload_weights(rank_files(a, 1, fp8, tmp_path / "fp8-a2", version=5, dtype=torch.bfloat16),
                                         version=5))
         tokens, logprobs, version = run(loop, sample(engine, "fp8-a2"))
         assert version == 5 and float(_gap(logprobs, a.path, tokens).mean()) < 3 * MEAN_GAP_TOLERANCE

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import pytest
 
-import tests.integration.test_train_loop as loop
+from tests.helpers.train_runs import overrides, read_jsonl, run_train
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 FP32_PARITY = 1e-4  # what a full-precision engine stays under (test_train_loop, test_rollpacker_loop)
 GAP_MEAN_BOUND = 0.05  # int8 on these models: ~1e-2 or less (tests/integration/test_quantized_engine.py)
@@ -26,15 +26,15 @@ GAP_MEAN_BOUND = 0.05  # int8 on these models: ~1e-2 or less (tests/integration/
 
 def _run(tiny_model_dir, tmp_path, steps: int, extra: list[str]) -> tuple[list[dict], str]:
     run_dir = tmp_path / "run"
-    args = loop._overrides(tiny_model_dir, run_dir, steps, ["rollout.quantization=int8", "data.eval_every=0",
+    args = overrides(tiny_model_dir, run_dir, steps, ["rollout.quantization=int8", "data.eval_every=0",
                                                             "rollout.max_new_tokens=64",
                                                             "algorithm.overlong_buffer_tokens=56", *extra])
-    proc = loop._run_train(args, tmp_path / "log.txt")
+    proc = run_train(args, tmp_path / "log.txt")
     rc = proc.wait(timeout=1200)
     log = (tmp_path / "log.txt").read_text()
     assert rc == 0, log[-4000:]
     assert "rollout.quantization=int8: engines start from" in log
-    rows = loop._read_jsonl(run_dir / "metrics.jsonl")
+    rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["policy_version"] for r in rows] == list(range(1, steps + 1))
     for r in rows:
         assert FP32_PARITY < r["rollout/logprob_abs_diff_max"] and r["rollout/logprob_abs_diff_mean"] < GAP_MEAN_BOUND, r

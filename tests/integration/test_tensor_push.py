@@ -18,14 +18,14 @@ import asyncio
 
 import pytest
 import torch
-from _engine_checks import hf_logprobs, run, sample
 
 from megatron_rl.config import RolloutConfig
 from megatron_rl.rollout.vllm_engine import VLLMEngine
 from megatron_rl.rollout.weight_sync.push.transport import PushOptions, TensorTransport, WeightPushError
+from tests.helpers.engine_checks import hf_logprobs, run, sample
 from tests.helpers.push_writer import ThreadTrainer
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")

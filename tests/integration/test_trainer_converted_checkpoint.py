@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from _megatron_cases import hf_reference, make_samples, run_spmd
-from _resharding_cases import trainer_from_converted
 from safetensors.torch import load_file
 
 from megatron_rl.tools import convert_checkpoint as cc
+from tests.helpers.megatron_cases import hf_reference, make_samples, run_spmd
+from tests.helpers.resharding_cases import trainer_from_converted
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])

@@ -17,7 +17,7 @@ from megatron_rl.rollout.weight_sync.hf_files import LM_HEAD_KEY, write_hf_weigh
 from tests.helpers.engine_io import LongRequestsIgnoreEOS, collect, generate, model_logprobs
 from tests.helpers.engine_io import run as run_with_timeout
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 CAPACITY = 16

@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
@@ -103,9 +103,9 @@ def test_a_tensor_push_reaches_an_engine_on_each_node(two_nodes, tmp_path, tmp_p
     from megatron_rl.rollout.ray_engine import RayEngineClient
     from megatron_rl.rollout.weight_sync.push.protocol import LOCAL, NET
     from megatron_rl.rollout.weight_sync.push.transport import PushOptions, TensorTransport
+    from tests.helpers.engine_checks import PROMPT, hf_logprobs
     from tests.helpers.engine_io import generate
     from tests.helpers.push_writer import RayTrainer
-    from tests.integration._engine_checks import PROMPT, hf_logprobs
 
     ray, head, worker = two_nodes
     start = build_tiny_qwen2(tmp_path / "start", seed=5, num_layers=2)

@@ -100,6 +100,20 @@ def test_gpu_count_checked():
     validate(cfg, device="cuda")
 
 
+def test_split_placement_needs_two_nodes_and_room_for_the_ranks():
+    cfg = load_config(None, ["cluster.placement=split", "cluster.num_nodes=1"])
+    with pytest.raises(ConfigError, match="cluster.num_nodes >= 2"):
+        validate(cfg, device="cpu")
+    cfg = load_config(None, ["cluster.placement=split", "cluster.num_nodes=2", "cluster.gpus_per_node=2",
+                             "parallel.tensor_model_parallel_size=2", "parallel.data_parallel_size=2"])
+    with pytest.raises(ConfigError, match="trainer world size 4 exceeds its 2 GPUs"):
+        validate(cfg, device="cuda")
+    cfg = load_config(None, ["cluster.placement=spread"])
+    with pytest.raises(ConfigError, match="cluster.placement"):
+        validate(cfg, device="cpu")
+    validate(load_config("examples/qwen2.5/tiny_cpu_2node.yaml", []), device="cpu")
+
+
 def test_cp_accepted_on_gpu_config():
     cfg = load_config(None, ["parallel.context_parallel_size=2", "parallel.tensor_model_parallel_size=2"])
     validate(cfg, device="cuda")

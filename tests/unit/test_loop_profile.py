@@ -104,7 +104,8 @@ def test_flame_graph_boxes_are_as_wide_as_their_time():
 @pytest.mark.skipif(shutil.which("py-spy") is None and not (Path(sys.executable).parent / "py-spy").exists(),
                     reason="py-spy not installed (requirements/cpu.lock has it)")
 def test_a_real_recording_attributes_a_known_workload(tmp_path, monkeypatch):
-    """py-spy on a child that computes in one function for ~1.2 s, then sleeps ~1 s in another:
+    """py-spy on a child that computes in one function for 1.2 CPU s (CPU time, so a busy box
+    stretches the wall time, not the figure), then sleeps ~1 s in another:
     the kernel's CPU lands on the computing function; the sleeping one, blocked in C below a
     Python frame py-spy cannot tell from work, gets (almost) none, because its windows had none."""
     from rollpacker.benchmarks.profiling.sampling import ProcessRecord, SpyRecorders
@@ -112,7 +113,7 @@ def test_a_real_recording_attributes_a_known_workload(tmp_path, monkeypatch):
     monkeypatch.setitem(att.CATEGORIES, "test", [("crunch", ("crunch",)), ("rest", ("rest",))])
     script = tmp_path / "work.py"
     script.write_text("import time\n"
-                      "def crunch():\n    t = time.monotonic()\n    while time.monotonic() - t < 1.2: sum(range(500))\n"
+                      "def crunch():\n    t = time.process_time()\n    while time.process_time() - t < 1.2: sum(range(500))\n"
                       "def rest():\n    time.sleep(1.0)\n"
                       "time.sleep(0.5)\ncrunch()\nrest()\n")
     child = subprocess.Popen([sys.executable, str(script)])

@@ -55,11 +55,13 @@ _PATCH = re.compile(r"sys\.path\.(insert|append|extend)\(|sys\.path\[[^\]]*\]\s*
 # The reward sandbox confines its children's sys.path on purpose (and its fork server hands its
 # own sys.path to the child); the GPU check's launcher puts the carried wheels (not the project)
 # on PYTHONPATH; the Ray cluster options forward a PYTHONPATH the user set; the sandbox's
-# confinement test runs a hostile program that adds the repo to its path (and must fail).
+# confinement test runs a hostile program that adds the repo to its path (and must fail); the
+# plug-in contract test puts a third-party package (tests/helpers/acme_site, not the project) on
+# its child interpreter's path, standing for a site directory it was installed into.
 _ALLOWED = [re.compile(p) for p in (r"^megatron_rl/reward/(.*/)?(sandbox[^/]*|isolated_call)\.py$",
                                     r"^megatron_rl/reward/sandbox/", r"^tests/gpu/run_on_device\.sh$",
                                     r"^megatron_rl/distributed/cluster\.py$", r"^tests/unit/test_packaging\.py$",
-                                    r"^tests/unit/test_sandbox_confined\.py$")]
+                                    r"^tests/unit/test_sandbox_confined\.py$", r"^tests/unit/test_plugin_packages\.py$")]
 _SCANNED = re.compile(r"\.(py|sh|md|toml|ini|cfg|ya?ml)$|^\.ci/run$")
 
 

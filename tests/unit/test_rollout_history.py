@@ -11,7 +11,7 @@ from megatron_rl.hooks import RolloutContext
 from rollpacker.history import RolloutHistory
 from rollpacker.tail_batching import TailBatchingScheduler
 from tests.helpers.fake_engine import FakeEngine
-from tests.unit.test_tail_batching import Harness, lengths, make_prompts
+from tests.helpers.tail_batching_harness import Harness, lengths, make_prompts
 
 STEPS_PER_EPOCH = 5  # 20 prompts: four short rounds of ceil(1.25 x 4) = 5 prompts, one long round
 

@@ -10,16 +10,15 @@ import pytest
 from megatron_rl.config_io import load_config
 from megatron_rl.planning.architectures import BUILTIN_SHAPES
 from megatron_rl.planning.memory import GPUS
-from rollpacker.simulator.costs import RewardModel, TrainModel
+from rollpacker.simulator.costs import TrainModel
 from rollpacker.simulator.engine_model import EngineModel, fit_decode_constants
 from rollpacker.simulator.engine_sim import SimRequest, simulate_engine
 from rollpacker.simulator.lengths import EmpiricalLengths, LogNormalLengths
-from rollpacker.simulator.policies import Cluster, Features, PolicyState, simulate_step
+from rollpacker.simulator.policies import Features, PolicyState, simulate_step
 from rollpacker.simulator.runner import build_cluster, cumulative
+from tests.helpers.simulator_cluster import MODEL, small_cluster
 
 REPO = Path(__file__).resolve().parents[2]
-MODEL = EngineModel(step_s=0.01, per_seq_s=0.001, per_ctx_token_s=1e-5, prefill_token_s=1e-4,
-                    kv_capacity_tokens=10_000, max_num_seqs=4)
 
 
 def reference_engine(model, reqs):
@@ -86,14 +85,8 @@ def test_tp_doubling_gives_more_kv_and_faster_steps():
     assert tp2.step_s < tp1.step_s and tp2.per_seq_s < tp1.per_seq_s
 
 
-def _cluster(lengths, engines=4):
-    train = TrainModel(10**9, 8, 1024, 4, 1e15, fixed_s=0.5, sync_s=0.2, s_per_token=1e-5)
-    return Cluster(engines, 8, lambda tp: replace(MODEL, kv_capacity_tokens=200_000, max_num_seqs=64, tp=tp, gpus=tp),
-                   1, 4, train, RewardModel.math(4), lengths, 16, 4, engines)
-
-
 def test_tail_batching_round_pattern_and_queue():
-    cl = _cluster(LogNormalLengths(100, 0.9, 0.5, 2000, 32))
+    cl = small_cluster(LogNormalLengths(100, 0.9, 0.5, 2000, 32))
     state, rng = PolicyState(), random.Random(0)
     kinds = [simulate_step(cl, Features(tail_batching=True), state, rng).round_type for _ in range(10)]
     assert kinds == ["short"] * 4 + ["long"] + ["short"] * 4 + ["long"]  # eta_P = 1.25 -> every 5th step
@@ -101,10 +94,10 @@ def test_tail_batching_round_pattern_and_queue():
 
 
 def test_long_tail_speedup_and_no_gain_without_a_tail():
-    tail = cumulative(_cluster(LogNormalLengths(100, 0.9, 0.7, 4000, 32)), 10, 0, 1.25, 1.25)
+    tail = cumulative(small_cluster(LogNormalLengths(100, 0.9, 0.7, 4000, 32)), 10, 0, 1.25, 1.25)
     assert tail[0].mean_step_s / tail[1].mean_step_s > 1.3  # tail batching pays off on a long tail
     assert tail[1].bubble_fraction < tail[0].bubble_fraction
-    flat = cumulative(_cluster(EmpiricalLengths([[500]], 4000, 32)), 10, 0, 1.25, 1.25)
+    flat = cumulative(small_cluster(EmpiricalLengths([[500]], 4000, 32)), 10, 0, 1.25, 1.25)
     assert flat[0].bubble_fraction < 0.05  # equal lengths: no bubble to remove
     assert flat[0].mean_step_s / flat[1].mean_step_s < 1.05
 

@@ -36,9 +36,9 @@ def test_memory_bound_decode_gets_faster_and_compute_bound_can_get_slower():
 def test_policy_table_speculates_long_rounds_only():
     from rollpacker.simulator.lengths import LogNormalLengths
     from rollpacker.simulator.runner import cumulative
-    from tests.unit.test_simulator import _cluster
+    from tests.helpers.simulator_cluster import small_cluster
 
-    cl = _cluster(LogNormalLengths(100, 0.9, 0.7, 4000, 32))
+    cl = small_cluster(LogNormalLengths(100, 0.9, 0.7, 4000, 32))
     plain = cumulative(cl, 10, 0, 1.25, 1.25)
     spec = cumulative(cl, 10, 0, 1.25, 1.25, spec=(0.6, 4))
     assert [s.name for s in spec] == [s.name for s in plain] + ["+ speculation (long)"]

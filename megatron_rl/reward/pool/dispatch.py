@@ -71,9 +71,10 @@ class Dispatcher:
         return (sample.response_ids, sample.prompt.answer, response_label(sample), sample.prompt.metadata,
                 self._timeout_for(sample, route))
 
-    def _send(self, args: tuple) -> tuple[int, Any, int]:
-        """Send a scoring task to a Ray worker: (worker index, ObjectRef, task id)."""
-        index = self._workers.pick()
+    def _send(self, args: tuple, avoid: int | None = None) -> tuple[int, Any, int]:
+        """Send a scoring task to a Ray worker (not ``avoid`` while another exists): (worker
+        index, ObjectRef, task id)."""
+        index = self._workers.pick(avoid)
         task_id = next(self._task_ids)
         ref = self._workers.actors[index].score.remote(*args, task_id=task_id)
         self._workers.track(index, ref)
@@ -99,7 +100,8 @@ class Dispatcher:
             return False
         lost_on = handle.worker
         self._workers.release(lost_on, handle.ref)
-        handle.worker, handle.ref, handle.task_id = self._send(self._score_args(handle.sample))
+        # Not back to the worker that lost it: Ray restarts it, and tasks sent meanwhile are lost too.
+        handle.worker, handle.ref, handle.task_id = self._send(self._score_args(handle.sample), avoid=lost_on)
         handle.attempts += 1
         self._stats.retries += 1
         logger.warning("reward of %s (request %s) lost on worker #%d after %.1f s, resubmitted to worker #%d "

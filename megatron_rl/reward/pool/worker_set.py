@@ -120,9 +120,11 @@ class WorkerSet:
                     refs.difference_update(done)
         return {wid: len(refs) for wid, refs in self.in_flight.items()}
 
-    def pick(self) -> int:
-        """The worker the next response goes to (the dispatch policy)."""
+    def pick(self, avoid: int | None = None) -> int:
+        """The worker the next response goes to (the dispatch policy); never ``avoid`` (the
+        worker a resubmitted task was lost on, likely restarting) while another one exists."""
         ids = [wid for wid in self.actors if wid not in self.starting] or list(self.actors)
+        ids = [wid for wid in ids if wid != avoid] or ids
         start = next(self._cursor) % len(ids)
         order = ids[start:] + ids[:start]
         if self.dispatch == "round_robin":

@@ -60,6 +60,17 @@ class WeightSync:
             figures.update(await self.transport.load(self.engine, version))
         return {f"weight_sync/{key}": value for key, value in figures.items()}
 
+    async def load_into(self, engine: RolloutEngine, version: int) -> dict[str, float]:
+        """Bring a replacement engine (started from the initial weights) to the weights of the
+        last :meth:`push`, ``version``: a push from the trainer ranks (the trainer resident for
+        it), or a reload of the weight directory that push wrote. Returns ``weight_sync/*``."""
+        if self.transport.streams_from_trainer:
+            async with self.colocation.trainer_resident():
+                figures = await self.transport.load(engine, version)
+        else:
+            figures = await self.transport.load(engine, version)
+        return {f"weight_sync/{key}": value for key, value in figures.items()}
+
     async def write_for_new_engines(self, tp: int, version: int) -> tuple[str, dict[str, float]]:
         """Elastic switch (the old engines are shut down): where engines of TP ``tp`` start from.
 

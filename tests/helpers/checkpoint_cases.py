@@ -1,5 +1,5 @@
 """SPMD scenarios for the dist-checkpoint tests (test_dist_checkpoint.py), run by
-``_megatron_cases.run_spmd``: save a trainer checkpoint at one layout, resume at another, and
+``tests.helpers.megatron_cases.run_spmd``: save a trainer checkpoint at one layout, resume at another, and
 compare with an uninterrupted run at the new layout.
 
 Imported by the spawned ranks (spawn start method), so keep it free of pytest fixtures.
@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from _megatron_cases import make_samples, policy_loss_cfg, toy_loss
+
+from tests.helpers.megatron_cases import make_samples, policy_loss_cfg, toy_loss
 
 KILLED = 86
 """Exit status of the ranks killed in the middle of a save."""

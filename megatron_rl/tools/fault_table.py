@@ -1,0 +1,70 @@
+"""Renders docs/faults.md's table of faults from what the fault-injection tests measured.
+
+The tests (tests/integration/test_faults.py) write one entry per fault to the JSON file named by
+``FAULT_FIGURES``; this tool puts the table between the page's ``fault-table`` markers::
+
+    FAULT_FIGURES=$PWD/docs/fault_figures.json bash tests/run.sh tests/integration/test_faults.py
+    python -m megatron_rl.tools.fault_table docs/fault_figures.json docs/faults.md
+
+tests/unit/test_fault_table.py fails when the page and the JSON file disagree.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+START = "<!-- fault-table:start (python -m megatron_rl.tools.fault_table) -->"
+END = "<!-- fault-table:end -->"
+
+
+def _seconds(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f} s"
+
+
+def render(figures: dict) -> str:
+    """The markdown table (and the line naming the machine) for a figures file's content."""
+    lines = ["| fault | outcome | time to detect | time to recover / stop | measured by | notes |",
+             "|---|---|---|---|---|---|"]
+    for f in figures["faults"]:
+        test = f["test"].split("::")[-1]
+        lines.append(f"| {f['fault']} | {f['outcome']} | {_seconds(f['detect_s'])} | {_seconds(f['recover_s'])} "
+                     f"| `{test}` | {f.get('note', '')} |")
+    lines.append("")
+    lines.append(f"Measured on {figures.get('measured_on', 'an unrecorded machine')}.")
+    bursts = figures.get("bursts", {})
+    if bursts:
+        lines += ["", "Reward pool under a burst of code responses (a share of them sandbox attacks):", "",
+                  "| burst | responses (attacks) | workers | verdicts kept | wrong verdicts | throughput | "
+                  "queue wait mean / max | driver RSS peak (growth per response) | workers RSS peak | command |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for name, b in bursts.items():
+            lines.append(
+                f"| {name} | {b['responses']} ({b['hostile']}) | {b['workers']} | {b['verdicts']} of {b['responses']} "
+                f"| {b['num_wrong']} | {b['throughput_per_s']:.1f} /s | {b['queue_wait_mean_s']:.1f} s / "
+                f"{b['queue_wait_max_s']:.1f} s | {b['driver_rss_peak_mb']:.0f} MB "
+                f"({b['driver_rss_growth_kb_per_response']:.1f} kB) | {b['workers_rss_peak_mb']:.0f} MB | `{b['command']}` |")
+    return "\n".join(lines)
+
+
+def update(page: str, figures: dict) -> str:
+    """``page`` with the text between the markers replaced by :func:`render`."""
+    if START not in page or END not in page:
+        raise ValueError(f"the page has no {START!r} ... {END!r} markers")
+    head, rest = page.split(START, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{START}\n{render(figures)}\n{END}{tail}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("figures", help="the JSON file the fault tests wrote (FAULT_FIGURES)")
+    parser.add_argument("page", help="the markdown page to update (docs/faults.md)")
+    args = parser.parse_args(argv)
+    page = Path(args.page)
+    page.write_text(update(page.read_text(), json.loads(Path(args.figures).read_text())))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

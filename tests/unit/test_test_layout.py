@@ -1,0 +1,108 @@
+"""The test tree's layout (docs/tests.md): no test module imports another test module; what tests
+share lives in ``tests/helpers/`` (modules) or a ``conftest.py`` (fixtures); ``unit/`` and
+``integration/`` hold test modules and their conftest only; every test module under
+``integration/`` is marked ``integration``, the fast tier's ``slow`` marker is declared, and every
+integration test but the fast tier's smoke run carries it."""
+from __future__ import annotations
+
+import ast
+import configparser
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parents[1]
+REPO = TESTS.parent
+
+
+def _imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in ``path``, top level or inside a function."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.extend((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.extend([(node.lineno, node.module)] + [(node.lineno, f"{node.module}.{a.name}") for a in node.names])
+    return found
+
+
+def _is_test_module(name: str, test_files: set[str]) -> bool:
+    """A dotted name that is a test module: ``tests.<dir>.test_x`` or a bare ``test_x`` / ``_x``
+    that pytest's rootdir import would resolve to a file beside the importer."""
+    parts = name.split(".")
+    if parts[0] == "tests":
+        return any(p.startswith("test_") for p in parts[1:])
+    return parts[0] in test_files
+
+
+def test_no_test_module_imports_another_test_module():
+    test_files = {p.stem for p in TESTS.rglob("*.py") if p.stem.startswith(("test_", "_")) and p.stem != "__init__"}
+    offenders = []
+    for path in TESTS.rglob("*.py"):
+        for line, module in _imported_modules(path):
+            if _is_test_module(module, test_files):
+                offenders.append(f"{path.relative_to(REPO)}:{line} imports {module}")
+    assert not offenders, "move what they share to tests/helpers/ or a conftest.py:\n" + "\n".join(offenders)
+
+
+def test_the_checker_sees_both_kinds_of_test_module_import(tmp_path):
+    sample = tmp_path / "test_sample.py"
+    sample.write_text("import tests.integration.test_train_loop as loop\nfrom _megatron_cases import run_spmd\n"
+                      "from tests.helpers.train_runs import read_jsonl\n")
+    flagged = [m for _, m in _imported_modules(sample) if _is_test_module(m, {"_megatron_cases", "test_train_loop"})]
+    assert flagged == ["tests.integration.test_train_loop", "_megatron_cases", "_megatron_cases.run_spmd"]
+
+
+def test_unit_and_integration_hold_only_test_modules_and_their_conftest():
+    for folder in (TESTS / "unit", TESTS / "integration"):
+        strays = sorted(p.name for p in folder.glob("*.py") if not p.name.startswith("test_") and p.name != "conftest.py")
+        assert not strays, f"{folder.relative_to(REPO)}: helpers belong in tests/helpers/: {strays}"
+
+
+def test_integration_modules_are_marked_and_the_slow_marker_is_declared():
+    ini = configparser.ConfigParser()
+    ini.read(REPO / "pytest.ini")
+    declared = {line.split(":")[0].strip() for line in ini["pytest"]["markers"].strip().splitlines()}
+    assert {"integration", "slow", "gpu"} <= declared, declared
+    unmarked = [p.name for p in sorted((TESTS / "integration").glob("test_*.py"))
+                if "pytest.mark.integration" not in p.read_text()]
+    assert not unmarked, f"integration test modules without the integration marker: {unmarked}"
+
+
+SMOKE = {"test_train_loop.py::test_loop_runs_on_policy_with_engine_parity"}
+"""The integration tests of the fast tier (``-m "not slow"``): one real-stack run of the loop."""
+
+
+def _marks(decorators: list[ast.expr]) -> set[str]:
+    """The ``pytest.mark.<name>`` names in decorators or a ``pytestmark`` value."""
+    return {node.attr for expr in decorators for node in ast.walk(expr)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "mark"}
+
+
+def _integration_tests_and_slowness(path: Path) -> dict[str, tuple[bool, bool]]:
+    """``file::test`` -> (marked integration, marked slow), module marks included."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    module = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets):
+            module |= _marks([node.value])
+    found = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test_"):
+            marks = module | _marks(node.decorator_list)
+            found[f"{path.name}::{node.name}"] = ("integration" in marks, "slow" in marks)
+    return found
+
+
+def test_every_integration_test_but_the_smoke_run_is_slow():
+    tests = {}
+    for path in sorted((TESTS / "integration").glob("test_*.py")):
+        tests.update(_integration_tests_and_slowness(path))
+    fast = {name for name, (integration, slow) in tests.items() if integration and not slow}
+    assert fast == SMOKE, f"integration tests outside the slow tier: {sorted(fast - SMOKE)}; smoke run missing: {sorted(SMOKE - fast)}"
+
+
+def test_the_mark_reader_sees_module_and_function_marks(tmp_path):
+    sample = tmp_path / "test_sample.py"
+    sample.write_text("import pytest\npytestmark = [pytest.mark.integration, pytest.mark.timeout(9)]\n\n"
+                      "@pytest.mark.slow\ndef test_a():\n    pass\n\ndef test_b():\n    pass\n")
+    assert _integration_tests_and_slowness(sample) == {"test_sample.py::test_a": (True, True),
+                                                       "test_sample.py::test_b": (True, False)}
