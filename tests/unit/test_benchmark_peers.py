@@ -3,7 +3,7 @@ run config (scheduler, same prompts and evaluation, the interleaved order), the 
 back from metrics rows (off-policy fraction and staleness weighted by tokens, the rollout the
 step waited for, one-step-off's wait included), the report's lines and its last line, the JSON
 and the curves PNG. The real runs: docs/peers.md (the command) and
-tests/integration/test_peers_loop.py (the arms in the real loop)."""
+tests/integration/test_peers_vllm_loop.py (the arms in the real loop)."""
 from __future__ import annotations
 
 import json

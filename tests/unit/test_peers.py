@@ -2,7 +2,7 @@
 the versions every token records, the staleness bound, no prompt trained twice or lost, the
 checkpointed carried responses) and one-step-off (the next step's rollout overlaps training, one
 version old, settled before the weights change, the prefetched batch checkpointed). The loop
-around them: tests/unit/test_peers_loop.py; the real stack: tests/integration/test_peers_loop.py."""
+around them: tests/unit/test_peers_loop.py; the real stack: tests/integration/test_peers_vllm_loop.py."""
 from __future__ import annotations
 
 import asyncio

@@ -106,3 +106,15 @@ def test_the_mark_reader_sees_module_and_function_marks(tmp_path):
                       "@pytest.mark.slow\ndef test_a():\n    pass\n\ndef test_b():\n    pass\n")
     assert _integration_tests_and_slowness(sample) == {"test_sample.py::test_a": (True, True),
                                                        "test_sample.py::test_b": (True, False)}
+
+
+def test_test_module_basenames_are_unique():
+    """pytest imports test modules by basename (rootdir import, no packages): two files of one
+    name in different folders stop collection of the whole suite ("import file mismatch")."""
+    seen: dict[str, Path] = {}
+    clashes = []
+    for path in sorted(TESTS.rglob("test_*.py")):
+        if path.stem in seen:
+            clashes.append(f"{seen[path.stem].relative_to(REPO)} and {path.relative_to(REPO)}")
+        seen.setdefault(path.stem, path)
+    assert clashes == [], f"test modules sharing a basename: {clashes}"
