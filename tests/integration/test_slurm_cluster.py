@@ -37,7 +37,8 @@ RECIPE = "examples/qwen2.5/tiny_cpu_2node.yaml"
 SCRIPT = "launch/qwen2.5_7b_h800.sh"
 JOB_NAME = "rl-qwen2.5-7b"
 PROMPTS, P0 = 256, 4  # data.builtin_num_prompts, data.prompts_per_step (the recipe's)
-STEPS = 40  # more than the jobs get through: the time limit and scancel end them
+STEPS = 400  # far more than the jobs get through: the time limit and scancel end them (on a quiet box 40
+# steps took 55 s, less than the time-limit signal may be late: whole-minute limits, 30 s checks)
 SHORT_RUN = (f"data.builtin_num_prompts={PROMPTS}", "rollout.max_new_tokens=24", "trainer.save_every=0")
 
 
