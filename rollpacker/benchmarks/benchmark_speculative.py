@@ -32,10 +32,18 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
-from rollpacker.benchmarks.common import REPO, add_run_options, benchmark_config, check_run_options, run_shape, spread
+from rollpacker.benchmarks.common import (
+    REPO,
+    add_run_options,
+    benchmark_config,
+    check_run_options,
+    interleaved_order,
+    run_columns,
+    run_shape,
+    spread,
+)
 
 COLUMNS = [
     ("baseline", "baseline", []),
@@ -178,14 +186,8 @@ def column_config(args, column: str, seed: int, run_dir: Path):
 
 
 def run_order(passes: int, seeds: list[int]) -> list[tuple[int, int, list[str]]]:
-    """(pass, seed, columns in run order): ABC, then CBA, alternating over every (pass, seed)."""
-    names = [c[0] for c in COLUMNS]
-    order, flip = [], False
-    for run in range(passes):
-        for seed in seeds:
-            order.append((run, seed, names[::-1] if flip else names))
-            flip = not flip
-    return order
+    """(pass, seed, columns in run order): as listed, then reversed, alternating."""
+    return interleaved_order(passes, seeds, [c[0] for c in COLUMNS])
 
 
 def _ratio_line(title: str, values: list[float]) -> str:
@@ -209,26 +211,11 @@ def main(argv: list[str] | None = None) -> int:
         print("--seeds and --runs must be >= 1", file=sys.stderr)
         return 2
 
-    from megatron_rl.metrics import read_metrics
-    from megatron_rl.train import build_and_run
-
     steps, num_prompts = run_shape(args)
-    out = Path(args.out)
     first_seed = args.seed
-    runs: dict[str, dict[str, dict]] = {}
-    for run, seed, names in run_order(args.runs, list(range(first_seed, first_seed + args.seeds))):
-        label = f"seed {seed}, pass {run}"
-        runs[label] = {}
-        for name in names:
-            run_dir = out / f"pass{run}" / f"seed{seed}" / name.replace("+", "_")
-            cfg = column_config(args, name, seed, run_dir)
-            print(f"[benchmark] {label} {name}: {steps} steps x {args.prompts_per_step} prompts x "
-                  f"{args.responses} responses over {num_prompts} prompts -> {run_dir}", flush=True)
-            start = time.monotonic()
-            build_and_run(cfg)
-            runs[label][name] = column_figures(read_metrics(run_dir))
-            runs[label][name]["wall_time_with_startup"] = time.monotonic() - start
-        runs[label] = {n: runs[label][n] for n in (c[0] for c in COLUMNS)}
+    runs = run_columns(args, [c[0] for c in COLUMNS], column_config, column_figures)
+    args.seed = first_seed
+    out = Path(args.out)
     add_ceilings(runs)
     print(f"\nmodel {args.model}; {args.seeds} seed(s) from {first_seed} x {args.runs} pass(es); {steps} steps per run; "
           f"P0={args.prompts_per_step}, R0={args.responses}, {num_prompts} prompts "

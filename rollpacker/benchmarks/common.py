@@ -83,3 +83,43 @@ def spread(values: list, fmt: str = "{:.2f}") -> str:
         return "-"
     med, lo, hi = statistics.median(values), min(values), max(values)
     return fmt.format(med) if lo == hi else f"{fmt.format(med)} [{fmt.format(lo)}-{fmt.format(hi)}]"
+
+
+def interleaved_order(passes: int, seeds: list[int], names: list[str]) -> list[tuple[int, int, list[str]]]:
+    """(pass, seed, columns in run order): as listed, then reversed, alternating over every
+    (pass, seed), so that a drift of the machine's speed hits every column alike."""
+    order, flip = [], False
+    for run in range(passes):
+        for seed in seeds:
+            order.append((run, seed, names[::-1] if flip else names))
+            flip = not flip
+    return order
+
+
+def run_columns(args, names: list[str], config_for, figures_of) -> dict[str, dict[str, dict]]:
+    """Runs every column at every (pass, seed) of :func:`interleaved_order` and returns
+    ``{"seed S, pass P": {column: figures}}`` with the columns in ``names``' order.
+    ``config_for(args, column, seed, run_dir)`` builds a run's config; ``figures_of(rows)``
+    turns its metrics rows into the figures (plus ``wall_time_with_startup``)."""
+    import time
+
+    from megatron_rl.metrics import read_metrics
+    from megatron_rl.train import build_and_run
+
+    steps, num_prompts = run_shape(args)
+    seeds = list(range(args.seed, args.seed + args.seeds))
+    runs: dict[str, dict[str, dict]] = {}
+    for run, seed, order in interleaved_order(args.runs, seeds, names):
+        label = f"seed {seed}, pass {run}"
+        runs[label] = {}
+        for name in order:
+            run_dir = Path(args.out) / f"pass{run}" / f"seed{seed}" / name.replace("+", "_")
+            cfg = config_for(args, name, seed, run_dir)
+            print(f"[benchmark] {label} {name}: {steps} steps x {args.prompts_per_step} prompts x {args.responses} "
+                  f"responses over {num_prompts} prompts -> {run_dir}", flush=True)
+            start = time.monotonic()
+            build_and_run(cfg)
+            runs[label][name] = figures_of(read_metrics(run_dir))
+            runs[label][name]["wall_time_with_startup"] = time.monotonic() - start
+        runs[label] = {n: runs[label][n] for n in names}
+    return runs
