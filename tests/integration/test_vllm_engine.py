@@ -175,3 +175,14 @@ def test_many_seeded_requests_with_long_prompts_do_not_crash(engine, loop):
     got = run(loop, generate(engine, requests), timeout=300)
     assert sorted(got) == sorted(r.request_id for r in requests)
     assert all(c.finish_reason in ("stop", "length") and 1 <= len(c.token_ids) <= 4 for c in got.values())
+
+
+def test_engine_processes_run_the_sampler_eager_and_the_host_env_is_untouched(engine, loop):
+    """rollout.cpu_torch_compile=false (the default): TORCHDYNAMO_DISABLE=1 in vLLM's spawned
+    engine process (torch reads it at import there); this process's environment is as before."""
+    import os
+
+    settings = run(loop, engine.process_settings())
+    assert settings and all(s["TORCHDYNAMO_DISABLE"] == "1" and not s["sampler_compiled"] for s in settings), settings
+    assert all(s["pid"] != os.getpid() for s in settings)
+    assert "TORCHDYNAMO_DISABLE" not in os.environ
