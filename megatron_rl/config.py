@@ -104,11 +104,6 @@ class SpeculativeConfig:
     tokens) before anything is drafted."""
     max_match_tokens: int = 8
     """Longest context suffix looked up; longer matches are preferred (fewer wrong drafts)."""
-    min_draft_prob: float = 0.0
-    """'suffix': propose a draft only as far as the references back it: each drafted token's share
-    of the continuations of the suffix it matched (smoothed: count / (total + 1)) estimates the
-    probability that verification accepts it, and the draft stops once the product of those
-    shares falls below this. 0: always draft num_speculative_tokens where a suffix matches."""
     step_draft_budget: int = 0
     """Most draft tokens proposed in one decode step over the whole batch; 0: no limit (every
     drafted request may get num_speculative_tokens). Each drafted token costs the target model's

@@ -356,8 +356,6 @@ def _validate_speculative(cfg: RunConfig) -> None:
                           f"'long,short', got {sp.rounds!r}")
     if sp.step_draft_budget < 0:
         raise ConfigError(f"rollout.speculative.step_draft_budget: must be >= 0 (0: no limit), got {sp.step_draft_budget}")
-    if not 0.0 <= sp.min_draft_prob < 1.0:
-        raise ConfigError(f"rollout.speculative.min_draft_prob: must be in [0, 1), got {sp.min_draft_prob}")
     if not 1 <= sp.min_match_tokens <= sp.max_match_tokens <= 64:
         raise ConfigError("rollout.speculative.min_match_tokens and max_match_tokens must satisfy 1 <= min <= max "
                           f"<= 64, got {sp.min_match_tokens} and {sp.max_match_tokens}")

@@ -41,8 +41,7 @@ from megatron_rl.rollout import vllm_cpu_fixes
 from megatron_rl.rollout.suffix_index import SuffixIndex
 
 ENV_KEY = "MEGATRON_RL_SPECULATIVE"
-"""Environment variable with the drafter's engine-wide options (JSON: method, min_match, max_match,
-step_budget, min_prob)."""
+"""Environment variable with the drafter's engine-wide options (JSON: method, min_match, max_match)."""
 EXTRA_KEY = "megatron_rl_spec"
 """Key of a request's drafting settings in ``SamplingParams.extra_args``."""
 CLASS_PATH = f"{__name__}.SpecDrafter"
@@ -112,7 +111,6 @@ class SpecDrafter:
         self.min_match = int(options.get("min_match", 2))
         self.max_match = int(options.get("max_match", 8))
         self.step_budget = int(options.get("step_budget", 0))
-        self.min_prob = float(options.get("min_prob", 0.0))
         if self.method not in ("ngram", "suffix"):
             raise ValueError(f"{ENV_KEY}: unknown drafting method {self.method!r} (ngram or suffix)")
         self.max_model_len = vllm_config.model_config.max_model_len
@@ -191,7 +189,7 @@ class SpecDrafter:
         if req.speculate and self._ngram is None:
             group = self._groups.get(req.group)
             if group is None:
-                group = self._groups[req.group] = _Group(SuffixIndex(self.min_match, self.max_match, self.min_prob))
+                group = self._groups[req.group] = _Group(SuffixIndex(self.min_match, self.max_match))
                 # References are the same for every request of a group: index them once, each
                 # behind the prompt's last tokens, so the first tokens of a response can match
                 # across the prompt/response boundary as they do in the request's own context.

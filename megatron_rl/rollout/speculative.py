@@ -68,8 +68,7 @@ def engine_env(cfg: SpeculativeConfig) -> dict[str, str | None]:
         return {ENV_KEY: None}
     method = cfg.method if cfg.method in ("ngram", "suffix") else "suffix"
     return {ENV_KEY: json.dumps({"method": method, "min_match": cfg.min_match_tokens,
-                                 "max_match": cfg.max_match_tokens, "step_budget": cfg.step_draft_budget,
-                                 "min_prob": cfg.min_draft_prob})}
+                                 "max_match": cfg.max_match_tokens, "step_budget": cfg.step_draft_budget})}
 
 
 def request_extra_args(request: GenerationRequest) -> dict | None:

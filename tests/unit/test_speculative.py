@@ -27,7 +27,7 @@ def test_engine_kwargs_and_env_follow_the_method():
                   "num_speculative_tokens": 3}
     env = speculative.engine_env(SpeculativeConfig(method="ngram", min_match_tokens=3, max_match_tokens=5))
     assert json.loads(env["MEGATRON_RL_SPECULATIVE"]) == {"method": "ngram", "min_match": 3, "max_match": 5,
-                                                          "step_budget": 0, "min_prob": 0.0}
+                                                          "step_budget": 0}
     assert speculative.engine_env(SpeculativeConfig()) == {"MEGATRON_RL_SPECULATIVE": None}
 
 
@@ -100,30 +100,6 @@ def test_suffix_index_drafts_the_continuation_of_the_longest_match():
     assert idx.draft_with_match([1, 2], 2) == ([], 0)
 
 
-def test_counted_continuations_pick_the_most_frequent_and_gate_the_draft_length():
-    idx = SuffixIndex(2, 4)
-    for tail in ([7, 8, 9], [7, 8, 9], [7, 5, 6]):  # after (1, 2): 7 three times; then 8 twice, 5 once
-        idx.add([1, 2, *tail])
-    assert idx.draft([1, 2], 3) == [7, 8, 9]  # the most frequent continuation, not the newest
-    idx.add([3, 4, 11]), idx.add([3, 4, 12])
-    assert idx.draft([3, 4], 1) == [12]  # a tie goes to the most recent
-    # Smoothed shares: 7 after (1, 2) is 3/4; 8 after (1, 2, 7) is 2/4; 9 after (2, 7, 8) is 2/3.
-    def gated(min_prob: float) -> SuffixIndex:
-        index = SuffixIndex(2, 4, min_prob=min_prob)
-        for seq in ([1, 2, 7, 8, 9], [1, 2, 7, 8, 9], [1, 2, 7, 5, 6]):
-            index.add(seq)
-        return index
-
-    assert gated(0.3).draft_with_match([1, 2], 3) == ([7, 8], 2)  # 3/4 * 2/4 = 0.375 >= 0.3; * 2/3 = 0.25 < 0.3
-    assert gated(0.6).draft([1, 2], 3) == [7]
-    assert gated(0.0).draft([1, 2], 3) == [7, 8, 9]
-    lone = SuffixIndex(2, 4, min_prob=0.6)
-    lone.add([1, 2, 7, 8])
-    assert lone.draft([1, 2], 3) == []  # one occurrence alone backs a token at 1/2 only
-    with pytest.raises(ValueError, match="min_prob"):
-        SuffixIndex(2, 4, min_prob=1.0)
-
-
 def test_step_budget_goes_to_the_longest_matches_one_token_per_row_at_a_time():
     from megatron_rl.rollout.spec_drafter import spend_budget
 
@@ -152,10 +128,6 @@ def test_config_validation_names_the_key():
     cfg = RunConfig()
     cfg.rollout.speculative.step_draft_budget = -1
     with pytest.raises(ConfigError, match="step_draft_budget"):
-        validate(cfg)
-    cfg = RunConfig()
-    cfg.rollout.speculative.min_draft_prob = 1.0
-    with pytest.raises(ConfigError, match="min_draft_prob"):
         validate(cfg)
 
 
