@@ -134,7 +134,8 @@ def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict
     from transformers import AutoTokenizer
 
     from megatron_rl.data.datasets import load_prompts
-    from megatron_rl.distributed.cluster import free_port, start_ray, trainer_actor_options
+    from megatron_rl.distributed.cluster import start_ray, trainer_actor_options
+    from megatron_rl.distributed.ports import free_port
     from megatron_rl.reward.pool.reward_pool import RewardPool
     from megatron_rl.rollout.weight_sync.sync_dir import default_sync_dir, sweep_dead_sync_dirs
     from megatron_rl.trainer import TrainerParts, run_trainer

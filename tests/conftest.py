@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+_SHM_BEFORE = pytest.StashKey[tuple]()
+"""/dev/shm's segments and run dirs when the session started."""
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
@@ -14,15 +16,31 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _no_shared_memory_left_behind():
-    """Remove the /dev/shm segments this session's killed engines could not (see helpers/shm)."""
-    from tests.helpers import shm
+def _controller(config) -> bool:
+    """This process runs the session as a whole: pytest without xdist, or xdist's controller
+    (its workers have ``workerinput``)."""
+    return not hasattr(config, "workerinput")
 
-    before, dirs_before = shm.segments(), shm.run_dirs()
-    yield
-    shm.remove_unmapped(shm.segments() - before)
-    shm.remove_dead_run_dirs(shm.run_dirs() - dirs_before)
+
+def pytest_sessionstart(session):
+    if _controller(session.config):
+        from tests.helpers import shm
+
+        session.config.stash[_SHM_BEFORE] = (shm.segments(), shm.run_dirs())
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Remove the /dev/shm segments and run dirs this session's killed engines and trainer ranks
+    could not (see helpers/shm). Only the controller does it, once every worker is done: a worker
+    that finished early must not sweep the dead runs another worker's resume test is about to
+    check its own start-up sweeps."""
+    before = session.config.stash.get(_SHM_BEFORE, None)
+    if before is not None:
+        from tests.helpers import shm
+
+        segments, dirs = before
+        shm.remove_unmapped(shm.segments() - segments)
+        shm.remove_dead_run_dirs(shm.run_dirs() - dirs)
 
 
 def _cuda_available() -> bool:
@@ -35,12 +53,15 @@ def _cuda_available() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    if _cuda_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")
+    """GPU tests skip without a GPU. Every test gets an ``xdist_group`` for ``--dist loadgroup``
+    (tests/run.sh): its module, so module fixtures (engines, SPMD runs) start once on one worker,
+    or ``loop`` for the modules marked ``loop``, which run one after another on one worker."""
+    skip_gpu = None if _cuda_available() else pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")
     for item in items:
-        if "gpu" in item.keywords:
+        if skip_gpu is not None and "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+        group = "loop" if item.get_closest_marker("loop") else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")

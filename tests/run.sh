@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command: bootstraps .venv on a fresh machine, then runs the whole suite
 # (unit tests first, then the integration tests on the real Megatron-Core / vLLM / Ray stack).
-# Extra arguments go to pytest, e.g. `bash tests/run.sh tests/unit -k config`.
+# Extra arguments go to pytest, e.g. `bash tests/run.sh tests/unit -k config`; TEST_WORKERS sets the
+# number of xdist workers (default 2, 0 for a plain single-process run).
 #
 # Every run gets a fresh, empty temp root (TMPDIR, Ray's temp dir, vLLM's and the other caches,
 # W&B's dirs, pytest's tmp dirs all under it), removed afterwards: state left by earlier runs
@@ -34,8 +35,14 @@ mkdir -p "$RAY_TMPDIR/ray" "$XDG_CACHE_HOME" "$WANDB_DIR"
 
 args=("$@")
 [ ${#args[@]} -gt 0 ] || args=(tests)
+# Two pytest-xdist workers (TEST_WORKERS=0: none): the real-stack tests leave a core idle while a
+# process starts, an engine core waits or a fault test sleeps out a timeout. Each module stays on
+# one worker (its engines and SPMD runs start once); the modules that run whole training jobs
+# (marker `loop`) run one after another on one worker (tests/conftest.py, docs/tests.md).
+workers=(-n "${TEST_WORKERS:-2}" --dist loadgroup)
+[ "${TEST_WORKERS:-2}" != 0 ] || workers=()
 set +e
-"$ROOT/.venv/bin/python" -m pytest -q -rs --durations=40 --basetemp="$RUN_TMP/pt" "${args[@]}"
+"$ROOT/.venv/bin/python" -m pytest -q -rs --durations=40 --basetemp="$RUN_TMP/pt" "${workers[@]}" "${args[@]}"
 rc=$?
 set -e
 if [ $rc -eq 5 ]; then

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from pathlib import Path
 
 import ray
@@ -22,10 +21,6 @@ from megatron_rl.distributed.local_state import ray_temp_dir
 log = logging.getLogger(__name__)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_ray(cfg: RunConfig, run_dir: Path, device: str) -> None:

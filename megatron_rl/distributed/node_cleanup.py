@@ -106,9 +106,13 @@ def clean_node(step: dict[str, str]) -> dict[str, int]:
     return {"processes": len(stopped), "directories": sweep_shared_memory()}
 
 
+SHM = "/dev/shm"
+"""Where the runs' weight dirs and push rings live (their fallback: the temp dir)."""
+
+
 def sweep_shared_memory() -> int:
     """Remove this host's dead runs' dirs from /dev/shm and the temp dir; returns how many."""
-    return len(sweep_dead_run_dirs("/dev/shm")) + len(sweep_dead_run_dirs(tempfile.gettempdir()))
+    return len(sweep_dead_run_dirs(SHM)) + len(sweep_dead_run_dirs(tempfile.gettempdir()))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,17 +6,11 @@ if they outlive ``timeout_s`` after rank 0's answer (a hung collective must not 
 """
 from __future__ import annotations
 
-import socket
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for the ranks' rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_rl.distributed.ports import free_port
 
 
 def run_ranks(target: Callable[..., None], world: int, args: Any, timeout_s: float = 1800.0,

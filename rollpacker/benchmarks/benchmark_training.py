@@ -75,8 +75,8 @@ class MegatronArm:
 
         from megatron_rl.algorithms.losses import compute_policy_loss
         from megatron_rl.config_io import apply_override, load_config
-        from megatron_rl.distributed.cluster import free_port
         from megatron_rl.distributed.cpu_shim import apply_cpu_shim, cpu_device_mode
+        from megatron_rl.distributed.ports import free_port
         from megatron_rl.training.megatron_worker import MegatronWorker
 
         apply_cpu_shim()

@@ -195,7 +195,8 @@ def report(results: dict, nbytes: int, memcpy: tuple[float, list[float]]) -> dic
 def run(args) -> int:
     import ray
 
-    from megatron_rl.distributed.cluster import engine_actor_options, free_port, start_ray, trainer_actor_options
+    from megatron_rl.distributed.cluster import engine_actor_options, start_ray, trainer_actor_options
+    from megatron_rl.distributed.ports import free_port
     from megatron_rl.rollout.ray_engine import create_engine_client
     from megatron_rl.rollout.weight_sync.sync_dir import default_sync_dir, remove_sync_dir
     from megatron_rl.training.policy_group import PolicyGroup

@@ -23,18 +23,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import socket
 import sys
 from pathlib import Path
 from typing import Any, Callable, ContextManager
 
 import torch
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from megatron_rl.distributed.ports import free_port as _free_port
 
 
 def _batch(seed: int, num: int = 8) -> list:

@@ -7,12 +7,13 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
-import socket
 import traceback
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from megatron_rl.distributed.ports import free_port
 
 
 def policy_loss_cfg(tp: int, pp: int, loss_agg: str, kl_coef: float, tis_cap: float):
@@ -34,10 +35,6 @@ def policy_loss_cfg(tp: int, pp: int, loss_agg: str, kl_coef: float, tis_cap: fl
     return cfg
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _rank_entry(fn: Callable, rank: int, world: int, port: int, args: tuple, out_dir: str) -> None:

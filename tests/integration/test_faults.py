@@ -35,7 +35,7 @@ from tests.helpers.engine_io import run as run_with_timeout
 from tests.helpers.fault_figures import record
 from tests.helpers.processes import describe, left_behind, run_processes
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.loop, pytest.mark.slow, pytest.mark.timeout(600)]
 
 PROMPT = [10, 20, 30, 40, 50]
 VERSION = 3

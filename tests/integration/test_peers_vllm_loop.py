@@ -28,7 +28,7 @@ import pytest
 
 from megatron_rl.checkpoint import load_driver_state
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.loop, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 P0, R0 = 4, 2
 PARITY = 1e-4  # a full-precision engine and the trainer on the same weights (test_train_loop)

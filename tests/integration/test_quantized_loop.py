@@ -18,7 +18,7 @@ import pytest
 
 from tests.helpers.train_runs import overrides, read_jsonl, run_train
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.loop, pytest.mark.slow]
 
 FP32_PARITY = 1e-4  # what a full-precision engine stays under (test_train_loop, test_rollpacker_loop)
 GAP_MEAN_BOUND = 0.05  # int8 on these models: ~1e-2 or less (tests/integration/test_quantized_engine.py)

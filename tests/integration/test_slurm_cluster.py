@@ -32,7 +32,7 @@ from megatron_rl.data.cursor import PromptCursor
 from tests.helpers.shm import mapped_segments
 from tests.helpers.slurm_local import NO_PACKAGES, LocalSlurm, job_processes, processes_naming, wait_for
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.loop, pytest.mark.slow]
 RECIPE = "examples/qwen2.5/tiny_cpu_2node.yaml"
 SCRIPT = "launch/qwen2.5_7b_h800.sh"
 JOB_NAME = "rl-qwen2.5-7b"

@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers.train_runs import overrides, read_jsonl, run_train
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.loop, pytest.mark.slow]
 
 
 def test_loop_speculates_stays_on_policy_and_keeps_history_over_epochs(sft_model_dir: Path, tmp_path: Path):

@@ -24,7 +24,7 @@ from tests.helpers.processes import left_behind, run_processes
 from tests.helpers.train_runs import P0, R0, overrides, read_jsonl, run_train
 from tests.helpers.wandb_offline import offline_runs
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.loop]
 
 
 def test_loop_runs_on_policy_with_engine_parity(tiny_model_dir, tmp_path):

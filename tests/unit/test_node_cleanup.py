@@ -45,6 +45,9 @@ def test_never_lists_itself_or_its_ancestors(monkeypatch):
 
 def test_shm_only_sweeps_dead_runs_dirs_of_this_host(tmp_path, monkeypatch):
     monkeypatch.setattr(node_cleanup.tempfile, "gettempdir", lambda: str(tmp_path))
+    # Not the real /dev/shm: a loop test on the other worker may hold a killed run's dirs there
+    # for its resume to sweep.
+    monkeypatch.setattr(node_cleanup, "SHM", str(tmp_path / "shm"))
     dead = subprocess.Popen(["true"])
     dead.wait()
     tag = f"{local_state.RUN_DIR_PREFIX}-{local_state.host_tag()}-{os.getuid()}"

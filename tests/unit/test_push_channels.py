@@ -129,7 +129,7 @@ def _group_member(port: int, rank: int, out) -> None:
 
 
 def test_the_push_group_moves_a_bucket_between_processes():
-    from megatron_rl.rollout.weight_sync.push.sender import free_port
+    from megatron_rl.distributed.ports import free_port
 
     port, out = free_port(), CTX.Queue()
     procs = [CTX.Process(target=_group_member, args=(port, r, out)) for r in range(2)]

@@ -118,3 +118,21 @@ def test_test_module_basenames_are_unique():
             clashes.append(f"{seen[path.stem].relative_to(REPO)} and {path.relative_to(REPO)}")
         seen.setdefault(path.stem, path)
     assert clashes == [], f"test modules sharing a basename: {clashes}"
+
+
+JOB_STARTS = ("run_train(", '"megatron_rl.train"', "sbatch")
+"""What a module that runs whole training jobs as subprocesses calls."""
+
+
+def test_modules_that_run_whole_jobs_are_marked_loop():
+    """tests/run.sh runs the suite on two xdist workers; the modules that start training jobs must
+    share one (``loop``: a job's start-up sweeps dead runs' /dev/shm dirs that a concurrent resume
+    test checks its own start-up sweeps), so each must carry the marker."""
+    ini = configparser.ConfigParser()
+    ini.read(REPO / "pytest.ini")
+    assert "loop" in {line.split(":")[0].strip() for line in ini["pytest"]["markers"].strip().splitlines()}
+    starts_jobs = {p.name for p in (TESTS / "integration").glob("test_*.py")
+                   if any(call in p.read_text() for call in JOB_STARTS)}
+    assert {"test_train_loop.py", "test_slurm_cluster.py"} <= starts_jobs  # the detector sees both kinds
+    unmarked = sorted(name for name in starts_jobs if "pytest.mark.loop" not in (TESTS / "integration" / name).read_text())
+    assert not unmarked, f"modules that start training jobs without the loop marker: {unmarked}"

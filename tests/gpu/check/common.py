@@ -8,7 +8,6 @@ about a minute on two cores (``tests/integration/test_gpu_check_cpu_mode.py``).
 from __future__ import annotations
 
 import functools
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,10 +147,6 @@ def prepare_process(ctx: Context, deterministic: bool) -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def sync(ctx: Context) -> None:

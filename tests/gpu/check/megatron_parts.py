@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 
+from megatron_rl.distributed.ports import free_port
 from tests.gpu.check.common import (
     Context,
     SkipPart,
     build_random_qwen2,
     check_shim,
-    free_port,
     grads_of,
     identical,
     make_samples,

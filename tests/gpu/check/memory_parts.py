@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
+from megatron_rl.distributed.ports import free_port
 from tests.gpu.check.common import (
     Context,
-    free_port,
     gib,
     identical,
     make_samples,

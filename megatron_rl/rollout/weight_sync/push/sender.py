@@ -14,6 +14,7 @@ from typing import Mapping
 
 import torch
 
+from megatron_rl.distributed.ports import free_port
 from megatron_rl.resharding.push_plan import PushBucket, PushPlan, pack_bucket
 from megatron_rl.rollout.weight_sync.push.channels import NetworkGroup, ShmRing, ticket
 from megatron_rl.rollout.weight_sync.push.protocol import (
@@ -28,13 +29,6 @@ from megatron_rl.rollout.weight_sync.push.protocol import (
 
 log = logging.getLogger(__name__)
 
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 class PushSender:
@@ -73,7 +67,7 @@ class PushSender:
         self._scratch = (torch.empty(largest // self.itemsize, dtype=self.dtype, device=self.device)
                          if self.ring is None and largest else None)
         self._last = [0] * spec.num_slots
-        self.port = free_port() if rank == 0 and group_size(spec) else 0
+        self.port = free_port("") if rank == 0 and group_size(spec) else 0
         self.group = None
 
     def describe(self) -> dict:
