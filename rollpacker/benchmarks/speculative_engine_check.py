@@ -20,7 +20,12 @@ weights, kernels and cache. Shapes:
   same work; sampled, a few sequences' lengths vary more between repeats than drafts change.
 
 The arms alternate (off, on, on, off, ...) over ``--repeats`` so that a drift in the machine's
-load hits both alike. Prints, per shape and arm, the median [range] of wall time, decode steps,
+load hits both alike. ``--plain-engine`` adds a third arm, ``plain``: the same requests, undrafted,
+on a second engine started without speculation, i.e. what a configured-but-idle drafter costs a
+plain decode step (vLLM routes every step of a speculative engine through its spec path; drafts
+off on a speculative engine vs plain). ``--torch-compile`` starts the engines with
+``rollout.cpu_torch_compile=true`` (vLLM's compiled sampler helpers). Each engine's first
+seeded, logprob-returning call is timed (``first call``: where a compile would show). Prints, per shape and arm, the median [range] of wall time, decode steps,
 generated tokens, ms per generated token and ms per decode step, and the acceptance; last line
 ``drafts on / off, time per generated token: wide X.XX, narrow Y.YY`` (below 1: drafts pay).
 Writes ``<out>/speculative_engine_check.json``.
@@ -58,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--engine-threads", type=int, default=1,
                     help="rollout.cpu_threads of the engine (1: what the loop's engine gets from its Ray actor)")
     ap.add_argument("--step-budget", type=int, default=0, help="rollout.speculative.step_draft_budget")
+    ap.add_argument("--plain-engine", action="store_true",
+                    help="also run the shapes undrafted on an engine without speculation (arm 'plain')")
+    ap.add_argument("--torch-compile", action="store_true", help="rollout.cpu_torch_compile=true for the engines")
     args = ap.parse_args(argv)
     for key in ("repeats", "wide_prompts", "wide_responses", "wide_tokens", "narrow_prompts", "narrow_responses",
                 "narrow_tokens", "draft_tokens", "engine_threads"):
@@ -106,28 +114,43 @@ def _prompts(tokenizer, n: int, offset: int) -> list[list[int]]:
     return [apply_chat_template(tokenizer, make_problem(offset + i).question) for i in range(n)]
 
 
-def run_check(args) -> dict:
+def _engine(args, out: Path, method: str, name: str):
     from megatron_rl.config import RolloutConfig, SpeculativeConfig
     from megatron_rl.rollout.vllm_engine import VLLMEngine
 
+    cfg = RolloutConfig(max_num_seqs=max(128, args.wide_prompts * args.wide_responses), cpu_kv_cache_gib=0.5,
+                        cpu_threads=args.engine_threads, cpu_torch_compile=args.torch_compile,
+                        speculative=SpeculativeConfig(method=method, num_speculative_tokens=args.draft_tokens,
+                                                      step_draft_budget=args.step_budget))
+    return VLLMEngine(args.model, cfg, seed=0, max_model_len=1024, runtime_dir=out / f"rt_{name}")
+
+
+def run_check(args) -> dict:
+    from megatron_rl.rollout.engine import GenerationRequest
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = RolloutConfig(max_num_seqs=max(128, args.wide_prompts * args.wide_responses), cpu_kv_cache_gib=0.5,
-                        cpu_threads=args.engine_threads,
-                        speculative=SpeculativeConfig(method=args.method, num_speculative_tokens=args.draft_tokens,
-                                                      step_draft_budget=args.step_budget))
     loop = asyncio.new_event_loop()
-    engine = VLLMEngine(args.model, cfg, seed=0, max_model_len=1024, runtime_dir=out / "rt")
-    results: dict[str, dict[str, list[dict]]] = {"wide": {"off": [], "on": []}, "narrow": {"off": [], "on": []}}
+    engines = {"spec": _engine(args, out, args.method, "spec")}
+    arms_of = {"spec": ("off", "on")}
+    if args.plain_engine:
+        engines["plain"] = _engine(args, out, "off", "plain")
+        arms_of["plain"] = ("plain",)
+    arm_names = [a for arms in arms_of.values() for a in arms]
+    results: dict[str, dict[str, list[dict]]] = {s: {a: [] for a in arm_names} for s in ("wide", "narrow")}
     identical: dict[str, bool] = {}
+    first_call: dict[str, float] = {}
     try:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         wide = _prompts(tokenizer, args.wide_prompts, 0)
         narrow = _prompts(tokenizer, args.narrow_prompts, 500)
-        # Warm-up (first seeded, logprob-returning calls are slow), and the narrow prompts' history.
-        history, _ = loop.run_until_complete(_generate(engine, _requests(
+        for name, engine in engines.items():  # the first seeded, logprob-returning call of each engine
+            _, first_call[name] = loop.run_until_complete(_generate(engine, [GenerationRequest(
+                f"first-{name}", wide[0], max_tokens=4, seed=0, temperature=1.0)]))
+        # The narrow prompts' history (earlier responses, undrafted) for the drafter's references.
+        history, _ = loop.run_until_complete(_generate(engines["spec"], _requests(
             "hist", narrow, args.references, args.narrow_tokens, args.temperature, False, {}, 7)))
         references = {p: [list(history[f"hist-p{p}-r{r}"].token_ids) for r in range(args.references)]
                       for p in range(len(narrow))}
@@ -136,27 +159,34 @@ def run_check(args) -> dict:
         for rep in range(args.repeats):
             for shape, (prompts, responses, tokens, temperature, refs) in shapes.items():
                 outputs = {}
-                for arm in (("off", "on") if rep % 2 == 0 else ("on", "off")):
+                for arm in (arm_names if rep % 2 == 0 else arm_names[::-1]):
+                    engine = engines["plain" if arm == "plain" else "spec"]
                     reqs = _requests(f"{shape}-{arm}-{rep}", prompts, responses, tokens, temperature, arm == "on",
                                      refs, 100 * rep)
                     figures, got = loop.run_until_complete(_measure(engine, reqs))
                     outputs[arm] = [list(got[r.request_id].token_ids) for r in reqs]
                     results[shape][arm].append(figures)
-                    print(f"[spec-check] {shape} drafts {arm:3s} repeat {rep}: {figures['seconds']:.1f} s, "
+                    print(f"[spec-check] {shape} {arm:5s} repeat {rep}: {figures['seconds']:.1f} s, "
                           f"{figures['decode_steps']} steps, {figures['tokens']} tokens, "
-                          f"{figures['ms_per_token']:.1f} ms/token", flush=True)
+                          f"{figures['ms_per_token']:.2f} ms/token", flush=True)
                 if temperature == 0.0:  # greedy: lossless speculation gives the very same tokens
-                    same = outputs["on"] == outputs["off"]
+                    same = all(outputs[a] == outputs["off"] for a in arm_names)
                     identical[shape] = identical.get(shape, True) and same
                     if not same:
-                        print(f"[spec-check] {shape} repeat {rep}: greedy responses differ with drafts on", flush=True)
+                        print(f"[spec-check] {shape} repeat {rep}: greedy responses differ between arms", flush=True)
     finally:
-        loop.run_until_complete(asyncio.wait_for(engine.shutdown(), timeout=120))
+        for engine in engines.values():
+            loop.run_until_complete(asyncio.wait_for(engine.shutdown(), timeout=120))
         loop.close()
-    summary = {"args": vars(args), "runs": results, "ratio_ms_per_token": {}, "greedy_identical": identical}
+    summary = {"args": vars(args), "runs": results, "ratio_ms_per_token": {}, "greedy_identical": identical,
+               "first_call_s": first_call}
     for shape, arms in results.items():
         summary["ratio_ms_per_token"][shape] = (statistics.median(r["ms_per_token"] for r in arms["on"])
                                                 / statistics.median(r["ms_per_token"] for r in arms["off"]))
+    if args.plain_engine:
+        summary["ratio_off_vs_plain"] = {shape: statistics.median(r["ms_per_token"] for r in arms["off"])
+                                         / statistics.median(r["ms_per_token"] for r in arms["plain"])
+                                         for shape, arms in results.items()}
     (out / "speculative_engine_check.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -178,6 +208,10 @@ def report(summary: dict) -> str:
                          f"{acceptance} |")
     for shape, same in summary.get("greedy_identical", {}).items():
         lines.append(f"{shape}: greedy responses with drafts {'identical to' if same else 'DIFFERENT from'} those without")
+    for name, seconds in summary.get("first_call_s", {}).items():
+        lines.append(f"first call ({name} engine): {seconds:.2f} s")
+    for shape, ratio in summary.get("ratio_off_vs_plain", {}).items():
+        lines.append(f"undrafted steps on the speculative engine / plain engine, time per token: {shape} {ratio:.2f}")
     ratio = summary["ratio_ms_per_token"]
     lines.append(f"drafts on / off, time per generated token: wide {ratio['wide']:.2f}, narrow {ratio['narrow']:.2f}")
     return "\n".join(lines)

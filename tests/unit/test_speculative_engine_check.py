@@ -38,3 +38,19 @@ def test_report_gives_medians_ranges_acceptance_and_the_ratio():
     assert "| narrow | on |" in text and "| 0.75 |" in text  # 900 accepted of 1200 drafted
     assert "| wide | off |" in text and text.splitlines()[2].endswith("| - |")  # no drafts: no acceptance
     assert text.splitlines()[-1] == "drafts on / off, time per generated token: wide 2.00, narrow 0.90"
+
+
+def test_report_adds_the_plain_engine_arm_and_first_calls(tmp_path):
+    summary = {"runs": {
+        "wide": {"off": [_run(6.0, 100, 2000)], "on": [_run(6.0, 90, 2000, 100, 10)], "plain": [_run(5.0, 100, 2000)]},
+        "narrow": {"off": [_run(3.0, 300, 1000)], "on": [_run(2.0, 150, 1000, 600, 450)], "plain": [_run(2.5, 300, 1000)]},
+    }, "ratio_ms_per_token": {"wide": 1.0, "narrow": 2 / 3}, "first_call_s": {"spec": 0.51, "plain": 9.25},
+        "ratio_off_vs_plain": {"wide": 1.2, "narrow": 1.2}}
+    text = check.report(summary)
+    assert "| wide | plain | 5.0 [5.0-5.0] |" in text
+    assert "first call (plain engine): 9.25 s" in text
+    assert "undrafted steps on the speculative engine / plain engine, time per token: narrow 1.20" in text
+    assert text.splitlines()[-1] == "drafts on / off, time per generated token: wide 1.00, narrow 0.67"
+    args = check.parse_args(["--model", _model(tmp_path), "--plain-engine", "--torch-compile"])
+    assert args.plain_engine and args.torch_compile
+
