@@ -204,7 +204,7 @@ def report(summary: dict) -> str:
             acceptance = f"{sum(r['accepted_tokens'] for r in runs) / drafted:.2f}" if drafted else "-"
             lines.append(f"| {shape} | {arm} | {_cell([r['seconds'] for r in runs], '.1f')} | "
                          f"{_cell([r['decode_steps'] for r in runs], '.0f')} | {_cell([r['tokens'] for r in runs], '.0f')} | "
-                         f"{_cell([r['ms_per_token'] for r in runs], '.1f')} | {_cell([r['ms_per_step'] for r in runs], '.0f')} | "
+                         f"{_cell([r['ms_per_token'] for r in runs], '.2f')} | {_cell([r['ms_per_step'] for r in runs], '.1f')} | "
                          f"{acceptance} |")
     for shape, same in summary.get("greedy_identical", {}).items():
         lines.append(f"{shape}: greedy responses with drafts {'identical to' if same else 'DIFFERENT from'} those without")

@@ -34,7 +34,7 @@ def test_report_gives_medians_ranges_acceptance_and_the_ratio():
     }}
     summary["ratio_ms_per_token"] = {"wide": 5.0 / 2.5, "narrow": 0.9}
     text = check.report(summary)
-    assert "| wide | off | 5.0 [4.0-6.0] | 100 [100-100] | 2000 [2000-2000] | 2.5 [2.0-3.0] |" in text
+    assert "| wide | off | 5.0 [4.0-6.0] | 100 [100-100] | 2000 [2000-2000] | 2.50 [2.00-3.00] |" in text
     assert "| narrow | on |" in text and "| 0.75 |" in text  # 900 accepted of 1200 drafted
     assert "| wide | off |" in text and text.splitlines()[2].endswith("| - |")  # no drafts: no acceptance
     assert text.splitlines()[-1] == "drafts on / off, time per generated token: wide 2.00, narrow 0.90"
