@@ -53,15 +53,14 @@ def _cuda_available() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    """GPU tests skip without a GPU. Every test gets an ``xdist_group`` for ``--dist loadgroup``
-    (tests/run.sh): its module, so module fixtures (engines, SPMD runs) start once on one worker,
-    or ``loop`` for the modules marked ``loop``, which run one after another on one worker."""
+    """GPU tests skip without a GPU. Every test gets its module as ``xdist_group`` for ``--dist
+    loadgroup`` (tests/run.sh): a module's fixtures (engines, SPMD runs, its Ray) start once, on
+    one worker."""
     skip_gpu = None if _cuda_available() else pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")
     for item in items:
         if skip_gpu is not None and "gpu" in item.keywords:
             item.add_marker(skip_gpu)
-        group = "loop" if item.get_closest_marker("loop") else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+        item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers.job_lock import run_job
+
 REPO = Path(__file__).resolve().parents[2]
 P0, R0 = 4, 2
 """Prompts per step and responses per prompt of every loop test run."""
@@ -28,12 +30,17 @@ def overrides(model_dir: Path, run_dir: Path, steps: int, extra: list[str] = ())
     ]
 
 
-def run_train(args: list[str], log_file: Path, **popen) -> subprocess.Popen:
+def run_train(args: list[str], log_file: Path, job_lock: bool = True, **popen) -> subprocess.Popen:
     """``python -m megatron_rl.train args`` in its own session (so a test can signal the whole
-    group), stdout and stderr to ``log_file``."""
+    group), stdout and stderr to ``log_file``; under the jobs' shared lock (``tests/helpers/job_lock``)
+    unless ``job_lock`` is false (inside ``exclusive_jobs``)."""
     env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-m", "megatron_rl.train", *args], cwd=REPO, env=env,
-                            stdout=open(log_file, "w"), stderr=subprocess.STDOUT, start_new_session=True, **popen)
+
+    def start() -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "megatron_rl.train", *args], cwd=REPO, env=env,
+                                stdout=open(log_file, "w"), stderr=subprocess.STDOUT, start_new_session=True, **popen)
+
+    return run_job(start) if job_lock else start()
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -34,6 +34,7 @@ from megatron_rl.rollout.ray_engine import create_engine_client
 from tests.helpers.engine_io import run as run_with_timeout
 from tests.helpers.fault_figures import record
 from tests.helpers.processes import describe, left_behind, run_processes
+from tests.helpers.train_runs import run_train
 
 pytestmark = [pytest.mark.integration, pytest.mark.loop, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -93,12 +94,7 @@ P0, R0, STEPS = 4, 2, 3
 
 
 def _train(args: list[str], log_file: Path):
-    import subprocess
-    import sys
-
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-m", "megatron_rl.train", *args], cwd=Path(__file__).resolve().parents[2],
-                            env=env, stdout=open(log_file, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    return run_train(args, log_file)
 
 
 def _lines(path: Path) -> list[dict]:

@@ -19,17 +19,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from megatron_rl.checkpoint import load_driver_state
+from tests.helpers.train_runs import run_train
 
 pytestmark = [pytest.mark.integration, pytest.mark.loop, pytest.mark.slow]
-REPO = Path(__file__).resolve().parents[2]
 P0, R0 = 4, 2
 PARITY = 1e-4  # a full-precision engine and the trainer on the same weights (test_train_loop)
 
@@ -48,12 +45,10 @@ def _run(model_dir: Path, tmp_path: Path, steps: int, extra: list[str]) -> list[
         "algorithm.overlong_buffer_tokens=56", *extra,
     ]
     log_file = tmp_path / "log.txt"
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
-    with open(log_file, "w") as out:
-        proc = subprocess.run([sys.executable, "-m", "megatron_rl.train", *args], cwd=REPO, env=env, stdout=out,
-                              stderr=subprocess.STDOUT, start_new_session=True, timeout=900)
+    proc = run_train(args, log_file)
+    rc = proc.wait(timeout=900)
     log = log_file.read_text()
-    assert proc.returncode == 0, log[-4000:]
+    assert rc == 0, log[-4000:]
     assert "truncated importance sampling on by default (algorithm.tis_cap=2" in log  # the bound turned it on
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["policy_version"] for r in rows] == list(range(1, steps + 1))

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.data.cursor import PromptCursor
+from tests.helpers.job_lock import shared_jobs
 from tests.helpers.shm import mapped_segments
 from tests.helpers.slurm_local import NO_PACKAGES, LocalSlurm, job_processes, processes_naming, wait_for
 
@@ -53,7 +54,8 @@ def slurm():
                     + result.stderr.strip().splitlines()[-1])
     try:
         assert result.returncode == 0, f"tools/slurm_local.sh up failed:\n{result.stderr}"
-        yield cluster
+        with shared_jobs():  # the jobs run train.py on this host: see tests/helpers/job_lock
+            yield cluster
     finally:
         down = cluster.down()
         assert down.returncode == 0, down.stderr

@@ -20,6 +20,7 @@ import pytest
 
 from megatron_rl.checkpoint import CheckpointManager
 from megatron_rl.data.cursor import PromptCursor
+from tests.helpers.job_lock import exclusive_jobs
 from tests.helpers.processes import left_behind, run_processes
 from tests.helpers.train_runs import P0, R0, overrides, read_jsonl, run_train
 from tests.helpers.wandb_offline import offline_runs
@@ -98,28 +99,32 @@ def test_sigkill_then_sigterm_then_resume_at_another_layout(tiny_model_dir, tmp_
     wandb = ["trainer.wandb_project=rollpacker-test", "trainer.wandb_mode=offline"]
     logs = [tmp_path / f"log{i}.txt" for i in (1, 2, 3)]
 
-    # 1. SIGKILL mid-step: checkpoint step_000002 exists (steps 0-1 committed).
-    proc = run_train(args, logs[0])
-    _wait_for(proc, logs[0], lambda: (run_dir / "checkpoints" / "step_000002").is_dir(), "checkpoint step_000002")
-    time.sleep(0.3)  # step 2 has begun; a later kill may find it done (a tiny model's step takes ~1 s)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-    before = read_jsonl(run_dir / "trained_prompts.jsonl")
-    assert len(before) >= 2
-    log1 = logs[0].read_text()
-    killed_sync_dir = Path(re.search(r"weights for the engines go to (\S+)", log1).group(1))
-    rings = re.search(r"weight push push1 set up: .*; rings (.+)$", log1, re.M).group(1).split()
-    assert len(rings) == 2
-    time.sleep(3)  # let the killed run's Ray processes notice their driver died
+    # Attempt 1 until attempt 2 has started up with no other test's job starting or ending
+    # meanwhile: job start-ups and teardowns sweep dead runs' dirs, and attempt 2's own start-up
+    # must be the one that sweeps attempt 1's (tests/helpers/job_lock; two test workers).
+    with exclusive_jobs():
+        # 1. SIGKILL mid-step: checkpoint step_000002 exists (steps 0-1 committed).
+        proc = run_train(args, logs[0], job_lock=False)
+        _wait_for(proc, logs[0], lambda: (run_dir / "checkpoints" / "step_000002").is_dir(), "checkpoint step_000002")
+        time.sleep(0.3)  # step 2 has begun; a later kill may find it done (a tiny model's step takes ~1 s)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        before = read_jsonl(run_dir / "trained_prompts.jsonl")
+        assert len(before) >= 2
+        log1 = logs[0].read_text()
+        killed_sync_dir = Path(re.search(r"weights for the engines go to (\S+)", log1).group(1))
+        rings = re.search(r"weight push push1 set up: .*; rings (.+)$", log1, re.M).group(1).split()
+        assert len(rings) == 2
+        time.sleep(3)  # let the killed run's Ray processes notice their driver died
 
-    # 2. Resume, then SIGTERM during the first step after the resume (the handler is installed by
-    # then): that step finishes, one checkpoint is written, and a step is left for attempt 3.
-    saved_before_term = _checkpoints(run_dir)
-    metrics_file = run_dir / "metrics.jsonl"
-    proc = run_train(args + ["trainer.resume=true", "trainer.save_every=0", *wandb], logs[1])
-    _wait_for(proc, logs[1], lambda: re.search(r"resumed from \S+ at step \d+", logs[1].read_text()), "the resume")
-    resumed_at = int(re.search(r"resumed from \S+ at step (\d+)", logs[1].read_text()).group(1))
-    assert 2 <= resumed_at < steps - 1
+        # 2. Resume, then SIGTERM during the first step after the resume (the handler is installed by
+        # then): that step finishes, one checkpoint is written, and a step is left for attempt 3.
+        saved_before_term = _checkpoints(run_dir)
+        metrics_file = run_dir / "metrics.jsonl"
+        proc = run_train(args + ["trainer.resume=true", "trainer.save_every=0", *wandb], logs[1], job_lock=False)
+        _wait_for(proc, logs[1], lambda: re.search(r"resumed from \S+ at step \d+", logs[1].read_text()), "the resume")
+        resumed_at = int(re.search(r"resumed from \S+ at step (\d+)", logs[1].read_text()).group(1))
+        assert 2 <= resumed_at < steps - 1
     running = run_processes(proc.pid)
     os.kill(proc.pid, signal.SIGTERM)
     rc = proc.wait(timeout=300)

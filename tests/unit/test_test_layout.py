@@ -124,15 +124,19 @@ JOB_STARTS = ("run_train(", '"megatron_rl.train"', "sbatch")
 """What a module that runs whole training jobs as subprocesses calls."""
 
 
-def test_modules_that_run_whole_jobs_are_marked_loop():
-    """tests/run.sh runs the suite on two xdist workers; the modules that start training jobs must
-    share one (``loop``: a job's start-up sweeps dead runs' /dev/shm dirs that a concurrent resume
-    test checks its own start-up sweeps), so each must carry the marker."""
+def test_modules_that_run_whole_jobs_are_marked_loop_and_hold_the_jobs_lock():
+    """tests/run.sh runs the suite on two xdist workers. A job's start-up and teardown sweep dead
+    runs' /dev/shm dirs, which a resume test checks its own start-up does: every job must run
+    under tests/helpers/job_lock (through train_runs.run_train, or inside shared_jobs / exclusive_jobs),
+    and its module carries the ``loop`` marker."""
     ini = configparser.ConfigParser()
     ini.read(REPO / "pytest.ini")
     assert "loop" in {line.split(":")[0].strip() for line in ini["pytest"]["markers"].strip().splitlines()}
-    starts_jobs = {p.name for p in (TESTS / "integration").glob("test_*.py")
+    starts_jobs = {p.name: p.read_text() for p in (TESTS / "integration").glob("test_*.py")
                    if any(call in p.read_text() for call in JOB_STARTS)}
-    assert {"test_train_loop.py", "test_slurm_cluster.py"} <= starts_jobs  # the detector sees both kinds
-    unmarked = sorted(name for name in starts_jobs if "pytest.mark.loop" not in (TESTS / "integration" / name).read_text())
+    assert {"test_train_loop.py", "test_slurm_cluster.py"} <= set(starts_jobs)  # the detector sees both kinds
+    unmarked = sorted(name for name, text in starts_jobs.items() if "pytest.mark.loop" not in text)
     assert not unmarked, f"modules that start training jobs without the loop marker: {unmarked}"
+    unlocked = sorted(name for name, text in starts_jobs.items()
+                      if '"megatron_rl.train"' in text or not any(u in text for u in ("run_train(", "shared_jobs(")))
+    assert not unlocked, f"modules that start jobs outside tests/helpers/job_lock: {unlocked}"
