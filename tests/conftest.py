@@ -53,14 +53,11 @@ def _cuda_available() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    """GPU tests skip without a GPU. Every test gets its module as ``xdist_group`` for ``--dist
-    loadgroup`` (tests/run.sh): a module's fixtures (engines, SPMD runs, its Ray) start once, on
-    one worker."""
+    """GPU tests skip without a GPU."""
     skip_gpu = None if _cuda_available() else pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")
     for item in items:
         if skip_gpu is not None and "gpu" in item.keywords:
             item.add_marker(skip_gpu)
-        item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 @pytest.fixture(scope="session")

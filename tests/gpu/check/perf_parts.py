@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
+from megatron_rl.distributed.ports import free_port
 from tests.gpu.check.common import (
     Context,
     SkipPart,
-    free_port,
     make_samples,
     make_worker,
     outcome,
