@@ -162,9 +162,10 @@ class TensorTransport(WeightTransport):
 
     async def _close_trainer_side(self, key: str) -> None:
         try:
-            await self.writer.close_weight_push(key)
+            # Bounded: after a failed push a rank may be stalled or dead and never answer.
+            await asyncio.wait_for(self.writer.close_weight_push(key), timeout=_GRACE_S)
         except Exception as exc:  # teardown must not hide the real error
-            log.warning("closing weight push %s on the trainer ranks failed: %s", key, exc)
+            log.warning("closing weight push %s on the trainer ranks failed: %r", key, exc)
 
     async def close(self) -> None:
         """Drop the current set-up on the trainer ranks (the engines it was for are gone or will
