@@ -101,10 +101,16 @@ class TrainerRank:
         """(Ray node id, IP address) of this rank's node."""
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
 
-    def whereabouts(self) -> str:
-        """'pid P on node N (ip)': what an error about this rank names."""
+    def whereabouts(self) -> dict:
+        """This rank's pid, process start time, host name, Ray node id and IP: what an error about
+        it names, and how the driver finds its process on the same machine."""
+        import socket
+
+        import psutil
+
         node, ip = self.node_address()
-        return f"pid {os.getpid()} on node {node[:12]} ({ip})"
+        return {"pid": os.getpid(), "started": psutil.Process().create_time(), "host": socket.gethostname(),
+                "node": node, "ip": ip}
 
 
 _RANK_HELPERS = {"set_num_threads": TrainerRank.set_num_threads, "write_hf_weights": TrainerRank.write_hf_weights,
@@ -153,6 +159,8 @@ class PolicyGroup:
         """Why the group cannot be used any more (a rank died, failed or hung); '' while healthy."""
         self._in_flight: dict[int, Any] = {}
         """Per rank, the ObjectRef of a call it may still be running (left behind by a failed call)."""
+        self._ranks: list[dict] = []
+        """Per rank, its ``whereabouts`` (pid, host, node), once :meth:`load_hf` asked."""
 
     async def _all(self, name: str, *args: Any) -> list[Any]:
         """``name(*args)`` on every rank at once; each rank's result, in rank order. Raises
@@ -184,7 +192,7 @@ class PolicyGroup:
         for rank, call in enumerate(calls):
             if call in pending:
                 what = "after the failure" if waited == PEER_GRACE_S else "in all"
-                problems.append(f"rank {rank} ({self.where[rank]}) gave no answer within {waited:.0f} s {what}")
+                problems.append(f"rank {rank} ({self.where[rank]}) gave no answer within {waited:g} s {what}")
             elif call.exception() is not None:
                 problems.append(f"rank {rank} ({self.where[rank]}) {self._failure(call.exception())}")
         self.broken = f"{name}: " + "; ".join(problems)
@@ -206,7 +214,8 @@ class PolicyGroup:
 
     async def load_hf(self, hf_path: str) -> None:
         """Build the policy (+ optimizer, + reference model) from an HF checkpoint on every rank."""
-        self.where = await self._all("whereabouts")
+        self._ranks = await self._all("whereabouts")
+        self.where = [f"pid {r['pid']} on node {r['node'][:12]} ({r['ip']})" for r in self._ranks]
         await self._all("load_hf", hf_path)
 
     async def compute_logprobs(self, samples: list[Sample], which: str = "policy") -> list[list[float]]:
@@ -309,3 +318,30 @@ class PolicyGroup:
         finally:
             for a in self.actors:
                 ray.kill(a)
+            await self._reap()
+
+    async def _reap(self, wait_s: float = 10.0) -> None:
+        """Wait until the killed ranks of this machine are gone, so that the teardown's sweep of
+        dead runs' /dev/shm directories (``train.py``) finds theirs (push rings); SIGKILL a rank
+        still there then (a stopped process, SIGSTOP, cannot exit when Ray asks it to)."""
+        import socket
+
+        import psutil
+
+        here = socket.gethostname()
+        procs = []
+        for rank in getattr(self, "_ranks", []):
+            try:
+                proc = psutil.Process(rank["pid"])
+                if rank["host"] == here and abs(proc.create_time() - rank["started"]) < 1.0:
+                    procs.append(proc)
+            except psutil.Error:
+                continue  # gone already
+        _, alive = await asyncio.to_thread(psutil.wait_procs, procs, timeout=wait_s)
+        for proc in alive:
+            log.warning("trainer rank process %d did not exit after its actor was killed: SIGKILL", proc.pid)
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        await asyncio.to_thread(psutil.wait_procs, alive, timeout=wait_s)

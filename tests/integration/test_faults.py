@@ -252,7 +252,7 @@ def test_the_engines_ray_node_lost_stops_the_run_naming_it(chain) -> None:
             run.poll()
             lost_at = kill_node(cluster, worker)
             rc, exited_at = run.wait_exit(600)
-            noticed_at, checked = _stopped_cleanly(run, rc, [r"step 3 \(rollout\)", "node.* lost"])
+            noticed_at, checked = _stopped_cleanly(run, rc, [r"at step 3 ", r"node\(s\) lost: \w+"])
         finally:
             run.kill()
     assert re.search(r"removed /dev/shm/megatron_rl-\S+ .* left by a dead run", run.text()), \
