@@ -24,6 +24,7 @@ from typing import Any
 import ray
 
 from megatron_rl.config import RunConfig
+from megatron_rl.distributed.errors import one_line
 from megatron_rl.sample import Sample
 
 log = logging.getLogger(__name__)
@@ -128,16 +129,6 @@ class TrainerRankTimeout(TrainerRankError, TimeoutError):
     """No rank failed, but some did not finish the call within ``CALL_TIMEOUT_S``."""
 
 
-def _short(exc: BaseException) -> str:
-    """An error in one line: a rank's own exception without Ray's remote traceback, an actor's
-    death with Ray's reason (worker process died, node died)."""
-    if isinstance(exc, ray.exceptions.RayTaskError) and getattr(exc, "cause", None) is not None:
-        exc = exc.cause
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    keep = lines[:1] + [line for line in lines[1:] if line.startswith(("The actor is dead", "The actor died"))]
-    return f"{type(exc).__name__}: {' '.join(keep)}"[:600]
-
-
 class PolicyGroup:
     """All trainer ranks of the run. Methods mirror MegatronWorker's and return rank 0's result
     (every rank computes the same for these; see ``training.policy.Policy`` for the contract)."""
@@ -206,8 +197,8 @@ class PolicyGroup:
     @staticmethod
     def _failure(exc: BaseException) -> str:
         if isinstance(exc, ray.exceptions.RayActorError):
-            return f"died: {_short(exc)}"
-        return f"failed: {_short(exc)}"
+            return f"died: {one_line(exc)}"
+        return f"failed: {one_line(exc)}"
 
     async def _first(self, name: str, *args: Any) -> Any:
         return (await self._all(name, *args))[0]
@@ -337,7 +328,10 @@ class PolicyGroup:
                     procs.append(proc)
             except psutil.Error:
                 continue  # gone already
-        _, alive = await asyncio.to_thread(psutil.wait_procs, procs, timeout=wait_s)
+        # Stopped (SIGSTOP) ones cannot exit: no use waiting for them.
+        stopped = [p for p in procs if _status(p) == psutil.STATUS_STOPPED]
+        _, alive = await asyncio.to_thread(psutil.wait_procs, [p for p in procs if p not in stopped], timeout=wait_s)
+        alive += stopped
         for proc in alive:
             log.warning("trainer rank process %d did not exit after its actor was killed: SIGKILL", proc.pid)
             try:
@@ -345,3 +339,12 @@ class PolicyGroup:
             except psutil.Error:
                 pass
         await asyncio.to_thread(psutil.wait_procs, alive, timeout=wait_s)
+
+
+def _status(proc) -> str:
+    import psutil
+
+    try:
+        return proc.status()
+    except psutil.Error:
+        return ""

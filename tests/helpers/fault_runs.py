@@ -93,10 +93,17 @@ class Attempt:
         return self.proc.returncode, time.time()
 
     def kill(self) -> None:
-        """SIGKILL whatever is left of the run (the test's own clean-up after a failure)."""
-        for pid in [self.proc.pid, *self._processes()]:
+        """SIGKILL whatever is left of the run (the test's own clean-up after a failure): the
+        driver while it runs, and the live processes of the run (never a pid seen earlier, which
+        may belong to someone else by now)."""
+        pids = list(self._processes())
+        if self.proc.poll() is None:
+            pids.insert(0, self.proc.pid)
+        for pid in pids:
             with contextlib.suppress(OSError):
                 os.kill(pid, 9)
+        if self.proc.poll() is None:
+            self.proc.wait(timeout=30)
 
     def left_behind(self, wait_s: float = 30.0) -> tuple[dict[int, str], list[str]]:
         """The run's processes still alive and its psm segments still in /dev/shm after up to

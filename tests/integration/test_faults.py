@@ -123,7 +123,7 @@ STOP_BOUND_S = 90.0
 @pytest.fixture(scope="module")
 def chain(tiny_model_dir, tmp_path_factory) -> Chain:
     return Chain(tiny_model_dir, tmp_path_factory.mktemp("chain"), STEPS,
-                 ["trainer.save_every=1", "trainer.keep_checkpoints=10", "data.eval_every=2", "data.eval_num_prompts=8"])
+                 ["trainer.save_every=1", "trainer.keep_checkpoints=10", "data.eval_every=2", "data.eval_num_prompts=4"])
 
 
 def _stopped_cleanly(attempt: Attempt, rc: int, expect: list[str]) -> tuple[float, int]:
@@ -131,10 +131,11 @@ def _stopped_cleanly(attempt: Attempt, rc: int, expect: list[str]) -> tuple[floa
     no process, no psm segment and no /dev/shm directory behind. Returns (the time the loop
     noticed the failure, how many processes were checked)."""
     assert rc == 1, f"{attempt.name}: exit {rc}, expected the error exit 1:\n{attempt.tail()}"
-    stopped = [line for line in attempt.text().splitlines() if line.startswith("run stopped:")]
-    assert stopped, f"{attempt.name}: no 'run stopped:' line:\n{attempt.tail()}"
+    text = attempt.text()
+    assert "\nrun stopped: " in text, f"{attempt.name}: no 'run stopped:' line:\n{attempt.tail()}"
+    stopped = text[text.rindex("\nrun stopped: "):]
     for pattern in expect:
-        assert re.search(pattern, stopped[-1]), f"{attempt.name}: {pattern!r} not in: {stopped[-1]}"
+        assert re.search(pattern, stopped), f"{attempt.name}: {pattern!r} not in: {stopped}"
     alive, segments = attempt.left_behind()
     assert not alive, f"{attempt.name}: left running: {alive}"
     assert not segments, f"{attempt.name}: psm segments left in /dev/shm: {segments}"
@@ -161,7 +162,7 @@ def test_engine_deaths_mid_push_and_mid_validation_recover_then_a_rank_killed_mi
     rows = chain.metrics()
     assert [r["step"] for r in rows] == [0, 1]
     assert rows[0]["fault/engine_restarts"] == 1.0 and rows[0]["weight_sync/engine_replaced"] == 1.0
-    assert rows[1]["val/num_prompts"] == 8 and rows[1]["val/policy_version"] == 2  # validation completed
+    assert rows[1]["val/num_prompts"] == 4 and rows[1]["val/policy_version"] == 2  # validation completed
     chain.assert_last_checkpoint(2)
     chain.passed.append("1-backward")
     test = f"{HERE}::test_engine_deaths_mid_push_and_mid_validation_recover_then_a_rank_killed_mid_backward_stops"
@@ -233,8 +234,8 @@ def test_the_driver_killed_in_a_checkpoint_commit_leaves_the_last_checkpoint(cha
     assert len(torn) == 1 and (torn[0] / "manifest.json").is_file()  # killed between the manifest and the rename
     chain.assert_last_checkpoint(2)
     chain.passed.append("4-commit")
-    record("driver SIGKILLed during a checkpoint commit", "stopped: every process of the run went with the driver, "
-           "checkpoint 2 kept, the next start sweeps what it left", None, gone_at - fault["time"],
+    record("driver SIGKILLed during a checkpoint commit", "stopped cleanly: every process of the run went with the "
+           "driver, checkpoint 2 kept, the next start swept /dev/shm", None, gone_at - fault["time"],
            f"{HERE}::test_the_driver_killed_in_a_checkpoint_commit_leaves_the_last_checkpoint",
            f"stop = fault until the last of {len(run.seen)} processes was gone (upper bound: polled)")
 
