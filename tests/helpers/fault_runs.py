@@ -152,6 +152,8 @@ class Chain:
         self.model_dir, self.tmp, self.steps, self.extra = model_dir, tmp, steps, extra
         self.run_dir = tmp / "run"
         self.passed: list[str] = []
+        self.lingering: dict[int, str] = {}
+        """Processes an attempt left that should be gone by a later check (pid -> name)."""
 
     def attempt(self, name: str, after: str | None, faults: str = "", extra: tuple[str, ...] = (),
                 **kwargs) -> Attempt:

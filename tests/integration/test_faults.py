@@ -116,8 +116,7 @@ def _kill_core(core: list[int]) -> float:
 STEPS = 5
 PUSH_TIMEOUT_S = 5.0
 """rollout.weight_push_timeout_s of the stalled-push attempt."""
-STOP_BOUND_S = 90.0
-"""Longest accepted time from a fault to the driver's exit (the stalled push: its timeout more)."""
+RAY_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
 
 
 @pytest.fixture(scope="module")
@@ -223,12 +222,17 @@ def test_the_driver_killed_in_a_checkpoint_commit_leaves_the_last_checkpoint(cha
     try:
         rc, _ = run.wait_exit(600)
         fault = run.fault("checkpoint.commit")
-        alive, segments = run.left_behind(wait_s=60)
+        alive, segments = run.left_behind(wait_s=30)
         gone_at = time.time()
     finally:
-        run.kill()
+        if run.proc.poll() is None:
+            run.kill()
     assert rc == -signal.SIGKILL
-    assert not alive, f"left running after the driver died: {alive}"
+    # Ray's two agents follow their raylet ~60 s later (their last report goes to the dead GCS
+    # with a 60 s timeout): the next attempt checks that they did, instead of waiting here.
+    agents = {p: name for p, name in alive.items() if name.startswith(RAY_AGENTS)}
+    assert alive == agents, f"left running after the driver died: {alive}"
+    chain.lingering.update(agents)
     assert not segments
     torn = list(chain.run_dir.joinpath("checkpoints").glob("step_000003.tmp-*"))
     assert len(torn) == 1 and (torn[0] / "manifest.json").is_file()  # killed between the manifest and the rename
@@ -258,6 +262,8 @@ def test_the_engines_ray_node_lost_stops_the_run_naming_it(chain) -> None:
             run.kill()
     assert re.search(r"removed /dev/shm/megatron_rl-\S+ .* left by a dead run", run.text()), \
         "the start-up did not sweep what the killed driver of attempt 4 left in /dev/shm"
+    alive, _ = left_behind(list(chain.lingering), wait_s=30)
+    assert not alive, f"Ray's agents of attempt 4 still running: {[(p, chain.lingering[p]) for p in alive]}"
     chain.assert_last_checkpoint(3)
     chain.passed.append("5-node")
     record("Ray node holding the rollout engine lost (every process SIGKILLed)", "stopped cleanly: error names the "

@@ -191,7 +191,11 @@ class TensorTransport(WeightTransport):
             for task in pending:
                 task.cancel()
             self._setup = None
-            await self._close_trainer_side(setup.key)
+            if send in pending:  # a rank still in the push (stalled) would not get to the close before it ends
+                log.warning("weight push %s: trainer ranks still sending; its set-up is left to their teardown",
+                            setup.key)
+            else:
+                await self._close_trainer_side(setup.key)
             raise WeightPushError(self._failure(setup, version, send, recv, limit, dead))
         sent, received = send.result(), recv.result()
         seconds = time.monotonic() - start
