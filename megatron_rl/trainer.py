@@ -161,7 +161,7 @@ class Trainer:
                         with timer("checkpoint"):
                             await self._save(step + 1)
                 except Exception as exc:  # a part failed: say where the loop was (the part names itself)
-                    raise self._failed(step, timer.last_started or "before its first phase", exc) from exc
+                    raise self._failed(step, timer.last_started or "start of the step", exc) from exc
                 # Every phase's (start, end) on the system-wide monotonic clock: what a profiler
                 # in another process lines its samples up with (rollpacker-profile-loop).
                 self.phase_log.append(step, round_type=metrics["round_type"],

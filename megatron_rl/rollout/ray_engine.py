@@ -366,6 +366,7 @@ async def start_engine_client(run_cfg: RunConfig, model_path: str, actor_options
     max_model_len = rollout.max_model_len or run_cfg.data.max_prompt_tokens + rollout.max_new_tokens
     clients = _start_actors(model_path, rollout, run_cfg.trainer.seed, max_model_len, actor_options)
     ready = asyncio.ensure_future(asyncio.gather(*(c.actor.ready.remote() for c in clients)))
+    ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # given up on: its error is not news
     deadline = time.monotonic() + start_timeout_s
     try:
         while not ready.done():

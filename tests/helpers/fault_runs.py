@@ -30,6 +30,8 @@ from megatron_rl.fault_injection import FAULTS_DIR_ENV, FAULTS_ENV
 from tests.helpers.processes import describe, left_behind, run_processes
 from tests.helpers.train_runs import overrides, read_jsonl, run_train
 
+RAY_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
+"""Every Ray node's own agent processes (started by its raylet)."""
 _LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 _ENGINE_PROCESS = ("EngineCore", "VllmWorker", "VLLM")
 
@@ -105,11 +107,17 @@ class Attempt:
         if self.proc.poll() is None:
             self.proc.wait(timeout=30)
 
-    def left_behind(self, wait_s: float = 30.0) -> tuple[dict[int, str], list[str]]:
+    def left_behind(self, wait_s: float = 30.0, ignore: tuple[str, ...] = ()) -> tuple[dict[int, str], list[str]]:
         """The run's processes still alive and its psm segments still in /dev/shm after up to
-        ``wait_s``, and no per-process directory of its pids left in /dev/shm."""
-        alive, left = left_behind(list(self.seen), sorted(self.segments), wait_s=wait_s)
-        return {p: self.seen[p] for p in alive}, left
+        ``wait_s`` (no longer once only processes named ``ignore...`` are left: they are
+        reported, not waited for)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            alive, left = left_behind(list(self.seen), sorted(self.segments), wait_s=0)
+            waited_for = [p for p in alive if not self.seen[p].startswith(ignore or ("\0",))]
+            if (not waited_for and not left) or time.monotonic() > deadline:
+                return {p: self.seen[p] for p in alive}, left
+            time.sleep(0.2)
 
     def shm_dirs_left(self) -> list[str]:
         """/dev/shm directories named after one of the run's processes (weights, push rings)."""
@@ -223,8 +231,8 @@ def cluster_job_processes(cluster) -> dict[int, str]:
             continue
         for worker in workers:
             name = describe(worker.pid)
-            if not name.startswith("ray::") or name.startswith("ray::IDLE"):
-                continue
+            if not name.startswith("ray::") or name.startswith(("ray::IDLE", *RAY_AGENTS)):
+                continue  # not a worker of a job: an idle one, or the node's own agents
             found[worker.pid] = name
             with contextlib.suppress(psutil.Error):
                 found.update({c.pid: describe(c.pid) for c in worker.children(recursive=True)})

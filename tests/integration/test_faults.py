@@ -48,7 +48,7 @@ from megatron_rl.rollout.engine_restart import EngineRestartsExhausted, Restarti
 from megatron_rl.rollout.ray_engine import create_engine_client
 from tests.helpers.engine_io import run as run_with_timeout
 from tests.helpers.fault_figures import record
-from tests.helpers.fault_runs import Attempt, Chain, cluster_job_processes, kill_node, two_node_cluster
+from tests.helpers.fault_runs import RAY_AGENTS, Attempt, Chain, cluster_job_processes, kill_node, two_node_cluster
 from tests.helpers.processes import describe, left_behind
 from tests.helpers.train_runs import P0, read_jsonl
 
@@ -116,7 +116,6 @@ def _kill_core(core: list[int]) -> float:
 STEPS = 5
 PUSH_TIMEOUT_S = 5.0
 """rollout.weight_push_timeout_s of the stalled-push attempt."""
-RAY_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +221,7 @@ def test_the_driver_killed_in_a_checkpoint_commit_leaves_the_last_checkpoint(cha
     try:
         rc, _ = run.wait_exit(600)
         fault = run.fault("checkpoint.commit")
-        alive, segments = run.left_behind(wait_s=30)
+        alive, segments = run.left_behind(wait_s=30, ignore=RAY_AGENTS)
         gone_at = time.time()
     finally:
         if run.proc.poll() is None:
