@@ -38,6 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from megatron_rl.fault_injection import fault_point
+
 MANIFEST = "manifest.json"
 DRIVER_STATE = "driver_state.pt"
 MANIFEST_VERSION = 1
@@ -227,6 +229,7 @@ class CheckpointManager:
         for directory in sorted({p.parent for p in tmp_dir.rglob("*")} | {tmp_dir}, key=lambda p: -len(p.parts)):
             _fsync_dir(directory)
 
+        fault_point("checkpoint.commit", step=step)  # a driver killed here leaves only the .tmp directory
         final = self.root / checkpoint_dir_name(step)
         if final.exists():
             # Re-saving a step (e.g. resumed and saved again): retire the old copy first.

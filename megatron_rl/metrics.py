@@ -257,6 +257,8 @@ class PhaseTimer:
             self._running: dict[str, float] = {}
             self._intervals: list[tuple[str, float, float]] = []
             self._step_start = time.perf_counter()
+            self.last_started = ""
+            """The phase begun last (what an error report names as where the step was)."""
 
     def start(self, name: str) -> None:
         """Start timing ``name``."""
@@ -264,6 +266,7 @@ class PhaseTimer:
             if name in self._running:
                 raise RuntimeError(f"timer phase {name!r} is already running")
             self._running[name] = time.perf_counter()
+            self.last_started = name
 
     def stop(self, name: str) -> float:
         """Stop timing ``name``; returns the seconds of this interval."""

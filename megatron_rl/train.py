@@ -66,18 +66,18 @@ def _restarting_engines(cfg: RunConfig, engine_start: str, device: str) -> Rollo
     """The run's engines under a supervisor that replaces them when they die
     (``rollout.max_engine_restarts``): replacements start like the first ones, from
     ``engine_start`` on the same placement, and the loop pushes the current weights into them."""
-    from megatron_rl.distributed.cluster import engine_actor_options
+    from megatron_rl.distributed.cluster import check_engine_nodes, engine_actor_options
     from megatron_rl.rollout.engine_restart import RestartingEngine
-    from megatron_rl.rollout.ray_engine import create_engine_client
-
-    def start_engines() -> RolloutEngine:
-        return create_engine_client(cfg, engine_start, engine_actor_options(cfg, device))
+    from megatron_rl.rollout.ray_engine import create_engine_client, start_engine_client
 
     async def restart() -> RolloutEngine:
-        # Engine start-up blocks on ray.get: keep the event loop (reward tasks) running meanwhile.
-        return await asyncio.to_thread(start_engines)
+        # Awaited (the event loop keeps scoring meanwhile); a lost engine node with nowhere else
+        # to place the replacement stops the run, naming the node, instead of waiting forever.
+        return await start_engine_client(cfg, engine_start, engine_actor_options(cfg, device),
+                                         check=lambda: check_engine_nodes(cfg))
 
-    return RestartingEngine(start_engines(), restart, max_restarts=cfg.rollout.max_engine_restarts,
+    return RestartingEngine(create_engine_client(cfg, engine_start, engine_actor_options(cfg, device)), restart,
+                            max_restarts=cfg.rollout.max_engine_restarts,
                             health_check_s=cfg.rollout.engine_health_check_s)
 
 
@@ -240,6 +240,7 @@ def _remove_weights(sync_dir: Path, fanout_source: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from megatron_rl.data.datasets import DatasetError
+    from megatron_rl.trainer import StepFailed
 
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = GracefulStop()
@@ -254,6 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     except PluginError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    except StepFailed as exc:  # a part died or failed; teardown has run, the last checkpoint is intact
+        log.error("run stopped", exc_info=exc)
+        print(f"run stopped: {exc} (the last checkpoint is intact: resume with trainer.resume=true)",
+              file=sys.stderr)
+        return 1
     return stop.exit_code  # 0, or 143 after a SIGTERM stop (checkpointed; resume to go on)
 
 

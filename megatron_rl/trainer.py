@@ -80,6 +80,15 @@ class TrainerParts:
     and logs its ``fault/*`` metrics. None: an engine death fails the step."""
 
 
+class StepFailed(RuntimeError):
+    """The loop stopped because a part failed; the message names the step, the phase it was in
+    and the part's own error (which names the rank, engine or node)."""
+
+    def __init__(self, step: int, phase: str, cause: BaseException) -> None:
+        self.step, self.phase = step, phase
+        super().__init__(f"the run stopped at step {step} ({phase}): {type(cause).__name__}: {cause}")
+
+
 class Trainer:
     """The loop (see the module docstring); also the ``LoopServices`` its plug-ins get."""
 
@@ -120,32 +129,39 @@ class Trainer:
                                     start_step=self.start_step, total_steps=cfg.trainer.steps)
         history = []
         try:
-            await self._warm_up_engine()
-            if self.start_step > 0:
-                await self._push_weights()  # the engine started from HF weights
             # Validation before training goes into the first step's record (val/policy_version = 0).
             timer = PhaseTimer()
             initial_val = {}
-            if cfg.data.eval_every and self.start_step == 0:
-                with timer("validation"):
-                    initial_val = await self._validate()
+            try:
+                await self._warm_up_engine()
+                if self.start_step > 0:
+                    await self._push_weights()  # the engine started from HF weights
+                if cfg.data.eval_every and self.start_step == 0:
+                    with timer("validation"):
+                        initial_val = await self._validate()
+            except Exception as exc:  # a part failed: say where the loop was (the part names itself)
+                raise self._failed(self.start_step, timer.last_started or "start-up: engine warm-up, first weight sync",
+                                   exc) from exc
             for step in range(self.start_step, cfg.trainer.steps):
                 timer = timer if step == self.start_step else PhaseTimer()
-                metrics = await self._step(step, timer)
-                metrics.update(initial_val)
-                initial_val = {}
-                if cfg.data.eval_every and ((step + 1) % cfg.data.eval_every == 0 or step + 1 == cfg.trainer.steps):
-                    with timer("validation"):
-                        metrics.update(await self._validate())
-                # Log before saving: a kill in between leaves a line the resumed run drops and
-                # redoes, never a checkpointed step without its metrics line.
-                metrics_log.log(step, metrics)
-                for plugin in self.plugins:  # before the save: what they record is in the checkpoint
-                    plugin.on_step_end(step, metrics)
-                stopping = self.p.stop is not None and self.p.stop.requested and step + 1 < cfg.trainer.steps
-                if self._should_save(step) or stopping:
-                    with timer("checkpoint"):
-                        await self._save(step + 1)
+                try:
+                    metrics = await self._step(step, timer)
+                    metrics.update(initial_val)
+                    initial_val = {}
+                    if cfg.data.eval_every and ((step + 1) % cfg.data.eval_every == 0 or step + 1 == cfg.trainer.steps):
+                        with timer("validation"):
+                            metrics.update(await self._validate())
+                    # Log before saving: a kill in between leaves a line the resumed run drops and
+                    # redoes, never a checkpointed step without its metrics line.
+                    metrics_log.log(step, metrics)
+                    for plugin in self.plugins:  # before the save: what they record is in the checkpoint
+                        plugin.on_step_end(step, metrics)
+                    stopping = self.p.stop is not None and self.p.stop.requested and step + 1 < cfg.trainer.steps
+                    if self._should_save(step) or stopping:
+                        with timer("checkpoint"):
+                            await self._save(step + 1)
+                except Exception as exc:  # a part failed: say where the loop was (the part names itself)
+                    raise self._failed(step, timer.last_started or "start of the step", exc) from exc
                 # Every phase's (start, end) on the system-wide monotonic clock: what a profiler
                 # in another process lines its samples up with (rollpacker-profile-loop).
                 self.phase_log.append(step, round_type=metrics["round_type"],
@@ -159,6 +175,12 @@ class Trainer:
         finally:
             metrics_log.close()
         return history
+
+    @staticmethod
+    def _failed(step: int, phase: str, exc: Exception) -> StepFailed:
+        failed = StepFailed(step, phase, exc)
+        log.error("%s; tearing the run down", failed)  # when the failure was noticed (teardown follows)
+        return failed
 
     async def _step(self, step: int, timer: PhaseTimer) -> dict:
         step_start = time.monotonic()

@@ -17,6 +17,7 @@ import ray
 
 from megatron_rl.config import RunConfig
 from megatron_rl.distributed.local_state import ray_temp_dir
+from megatron_rl.fault_injection import FAULTS_DIR_ENV, FAULTS_ENV
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +32,10 @@ def start_ray(cfg: RunConfig, run_dir: Path, device: str) -> None:
     # Children (trainer ranks, engines) inherit this: keep vLLM's caches and sockets in the run.
     os.environ.setdefault("VLLM_CACHE_ROOT", str(run_dir / ".cache" / "vllm"))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    # Workers of an existing cluster do not inherit the driver's environment: pass on what they need
+    # (armed fault points too, so fault-injection tests reach every process).
     env = {"env_vars": {k: os.environ[k] for k in ("RAY_AUTH_MODE", "VLLM_CACHE_ROOT", "VLLM_CPU_OMP_THREADS_BIND",
-                                                    "PYTHONPATH") if k in os.environ}}
+                                                    "PYTHONPATH", FAULTS_ENV, FAULTS_DIR_ENV) if k in os.environ}}
     if cfg.cluster.ray_address:
         ray.init(address=cfg.cluster.ray_address, runtime_env=env, log_to_driver=True)
         log.info("Ray cluster at %s: %s", cfg.cluster.ray_address, describe_nodes())
@@ -87,6 +90,21 @@ def _split_strategy(role: str) -> dict:
     if role == "trainer":
         return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=here, soft=False)}
     return {"scheduling_strategy": NodeLabelSchedulingStrategy(hard={NODE_ID_LABEL: NotIn(here)})}
+
+
+def check_engine_nodes(cfg: RunConfig) -> None:
+    """Before starting replacement engines: under ``cluster.placement=split`` they may only go to
+    a node other than the driver's, and when none is left alive (the engines' node was lost) they
+    would wait for a placement forever. Raises naming the lost nodes; no-op otherwise."""
+    if cfg.cluster.placement != "split":
+        return
+    here = ray.get_runtime_context().get_node_id()
+    nodes = ray.nodes()
+    if any(n.get("Alive") and n["NodeID"] != here for n in nodes):
+        return
+    lost = [f"{n['NodeID'][:12]} ({n.get('NodeManagerAddress', '?')})" for n in nodes if not n.get("Alive")]
+    raise RuntimeError(f"cluster.placement=split: no alive Ray node besides the driver's ({here[:12]}) to start the "
+                       f"rollout engines on; node(s) lost: {', '.join(lost) or 'none'}")
 
 
 def trainer_actor_options(cfg: RunConfig, device: str) -> dict:

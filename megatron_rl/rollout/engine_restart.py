@@ -331,8 +331,16 @@ class RestartingEngine(RolloutEngine):
         return await (await self._settled()).restore_engines()
 
     async def stats(self) -> EngineStats:
-        engine = await self._settled()
-        st = await engine.stats()
+        engine, generation = await self._settled(), self._generation
+        try:
+            st = await engine.stats()
+        except Exception as exc:  # e.g. the first call of a step on engines that died while idle
+            if generation == self._generation:
+                if not await self._is_dead(engine):
+                    raise
+                self._died(exc, generation)
+            engine = await self._settled()  # the replacement (raises when replacing failed)
+            st = await engine.stats()
         if engine is self._engine:
             self._last_stats = EngineStats(**{k: getattr(st, k) for k in CUMULATIVE_COUNTERS})
         for key, before in self._counts_before.items():

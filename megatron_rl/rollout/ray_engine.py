@@ -14,9 +14,10 @@ import logging
 import os
 import socket
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from megatron_rl.config import RolloutConfig, RunConfig
+from megatron_rl.fault_injection import fault_point
 from megatron_rl.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine, forward_completions
 from megatron_rl.rollout.engine_pool import EnginePool
 
@@ -85,6 +86,8 @@ class EngineActor:
         """Forward to VLLMEngine.submit."""
         self._ensure_pump()
         await self._engine.submit(request)
+        # Fault-injection tests kill the engine here, holding a request (inert unless armed).
+        fault_point("engine.submit", step=self._engine.weight_version, part=lambda: self.process_ids()["engine"])
 
     async def abort(self, request_ids: list[str]) -> None:
         """Forward to VLLMEngine.abort."""
@@ -307,10 +310,11 @@ class RayEngineClient(RolloutEngine):
 async def _remove_after_exit(actor: Any, segments: set[str], wait_s: float = 10.0) -> None:
     """The killed actor may have mapped its engine's segments itself: once it is gone, remove
     those no live process maps (on this node; a remote actor's node is swept by its own
-    shutdown, which ran first)."""
+    shutdown, which ran first). A worker process whose engine core was SIGKILLed outlives it by
+    a few seconds, still mapping the core's segments: removal is retried until ``wait_s``."""
     import ray
 
-    from megatron_rl.distributed.local_state import remove_unmapped_segments
+    from megatron_rl.distributed.local_state import SHM_ROOT, remove_unmapped_segments
 
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
@@ -319,7 +323,15 @@ async def _remove_after_exit(actor: Any, segments: set[str], wait_s: float = 10.
         except (ray.exceptions.RayActorError, asyncio.TimeoutError):
             break
         await asyncio.sleep(0.2)
-    remove_unmapped_segments(segments)
+    while True:
+        remove_unmapped_segments(segments)
+        left = [name for name in segments if (SHM_ROOT / name).exists()]
+        if not left or time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(0.2)
+    if left:
+        log.warning("shared-memory segment(s) of a dead engine still mapped after %.0f s, left in place: %s",
+                    wait_s, left)
 
 
 def create_ray_engines(
@@ -338,15 +350,46 @@ def create_ray_engines(
     """
     import ray
 
+    clients = _start_actors(model_path, cfg, seed, max_model_len, actor_options)
+    ray.get([c.actor.ready.remote() for c in clients], timeout=start_timeout_s)
+    return clients[0] if len(clients) == 1 else EnginePool(clients)
+
+
+def _start_actors(model_path: str, cfg: RolloutConfig, seed: int, max_model_len: int,
+                  actor_options: dict[str, Any] | None) -> list[RayEngineClient]:
     if cfg.num_engines < 1:
         raise ValueError(f"rollout.num_engines must be >= 1, got {cfg.num_engines}")
-    clients = [
-        RayEngineClient.create(
-            model_path, cfg, seed + i, max_model_len, actor_options=actor_options, start_timeout_s=None
-        )
-        for i in range(cfg.num_engines)
-    ]
-    ray.get([c.actor.ready.remote() for c in clients], timeout=start_timeout_s)
+    return [RayEngineClient.create(model_path, cfg, seed + i, max_model_len, actor_options=actor_options,
+                                   start_timeout_s=None) for i in range(cfg.num_engines)]
+
+
+async def start_engine_client(run_cfg: RunConfig, model_path: str, actor_options: dict[str, Any] | None,
+                              check: Callable[[], None], start_timeout_s: float = 600.0) -> RolloutEngine:
+    """:func:`create_engine_client` without blocking the event loop, for replacement engines:
+    while the new actors start (or wait for a placement), ``check()`` runs every second and may
+    raise (e.g. no node is left to place them on); then, or after ``start_timeout_s``, the actors
+    are killed and the error raised, instead of waiting for a placement that will never come."""
+    import ray
+
+    rollout = run_cfg.rollout
+    max_model_len = rollout.max_model_len or run_cfg.data.max_prompt_tokens + rollout.max_new_tokens
+    clients = _start_actors(model_path, rollout, run_cfg.trainer.seed, max_model_len, actor_options)
+    ready = asyncio.ensure_future(asyncio.gather(*(c.actor.ready.remote() for c in clients)))
+    ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # given up on: its error is not news
+    deadline = time.monotonic() + start_timeout_s
+    try:
+        while not ready.done():
+            await asyncio.wait({ready}, timeout=1.0)
+            if not ready.done():
+                check()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"replacement rollout engine(s) not up within {start_timeout_s:.0f} s")
+        ready.result()
+    except BaseException:
+        ready.cancel()
+        for client in clients:
+            ray.kill(client.actor)
+        raise
     return clients[0] if len(clients) == 1 else EnginePool(clients)
 
 

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from megatron_rl.checkpoint import CheckpointError
+from megatron_rl.fault_injection import fault_point
 from megatron_rl.resharding.checkpoint_format import TRAINER_SUBDIR as SUBDIR
 from megatron_rl.resharding.checkpoint_format import find_dist_checkpoint
 
@@ -168,6 +169,8 @@ def save_trainer_state(directory: str | Path, *, model: torch.nn.Module, optimiz
     if reference is not None:
         state["reference"] = sharded_model_state(reference, REFERENCE_PREFIX)
     save_strategy, _ = _strategies()
+    # Fault-injection tests kill a rank here: the others are inside the save, waiting for it.
+    fault_point("checkpoint.save", step=int(steps_done), rank=torch.distributed.get_rank())
     dist_checkpointing.save(state, str(target), sharded_strategy=save_strategy)
     return target
 

@@ -34,6 +34,7 @@ from megatron_rl.distributed.process_groups import (
     init_distributed,
     init_model_parallel,
 )
+from megatron_rl.fault_injection import fault_point_in_backward
 from megatron_rl.model.qwen2 import build_gpt_model, build_transformer_config, read_qwen2_arch
 from megatron_rl.sample import Sample
 from megatron_rl.training.dist_checkpoint import load_model_weights, load_trainer_state, save_trainer_state
@@ -423,6 +424,8 @@ class MegatronWorker(WeightExport, WeightPush):
         Collective."""
 
         def loss_callback(batch: Microbatch, logprobs: torch.Tensor) -> tuple[torch.Tensor, Any]:
+            # Fault-injection tests kill a rank here, mid-backward (inert unless armed).
+            fault_point_in_backward(logprobs, "train.backward", step=self.steps_done, rank=self.rank)
             old, engine = batch.fields.get("old_logprobs"), batch.fields.get("engine_logprobs")
             scored_here = old is None  # algorithm.recompute_old_logprobs=false: these weights generated the batch
             if scored_here:

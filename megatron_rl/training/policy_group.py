@@ -6,20 +6,35 @@ inside the CPU device mode where needed. :class:`PolicyGroup` is async only: it 
 ObjectRefs, so the driver's event loop keeps generating and scoring while the trainer works
 (RollPacker's stream trainer relies on it), and every call has a timeout, so a dead rank is an
 error rather than a silent hang. Set-up code outside a loop uses ``asyncio.run``.
+
+A rank that dies (killed, out of memory, its node lost) or fails leaves the others waiting in a
+collective for it: the call then ends :data:`PEER_GRACE_S` after the first failure with a
+:class:`TrainerRankError` naming the failed ranks (pid, node) and those still waiting, and the
+group counts as broken: :meth:`PolicyGroup.shutdown` kills the actors without asking busy or
+dead ranks to tear down (a stopped or blocked rank would never answer).
 """
 from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import os
 from typing import Any
 
 import ray
 
 from megatron_rl.config import RunConfig
+from megatron_rl.distributed.errors import one_line
 from megatron_rl.sample import Sample
 
+log = logging.getLogger(__name__)
+
 CALL_TIMEOUT_S = float(os.environ.get("MEGATRON_RL_CALL_TIMEOUT_S", "1800"))
+PEER_GRACE_S = 5.0
+"""After one rank of a call failed, how long the others get to report their own error (a rank
+blocked in a collective with a dead one never answers)."""
+SHUTDOWN_TIMEOUT_S = 30.0
+"""Longest wait for the ranks' own teardown before their actors are killed anyway."""
 _TAKES_LOSS_FN = ("train_step", "accumulate_gradients")
 """Worker methods that get the run's policy loss (built rank-side: it is not picklable cheaply)."""
 
@@ -87,10 +102,31 @@ class TrainerRank:
         """(Ray node id, IP address) of this rank's node."""
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
 
+    def whereabouts(self) -> dict:
+        """This rank's pid, process start time, host name, Ray node id and IP: what an error about
+        it names, and how the driver finds its process on the same machine."""
+        import socket
+
+        import psutil
+
+        node, ip = self.node_address()
+        return {"pid": os.getpid(), "started": psutil.Process().create_time(), "host": socket.gethostname(),
+                "node": node, "ip": ip}
+
 
 _RANK_HELPERS = {"set_num_threads": TrainerRank.set_num_threads, "write_hf_weights": TrainerRank.write_hf_weights,
-                 "node_id": TrainerRank.node_id, "node_address": TrainerRank.node_address}
+                 "node_id": TrainerRank.node_id, "node_address": TrainerRank.node_address,
+                 "whereabouts": TrainerRank.whereabouts}
 """Calls answered by the rank itself rather than its MegatronWorker."""
+
+
+class TrainerRankError(RuntimeError):
+    """A call on the trainer ranks failed because some rank died or did not answer; the message
+    names each such rank (global rank, pid, node) and the call."""
+
+
+class TrainerRankTimeout(TrainerRankError, TimeoutError):
+    """No rank failed, but some did not finish the call within ``CALL_TIMEOUT_S``."""
 
 
 class PolicyGroup:
@@ -108,20 +144,69 @@ class PolicyGroup:
                                                                   master_port, device)
             for rank in range(self.world_size)
         ]
+        self.where = [f"rank {rank}" for rank in range(self.world_size)]
+        """Per rank, where it runs (filled by :meth:`load_hf`), for error messages."""
+        self.broken = ""
+        """Why the group cannot be used any more (a rank died, failed or hung); '' while healthy."""
+        self._in_flight: dict[int, Any] = {}
+        """Per rank, the ObjectRef of a call it may still be running (left behind by a failed call)."""
+        self._ranks: list[dict] = []
+        """Per rank, its ``whereabouts`` (pid, host, node), once :meth:`load_hf` asked."""
 
     async def _all(self, name: str, *args: Any) -> list[Any]:
-        """``name(*args)`` on every rank at once; each rank's result, in rank order."""
+        """``name(*args)`` on every rank at once; each rank's result, in rank order. Raises
+        :class:`TrainerRankError` when a rank fails or dies (see the module docstring)."""
+        if self.broken:
+            raise TrainerRankError(f"trainer ranks: {name} refused, the group is broken ({self.broken})")
         refs = [a.call.remote(name, *args) for a in self.actors]
+        calls = [asyncio.ensure_future(self._await(ref)) for ref in refs]
+        waited = CALL_TIMEOUT_S
         try:
-            return await asyncio.wait_for(asyncio.gather(*refs), timeout=CALL_TIMEOUT_S)
-        except asyncio.TimeoutError as exc:
-            raise TimeoutError(f"trainer ranks did not finish {name} within {CALL_TIMEOUT_S:.0f}s") from exc
+            done, pending = await asyncio.wait(calls, timeout=CALL_TIMEOUT_S, return_when=asyncio.FIRST_EXCEPTION)
+            if pending and any(c.exception() is not None for c in done):
+                _, pending = await asyncio.wait(pending, timeout=PEER_GRACE_S)
+                waited = PEER_GRACE_S
+        except asyncio.CancelledError:  # the caller gave up (its own timeout): the ranks may still be busy
+            self._in_flight.update(enumerate(refs))
+            for call in calls:
+                call.cancel()
+            raise
+        errors = [c.exception() for c in calls if c not in pending and c.exception() is not None]
+        if not pending and not errors:
+            return [c.result() for c in calls]
+        if not pending and not any(isinstance(e, ray.exceptions.RayActorError) for e in errors):
+            raise errors[0]  # every rank answered (e.g. all refused a bad batch): the group is still whole
+        for call in pending:
+            call.cancel()
+        self._in_flight.update((rank, refs[rank]) for rank, c in enumerate(calls) if c in pending)
+        problems = []
+        for rank, call in enumerate(calls):
+            if call in pending:
+                what = "after the failure" if waited == PEER_GRACE_S else "in all"
+                problems.append(f"rank {rank} ({self.where[rank]}) gave no answer within {waited:g} s {what}")
+            elif call.exception() is not None:
+                problems.append(f"rank {rank} ({self.where[rank]}) {self._failure(call.exception())}")
+        self.broken = f"{name}: " + "; ".join(problems)
+        error = TrainerRankError if errors else TrainerRankTimeout
+        raise error(f"trainer ranks failed during {name} ({len(self.actors)} ranks): " + "; ".join(problems))
+
+    @staticmethod
+    async def _await(ref: Any) -> Any:
+        return await ref
+
+    @staticmethod
+    def _failure(exc: BaseException) -> str:
+        if isinstance(exc, ray.exceptions.RayActorError):
+            return f"died: {one_line(exc)}"
+        return f"failed: {one_line(exc)}"
 
     async def _first(self, name: str, *args: Any) -> Any:
         return (await self._all(name, *args))[0]
 
     async def load_hf(self, hf_path: str) -> None:
         """Build the policy (+ optimizer, + reference model) from an HF checkpoint on every rank."""
+        self._ranks = await self._all("whereabouts")
+        self.where = [f"pid {r['pid']} on node {r['node'][:12]} ({r['ip']})" for r in self._ranks]
         await self._all("load_hf", hf_path)
 
     async def compute_logprobs(self, samples: list[Sample], which: str = "policy") -> list[list[float]]:
@@ -210,9 +295,56 @@ class PolicyGroup:
         return await self._first("load_checkpoint", directory)
 
     async def shutdown(self) -> None:
-        """Tear the workers down and kill the actors (also when a rank fails)."""
+        """Tear the workers down and kill the actors (also when a rank fails). A broken group is
+        not asked: its dead, stopped or blocked ranks would not answer; its actors are killed."""
+        busy = [rank for rank, ref in self._in_flight.items() if ray.wait([ref], timeout=0)[1]]  # not finished
         try:
-            await self._all("shutdown")
+            if self.broken or busy:
+                reason = self.broken or f"ranks {busy} still busy in an abandoned call"
+                log.warning("trainer ranks killed without their teardown (%s)", reason)
+            else:
+                await asyncio.wait_for(self._all("shutdown"), timeout=SHUTDOWN_TIMEOUT_S)
+        except (asyncio.TimeoutError, TrainerRankError) as exc:
+            log.warning("trainer ranks' teardown failed, killing them: %s", exc)
         finally:
             for a in self.actors:
                 ray.kill(a)
+            await self._reap()
+
+    async def _reap(self, wait_s: float = 10.0) -> None:
+        """Wait until the killed ranks of this machine are gone, so that the teardown's sweep of
+        dead runs' /dev/shm directories (``train.py``) finds theirs (push rings); SIGKILL a rank
+        still there then (a stopped process, SIGSTOP, cannot exit when Ray asks it to)."""
+        import socket
+
+        import psutil
+
+        here = socket.gethostname()
+        procs = []
+        for rank in getattr(self, "_ranks", []):
+            try:
+                proc = psutil.Process(rank["pid"])
+                if rank["host"] == here and abs(proc.create_time() - rank["started"]) < 1.0:
+                    procs.append(proc)
+            except psutil.Error:
+                continue  # gone already
+        # Stopped (SIGSTOP) ones cannot exit: no use waiting for them.
+        stopped = [p for p in procs if _status(p) == psutil.STATUS_STOPPED]
+        _, alive = await asyncio.to_thread(psutil.wait_procs, [p for p in procs if p not in stopped], timeout=wait_s)
+        alive += stopped
+        for proc in alive:
+            log.warning("trainer rank process %d did not exit after its actor was killed: SIGKILL", proc.pid)
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        await asyncio.to_thread(psutil.wait_procs, alive, timeout=wait_s)
+
+
+def _status(proc) -> str:
+    import psutil
+
+    try:
+        return proc.status()
+    except psutil.Error:
+        return ""

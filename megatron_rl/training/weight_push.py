@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_rl.fault_injection import fault_point
 from megatron_rl.resharding.push_plan import build_push_plan
 from megatron_rl.rollout.weight_sync.push.protocol import PushSpec
 from megatron_rl.rollout.weight_sync.push.sender import PushSender
@@ -68,6 +69,7 @@ class WeightPush:
             sender = self._push_senders()[key]
         except KeyError:
             raise KeyError(f"weight push {key!r} was not opened on this rank") from None
+        fault_point("weight_push.send", step=version, rank=torch.distributed.get_rank())  # tests stall a rank here
         return sender.send(local_views(self.model), sync_id, version)
 
     def close_weight_push(self, key: str) -> None:

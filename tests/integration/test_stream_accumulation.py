@@ -279,6 +279,7 @@ def _fake_group(delay_s: float | None):
     group = object.__new__(PolicyGroup)  # no Ray: only the call plumbing is under test
     calls: list = []
     group.actors = [_FakeActor(rank, calls, delay_s) for rank in range(2)]
+    group.where, group.broken, group._in_flight = ["rank 0", "rank 1"], "", {}
     return group, calls
 
 

@@ -60,6 +60,11 @@ class MortalEngine(FakeEngine):
         if self.dead:
             raise RuntimeError("EngineDeadError")
 
+    async def stats(self):
+        if self.dead:
+            raise ConnectionError("engine core is gone")
+        return await super().stats()
+
     async def shutdown(self) -> None:
         self.closed = True
         await super().shutdown()
@@ -146,6 +151,19 @@ def test_submit_to_a_dead_idle_engine_goes_to_the_replacement() -> None:
         await h.engine.submit(_request(9))
         got = await h.collect(1)
         assert got["r9"].weight_version == 7 and len(h.engines) == 2
+        await h.engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_stats_of_a_dead_idle_engine_come_from_the_replacement() -> None:
+    """The loop asks for stats first in a step: an engine that died between steps is found there."""
+    async def main():
+        h = Harness(health_check_s=0)
+        h.engines[0].die()
+        stats = await h.engine.stats()
+        assert len(h.engines) == 2 and len(h.engine.restarts) == 1 and stats.extra["engine_restarts"] == 1
+        assert "engine core is gone" in h.engine.restarts[0].cause
         await h.engine.shutdown()
 
     asyncio.run(main())

@@ -181,6 +181,30 @@ def test_a_hung_engine_fails_the_push_within_the_timeout(tmp_path, monkeypatch):
     assert asyncio.run(main()) < 5.0
 
 
+def test_an_engine_that_dies_mid_push_fails_it_at_its_next_health_check(tmp_path, monkeypatch):
+    """A dead engine core may never answer the receive call (vLLM leaves the utility call
+    pending): the push checks the engines' health while it waits instead of waiting its timeout."""
+    monkeypatch.setattr(tensor_transport, "_HEALTH_EVERY_S", 0.05)
+    monkeypatch.setattr(tensor_transport, "_GRACE_S", 0.1)
+    trainer, engine = Trainer(), Engine(hang=True)  # the trainer side finishes: every bucket fit its ring
+
+    async def dead():
+        raise RuntimeError("EngineDeadError: engine core died")
+
+    engine.check_health = dead
+    push = make(trainer, tmp_path, timeout_s=60.0)
+
+    async def main():
+        start = asyncio.get_running_loop().time()
+        with pytest.raises(WeightPushError, match=r"Engines: failed their health check during the push \(RuntimeError: "
+                                                  r"EngineDeadError: engine core died\). Trainer ranks: ok"):
+            await push.load(engine, 3)
+        return asyncio.get_running_loop().time() - start
+
+    assert asyncio.run(main()) < 5.0  # not the 90 s of the push's own limit
+    assert trainer.calls[-1] == "close(push1)"
+
+
 def test_elastic_switch_starts_engines_from_config_and_pushes_into_them(tmp_path):
     hf = tmp_path / "hf"
     hf.mkdir()

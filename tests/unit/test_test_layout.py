@@ -120,7 +120,7 @@ def test_test_module_basenames_are_unique():
     assert clashes == [], f"test modules sharing a basename: {clashes}"
 
 
-JOB_STARTS = ("run_train(", '"megatron_rl.train"', "sbatch")
+JOB_STARTS = ("run_train(", '"megatron_rl.train"', "sbatch", "tests.helpers.fault_runs")
 """What a module that runs whole training jobs as subprocesses calls."""
 
 
@@ -138,5 +138,11 @@ def test_modules_that_run_whole_jobs_are_marked_loop_and_hold_the_jobs_lock():
     unmarked = sorted(name for name, text in starts_jobs.items() if "pytest.mark.loop" not in text)
     assert not unmarked, f"modules that start training jobs without the loop marker: {unmarked}"
     unlocked = sorted(name for name, text in starts_jobs.items()
-                      if '"megatron_rl.train"' in text or not any(u in text for u in ("run_train(", "shared_jobs(")))
+                      if '"megatron_rl.train"' in text
+                      or not any(u in text for u in ("run_train(", "shared_jobs(", "tests.helpers.fault_runs")))
     assert not unlocked, f"modules that start jobs outside tests/helpers/job_lock: {unlocked}"
+    # The helpers that start jobs for a test module go through run_train too.
+    helpers = {p.name: p.read_text() for p in (TESTS / "helpers").glob("*.py")}
+    direct = sorted(n for n, text in helpers.items() if '"megatron_rl.train"' in text and n != "train_runs.py")
+    assert not direct, f"helpers that start training jobs outside train_runs.run_train: {direct}"
+    assert "run_train(" in helpers["fault_runs.py"]

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from megatron_rl.fault_injection import fault_point
 from megatron_rl.quantization.scheme import QuantSpec, quantize_slices
 from megatron_rl.resharding.layouts import EMBED, LM_HEAD, logical_shapes
 from megatron_rl.resharding.push_plan import PushBucket, PushPlan, build_push_plan, piece_shape
@@ -367,6 +368,8 @@ def _make_engine_class():
                     done = loader.add(bucket, flat)
                 if done:
                     completed.put(done)
+                if i == 0:  # fault-injection tests kill the engine here, mid-push (inert unless armed)
+                    fault_point("weight_push.receive", step=update.version, rank=self.rank)
             self._wait_s = wait_s
             self._recv_s = time.monotonic() - self._t0  # every byte of this rank is in engine memory
 

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
+from megatron_rl.distributed.errors import one_line
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.weight_sync.interface import WeightTransport
 from megatron_rl.rollout.weight_sync.push.protocol import PushSpec, engine_init_info, group_size, wiring
@@ -34,6 +35,8 @@ _GRACE_S = 10.0
 """After one side of a push failed, how long the other gets to report its own error."""
 _MARGIN_S = 30.0
 """The driver's wait for a push (or a set-up) beyond the sides' own timeout: RPC latency."""
+_HEALTH_EVERY_S = 1.0
+"""While a push runs, how often the engines' health is checked (a dead engine may never answer)."""
 
 
 class PushWriter(Protocol):
@@ -162,9 +165,10 @@ class TensorTransport(WeightTransport):
 
     async def _close_trainer_side(self, key: str) -> None:
         try:
-            await self.writer.close_weight_push(key)
+            # Bounded: after a failed push a rank may be stalled or dead and never answer.
+            await asyncio.wait_for(self.writer.close_weight_push(key), timeout=_GRACE_S)
         except Exception as exc:  # teardown must not hide the real error
-            log.warning("closing weight push %s on the trainer ranks failed: %s", key, exc)
+            log.warning("closing weight push %s on the trainer ranks failed: %r", key, exc)
 
     async def close(self) -> None:
         """Drop the current set-up on the trainer ranks (the engines it was for are gone or will
@@ -180,17 +184,19 @@ class TensorTransport(WeightTransport):
         send = asyncio.ensure_future(self.writer.push_weights(setup.key, sync_id, version))
         recv = asyncio.ensure_future(engine.receive_weights(sync_id, version))
         limit = self.options.timeout_s + _MARGIN_S
-        done, pending = await asyncio.wait({send, recv}, timeout=limit, return_when=asyncio.FIRST_EXCEPTION)
-        failed = [t for t in done if t.exception() is not None]
-        if pending and failed:  # let the other side say what it saw
-            more, pending = await asyncio.wait(pending, timeout=_GRACE_S)
-            done |= more
-        if failed or pending:
+        pending, failed, dead = await self._wait_for_sides(engine, send, recv, limit)
+        if pending and (failed or dead):  # let the other side say what it saw
+            _, pending = await asyncio.wait(pending, timeout=_GRACE_S)
+        if failed or pending or dead:
             for task in pending:
                 task.cancel()
             self._setup = None
-            await self._close_trainer_side(setup.key)
-            raise WeightPushError(self._failure(setup, version, send, recv, limit))
+            if send in pending:  # a rank still in the push (stalled) would not get to the close before it ends
+                log.warning("weight push %s: trainer ranks still sending; its set-up is left to their teardown",
+                            setup.key)
+            else:
+                await self._close_trainer_side(setup.key)
+            raise WeightPushError(self._failure(setup, version, send, recv, limit, dead))
         sent, received = send.result(), recv.result()
         seconds = time.monotonic() - start
         # Transport: until the slowest replica holds every byte (the RPC start included); load:
@@ -203,12 +209,40 @@ class TensorTransport(WeightTransport):
                 **{f"push_engine_{k}": max(r.get(k, 0.0) for r in received) for k in ("copy_s", "wait_s", "worker_s")}}
 
     @staticmethod
-    def _failure(setup: _SetUp, version: int, send: asyncio.Future, recv: asyncio.Future, limit: float) -> str:
+    async def _wait_for_sides(engine: RolloutEngine, send: asyncio.Future, recv: asyncio.Future,
+                              limit: float) -> tuple[set, list, BaseException | None]:
+        """Wait up to ``limit`` for both sides, until one fails, or until the engines fail a
+        health check: an engine that died mid-push may never answer its receive call (vLLM does
+        not fail a utility call whose engine core is gone). Returns (pending, failed, the health
+        check's error)."""
+        deadline = time.monotonic() + limit
+        pending: set = {send, recv}
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return pending, [], None
+            done, pending = await asyncio.wait(pending, timeout=min(left, _HEALTH_EVERY_S),
+                                               return_when=asyncio.FIRST_EXCEPTION)
+            failed = [t for t in done if t.exception() is not None]
+            if failed:
+                return pending, failed, None
+            if recv in pending:
+                try:
+                    await asyncio.wait_for(engine.check_health(), timeout=_GRACE_S)
+                except Exception as exc:
+                    return pending, [], exc
+        return pending, [], None
+
+    @staticmethod
+    def _failure(setup: _SetUp, version: int, send: asyncio.Future, recv: asyncio.Future, limit: float,
+                 dead: BaseException | None = None) -> str:
         def side(task: asyncio.Future) -> str:
+            if task is recv and dead is not None and (not task.done() or task.cancelled()):
+                return f"failed their health check during the push ({one_line(dead)})"
             if not task.done() or task.cancelled():
                 return f"no answer within {limit:.0f} s"
             exc = task.exception()
-            return "ok" if exc is None else f"{type(exc).__name__}: {exc}"
+            return "ok" if exc is None else one_line(exc)
 
         return (f"weight push of policy version {version} ({setup.key}) into {', '.join(setup.spec.replica_names)} "
                 f"failed. Engines: {side(recv)}. Trainer ranks: {side(send)}. Engines that took part refuse "
