@@ -541,6 +541,60 @@ def test_reward_worker_killed_under_load_keeps_every_verdict(ray_session, tokeni
            f"{len(lost)} of {len(samples)} tasks resubmitted; recovery = until the whole batch was scored")
 
 
+def test_reward_workers_dying_past_their_restarts_stop_scoring_with_a_clear_error(ray_session, tokenizer_dir) -> None:
+    """Expected outcome: stopped cleanly. The pool's only worker is SIGKILLed, Ray restarts it
+    once, and it is SIGKILLed again: the queued responses are lost past their resubmissions, and
+    ``wait`` raises ``RewardPoolExhausted`` naming the response and the worker instead of scoring
+    failure rewards that a run would train on."""
+    import ray
+    from transformers import AutoTokenizer
+
+    from megatron_rl.config import AlgorithmConfig, RewardConfig
+    from megatron_rl.reward.pool.dispatch import RewardPoolExhausted
+    from megatron_rl.reward.pool.reward_pool import RewardPool
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    pool = RewardPool(RewardConfig(num_workers=1, worker_num_cpus=0.25, timeout_s=5.0), str(tokenizer_dir),
+                      max_new_tokens=256, algorithm_cfg=AlgorithmConfig())
+    try:
+        pool.ready(timeout_s=120)
+        worker = pool._workers.actors[0]
+
+        def worker_pid(other_than: int = 0) -> int:
+            """The worker's pid once it answers (after a kill: once Ray has restarted it)."""
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    pid = ray.get(worker.__ray_call__.remote(lambda self: os.getpid()), timeout=120)
+                    if pid != other_than:
+                        return pid
+                except ray.exceptions.RayError:  # unavailable while Ray notices the death and restarts it
+                    assert time.monotonic() < deadline, "the reward worker was not restarted within 120 s"
+                time.sleep(0.2)
+
+        first = worker_pid()
+        handles = [pool.submit(s) for s in _math_samples(tok, 200)]
+        os.kill(first, signal.SIGKILL)
+        killed_at = time.time()
+        second = worker_pid(other_than=first)  # Ray's one restart of it
+        os.kill(second, signal.SIGKILL)
+        with pytest.raises(RewardPoolExhausted, match=r"reward pool is exhausted: the reward of \S+#\d+ .* lost "
+                           r"with its worker \d+ times .*1 worker\(s\) in the pool") as info:
+            pool.wait(handles, timeout_s=300)
+        stopped_at = time.time()
+        assert pool.status_counts.get("error", 0) == 0, "failure rewards were scored before the stop"
+        alive, _ = left_behind([first, second])
+        assert not alive
+    finally:
+        pool.shutdown()
+    record("reward worker SIGKILLed again after Ray's one restart (pool exhausted)", "stopped cleanly: "
+           "RewardPoolExhausted names the response and the worker; no failure rewards scored", None,
+           stopped_at - killed_at,
+           f"{HERE}::test_reward_workers_dying_past_their_restarts_stop_scoring_with_a_clear_error",
+           "stop = first kill until wait raised (Ray's restart and the second kill included)")
+    assert "worker #0" in str(info.value)
+
+
 def test_reward_pool_burst_beyond_its_workers_keeps_every_verdict(ray_session, tokenizer_dir) -> None:
     """The in-suite size of ``python -m megatron_rl.tools.reward_burst`` (5,000 responses there):
     every verdict arrives and is the expected one, attacks included; memory stays bounded."""

@@ -225,18 +225,24 @@ def test_score_retries_a_task_lost_with_its_actor_queue(tokenizer_dir: Path, mon
     assert pool._workers.in_flight[0] == set() or all(r.done() for r in pool._workers.in_flight[0])
 
 
-def test_score_gives_up_after_retries_and_reports_it(tokenizer_dir: Path, monkeypatch, caplog) -> None:
+def test_score_stops_with_pool_exhausted_after_its_retries(tokenizer_dir: Path, monkeypatch, caplog) -> None:
+    """A task lost past its resubmissions means the workers keep dying: ``score`` raises, naming
+    the response, instead of scoring a failure reward that a run would train on."""
+    from megatron_rl.reward.pool.dispatch import RewardPoolExhausted
+
     actor = FakeActor([unavailable() for _ in range(10)])
     pool = fake_ray_pool(tokenizer_dir, monkeypatch, actor)
     s = sample()
     with caplog.at_level(logging.WARNING, logger="megatron_rl.reward.pool.dispatch"):
-        asyncio.run(pool.score(s))
+        with pytest.raises(RewardPoolExhausted, match=r"reward pool is exhausted: the reward of arith:7#3 .* lost "
+                           r"with its worker \d+ times"):
+            asyncio.run(pool.score(s))
     assert 2 <= len(actor.calls) <= 4                  # bounded retries
-    assert s.reward == -0.5 and s.correct is False      # timeout_reward
+    assert s.reward is None and s.correct is None       # no failure reward scored
     metrics = pool.step_metrics([s])
-    assert metrics["reward/errors"] == 1.0
+    assert metrics["reward/errors"] == 0.0
     assert metrics["reward/retries"] == float(len(actor.calls) - 1)
-    # The warning names the response, so a stalled step points at its prompts.
+    # Each resubmission's warning names the response, so a stalled step points at its prompts.
     assert any("arith:7#3" in r.getMessage() for r in caplog.records)
 
 

@@ -12,9 +12,12 @@ Contract of :class:`Dispatcher`:
 * **in-process workers** score inside :meth:`submit`; their exceptions propagate to the caller.
 * **Ray workers**: a task lost with its actor (``RayActorError``: the actor died or dropped its
   queue; scoring is pure, so running it twice is harmless) is resubmitted, to the worker dispatch
-  picks then, up to :data:`MAX_RETRIES` times; then, like any other Ray error (an exception raised
-  by the scoring itself is not retried), the response gets the failure outcome: reward and raw
-  reward ``reward.timeout_reward``, not correct, status 'error', logged with the response's label.
+  picks then, up to :data:`MAX_RETRIES` times; once they are spent the pool is dying (Ray
+  restarts a worker once), and :class:`RewardPoolExhausted` is raised out of ``score`` / ``poll``
+  / ``wait`` instead of scoring: a run must stop, not train on failure rewards. Any other Ray
+  error (an exception raised by the scoring itself, not retried) gives the failure outcome:
+  reward and raw reward ``reward.timeout_reward``, not correct, status 'error', logged with the
+  response's label.
 * **collecting** (:meth:`collect`) writes reward, raw_reward, correct and the reward timings
   into the sample, counts the status, records queue wait and worker time in the pool's stats
   (not for judge outcomes, which have no queue), feeds correct code runs to the adaptive
@@ -41,6 +44,11 @@ logger = logging.getLogger(__name__)
 
 MAX_RETRIES = 2
 """Resubmissions of one response whose task was lost with its actor (RayActorError)."""
+
+
+class RewardPoolExhausted(RuntimeError):
+    """A response's task was lost with its worker more than :data:`MAX_RETRIES` times: the reward
+    workers keep dying faster than Ray restarts them, and nothing is left to score with."""
 
 
 class Dispatcher:
@@ -122,7 +130,7 @@ class Dispatcher:
                 raise asyncio.CancelledError(f"reward of {handle.sample.request_id} cancelled") from None
             except ray.exceptions.RayActorError as exc:
                 if not self._retry(handle, exc):
-                    return self._failure(exc, handle)
+                    return self._lost(exc, handle)
             except ray.exceptions.RayError as exc:
                 return self._failure(exc, handle)
 
@@ -140,6 +148,19 @@ class Dispatcher:
             self._timeouts.observe(handle.sample.prompt.prompt_id, outcome.run_s, outcome.correct)
         if handle.ref is not None and self._workers.release(handle.worker, handle.ref):
             self._workers.rescale(allow_shrink=True)
+
+    def _lost(self, exc: Exception, handle: RewardHandle) -> RewardOutcome:
+        """A task lost with its actor once more after its resubmissions: the pool is exhausted
+        (a cancelled response just gets the failure outcome, which nobody reads)."""
+        if handle.cancelled:
+            return self._failure(exc, handle)
+        from megatron_rl.distributed.errors import one_line
+
+        raise RewardPoolExhausted(
+            f"the reward pool is exhausted: the reward of {response_label(handle.sample)} (request "
+            f"{handle.sample.request_id}) was lost with its worker {handle.attempts + 1} times ({handle.attempts} "
+            f"resubmissions, the last to worker #{handle.worker}); {len(self._workers)} worker(s) in the pool, "
+            f"each restarted by Ray at most once; last error: {one_line(exc)}") from exc
 
     def _failure(self, exc: Exception, handle: RewardHandle) -> RewardOutcome:
         """Outcome for a task whose worker failed (and retries, if any, are spent): the
@@ -172,7 +193,7 @@ class Dispatcher:
                 except ray.exceptions.RayActorError as exc:
                     if self._retry(handle, exc):
                         continue  # pending again, on its new task
-                    outcome = self._failure(exc, handle)
+                    outcome = self._lost(exc, handle)
                 except (ray.exceptions.RayError, TimeoutError) as exc:
                     outcome = self._failure(exc, handle)
                 self.collect(handle, outcome)

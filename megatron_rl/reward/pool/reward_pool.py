@@ -54,15 +54,16 @@ class RewardPool:
       prompt's ``metadata['format']``): math and code go to a worker, judge to the judge.
     * **timeouts and failures never raise out of** ``score``/``wait``: a response whose grading
       timed out scores ``raw_reward = reward.timeout_reward`` (then length-shaped), status
-      'timeout'; one whose worker failed (a task lost with its actor is first resubmitted up to
-      ``MAX_RETRIES`` times) scores ``reward = raw_reward = reward.timeout_reward``, status
-      'error'; neither is correct, and both are counted in ``reward/timeouts`` /
+      'timeout'; one whose worker failed scores ``reward = raw_reward = reward.timeout_reward``,
+      status 'error'; neither is correct, and both are counted in ``reward/timeouts`` /
       ``reward/errors`` (and logged with the response's 'prompt_id#index'). Exceptions: with
       in-process workers (``use_ray=False``) a worker's exception propagates from ``submit`` and
       ``score``; a judge engine failure propagates from ``score``; a judge reply slower than
       ``LLMJudge.timeout_s`` (120 s) scores ``timeout_reward`` with status 'timeout' and counts
       in ``status_counts``, but not in the ``reward/*`` queue metrics (``reward/scored``,
-      ``reward/timeouts``), which cover worker-scored responses only.
+      ``reward/timeouts``), which cover worker-scored responses only. A task lost with its actor is
+      resubmitted up to ``MAX_RETRIES`` times; once those are spent ``score`` / ``wait`` raise
+      ``RewardPoolExhausted`` (the workers keep dying: the run stops cleanly instead).
     * ``cancel_samples(samples)`` (samples being scored through ``score``) and ``cancel(handles)``:
       cancelled samples are never scored: their reward fields stay as they were, their ``score``
       call returns the unscored sample, they count in ``reward/cancelled`` only (not in
