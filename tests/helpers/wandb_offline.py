@@ -61,7 +61,16 @@ def read_offline_run(run_file: str | Path) -> dict:
     return out
 
 
-def offline_runs(run_dir: str | Path) -> list[dict]:
-    """Every offline run under ``<run_dir>/wandb``, oldest first."""
+def offline_runs(run_dir: str | Path, settle_s: float = 10.0) -> list[dict]:
+    """Every offline run under ``<run_dir>/wandb``, oldest first. wandb's service process writes
+    the files; a file read while it still flushes may lack its run record (seen once on the
+    loaded 2-core box), so a file without one is read again for up to ``settle_s``."""
+    import time
+
     files = sorted(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb"))
-    return [read_offline_run(f) for f in files]
+    deadline = time.monotonic() + settle_s
+    while True:
+        runs = [read_offline_run(f) for f in files]
+        if all(r["run_id"] is not None for r in runs) or time.monotonic() >= deadline:
+            return runs
+        time.sleep(0.2)
