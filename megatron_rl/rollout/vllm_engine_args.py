@@ -27,18 +27,18 @@ def scoped_env(values: dict[str, str | None]) -> Iterator[None]:
     """
     saved = {key: os.environ.get(key) for key in values}
     try:
-        for key, value in values.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        _apply_env(values)
         yield
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        _apply_env(saved)
+
+
+def _apply_env(values: dict[str, str | None]) -> None:
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def cpu_executor_backend(cfg: RolloutConfig) -> Any:

@@ -1,0 +1,39 @@
+"""The engine's process environment: what vLLM's spawned processes read, scoped to the spawn."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.config import RolloutConfig
+from megatron_rl.rollout.vllm_engine_args import engine_process_env, scoped_env
+
+
+def test_scoped_env_sets_and_unsets_then_restores_both(monkeypatch) -> None:
+    monkeypatch.setenv("MRL_TEST_SET", "before")
+    monkeypatch.delenv("MRL_TEST_UNSET", raising=False)
+    with scoped_env({"MRL_TEST_SET": None, "MRL_TEST_UNSET": "inside"}):
+        assert "MRL_TEST_SET" not in os.environ
+        assert os.environ["MRL_TEST_UNSET"] == "inside"
+    assert os.environ["MRL_TEST_SET"] == "before"
+    assert "MRL_TEST_UNSET" not in os.environ
+
+
+def test_scoped_env_restores_after_an_error(monkeypatch) -> None:
+    monkeypatch.setenv("MRL_TEST_SET", "before")
+    with pytest.raises(RuntimeError), scoped_env({"MRL_TEST_SET": "inside"}):
+        raise RuntimeError("the engine failed to start")
+    assert os.environ["MRL_TEST_SET"] == "before"
+
+
+@pytest.mark.parametrize("compile_sampler", [False, True])
+def test_cpu_engines_run_dynamo_off_unless_compile_is_asked_for(tmp_path: Path, compile_sampler: bool) -> None:
+    cfg = RolloutConfig(cpu_torch_compile=compile_sampler, cpu_threads=3)
+    env = engine_process_env(cfg, on_gpu=False, root=tmp_path, scratch=tmp_path / "s")
+    assert ("TORCHDYNAMO_DISABLE" in env) is not compile_sampler
+    assert env["OMP_NUM_THREADS"] == "3" and env["TMPDIR"] == str(tmp_path / "s")
+    assert env["VLLM_CPU_KVCACHE_SPACE"] is None  # unset: the fractional size in the engine args wins
+    gpu = engine_process_env(cfg, on_gpu=True, root=tmp_path, scratch=tmp_path / "s")
+    assert "TORCHDYNAMO_DISABLE" not in gpu and "OMP_NUM_THREADS" not in gpu
