@@ -6,8 +6,8 @@ What users of the field's systems turn on when the long tail hurts, instead of t
   groups, keep the unfinished responses and continue them next step under newer weights
   (:mod:`rollpacker.peers.partial_rollout`);
 * ``one_step_off`` (veRL's one-step-off-policy async): step t+1's rollout runs while step t
-  trains, so every batch after the first is one policy version old
-  (:mod:`rollpacker.peers.one_step_off`).
+  trains, so every batch after the first is one policy version old; ``peers.one_step_off.max_staleness``
+  = k runs it k steps ahead (:mod:`rollpacker.peers.one_step_off`).
 
 Both buy speed with off-policy tokens: each declares its staleness bound
 (``RolloutScheduler.max_staleness``) and the loop trains the older tokens with truncated
@@ -18,7 +18,7 @@ it (docs/peers.md).
 
 Importing this package (the ``rollpacker_peers`` entry point of the ``megatron_rl.plugins``
 group, loaded before a config is parsed) registers the two scheduler names and the ``peers``
-config section (``peers.partial.*``).
+config section (``peers.partial.*``, ``peers.one_step_off.*``).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from megatron_rl.config import register_section
 from megatron_rl.config_io import register_validator
 from megatron_rl.plugins import register_scheduler
-from rollpacker.peers.one_step_off import validate_one_step_off
+from rollpacker.peers.one_step_off import OneStepOffConfig, validate_one_step_off
 from rollpacker.peers.partial_rollout import PartialRolloutConfig, validate_partial
 
 
@@ -35,6 +35,8 @@ from rollpacker.peers.partial_rollout import PartialRolloutConfig, validate_part
 class PeersConfig:
     partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
     """Partial rollout (scheduler.name=partial_rollout): over-provisioning and the staleness bound."""
+    one_step_off: OneStepOffConfig = field(default_factory=OneStepOffConfig)
+    """Asynchronous rollout (scheduler.name=one_step_off): how many steps it runs ahead of training."""
 
 
 register_section("peers", PeersConfig, "The peers tail batching is measured against (scheduler.name=partial_rollout "

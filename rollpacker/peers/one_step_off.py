@@ -9,9 +9,15 @@ training did not hide, ``time/rollout_wait``). Step t+1 then trains that batch w
 at version t+1: every token is exactly one version old (the staleness bound this scheduler
 declares), except step 0's batch, generated on the spot, on-policy.
 
-A checkpoint saved after step t holds the prefetched batch of step t+1 (generated and scored;
-its prompts already left the data cursor), so a resumed run trains it next: nothing is lost or
-generated twice. The last step of a run (``trainer.steps``) starts no generation ahead.
+``peers.one_step_off.max_staleness`` = k > 1 runs the rollout k steps ahead (the bounded
+staleness of veRL's fully asynchronous trainer, at the granularity of whole generations): during
+step t the engine generates the batch of step t+k, so each batch trains k versions after the
+weights that produced it. Filling the pipeline, step 0 generates the batches of steps 1..k one
+after another on version 0 (staleness 1..k); from then on one generation per step.
+
+A checkpoint saved after step t holds the prefetched batches (generated and scored; their
+prompts already left the data cursor), so a resumed run trains them next: nothing is lost or
+generated twice. The last k steps of a run (``trainer.steps``) start no generation past its end.
 
 On a colocated GPU the engines must stay awake while the trainer works (``rollout.sleep_during_train``
 is refused); on the CPU box the engine and the trainer share the cores, so the overlap is real
@@ -22,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from dataclasses import dataclass
 
 from megatron_rl.baseline import BaselineScheduler
 from megatron_rl.config import RunConfig
@@ -32,8 +39,20 @@ from megatron_rl.plugins import scheduler_path
 ROUND_TYPE = "one_step_off"
 
 
+@dataclass
+class OneStepOffConfig:
+    max_staleness: int = 1
+    """Steps the rollout runs ahead of training, which is the staleness bound the scheduler
+    declares: 1 is veRL's one-step-off (step t+1's batch is generated while step t trains); k > 1
+    generates step t+k's batch during step t, so up to k batches wait, generated and scored. >= 1."""
+
+
 def validate_one_step_off(cfg: RunConfig) -> None:
-    """One-step-off needs awake engines while the trainer trains (the next rollout runs then)."""
+    """One-step-off needs awake engines while the trainer trains (the next rollout runs then) and
+    a staleness bound of at least one step."""
+    if cfg.peers.one_step_off.max_staleness < 1:
+        raise ConfigError(f"peers.one_step_off.max_staleness: must be >= 1 (steps the rollout runs ahead), "
+                          f"got {cfg.peers.one_step_off.max_staleness}")
     if scheduler_path(cfg.scheduler.name) != f"{__name__}:OneStepOffScheduler":
         return
     if cfg.rollout.sleep_during_train:
@@ -43,27 +62,25 @@ def validate_one_step_off(cfg: RunConfig) -> None:
 
 def _quiet(ctx: RolloutContext, step: int) -> RolloutContext:
     """The context of a generation for ``step`` running inside step ``ctx.step``: plug-ins hear of
-    its round and groups when its batch is handed over, not while the previous step trains."""
+    its round and groups when its batch is handed over, not while an earlier step trains."""
     return dataclasses.replace(ctx, step=step, on_round_start=lambda round_type, num_groups: None,
                                on_group_complete=lambda group: None)
 
 
 class OneStepOffScheduler(RolloutScheduler):
-    """The baseline's rollout, run one step ahead of training."""
+    """The baseline's rollout, run ``peers.one_step_off.max_staleness`` steps ahead of training."""
 
     name = "one_step_off"
 
     def __init__(self) -> None:
         self._generator = BaselineScheduler()
         self._ahead: asyncio.Task | None = None
-        """The next step's generation while it runs (between next_batch and before_weight_sync)."""
-        self.ready: RolloutBatch | None = None
-        """The next step's batch once generated (training state: saved in checkpoints)."""
-        self._ready_for = -1
-        """The step ``ready`` was generated for."""
+        """The generations started in this step while they run (between next_batch and before_weight_sync)."""
+        self.ready: dict[int, RolloutBatch] = {}
+        """Generated batches by the step that trains them (training state: saved in checkpoints)."""
 
     def max_staleness(self, cfg: RunConfig) -> int:
-        return 1
+        return cfg.peers.one_step_off.max_staleness
 
     def next_round_type(self, cfg: RunConfig) -> str:
         return ROUND_TYPE
@@ -71,30 +88,44 @@ class OneStepOffScheduler(RolloutScheduler):
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict:
         if self._ahead is not None:  # the loop saves between steps, after before_weight_sync
-            raise RuntimeError("one_step_off: state_dict while the next step's rollout still runs")
-        return {"ready": self.ready, "ready_for": self._ready_for}
+            raise RuntimeError("one_step_off: state_dict while a later step's rollout still runs")
+        return {"ready_by_step": dict(self.ready)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.ready, self._ready_for = state.get("ready"), int(state.get("ready_for", -1))
+        if "ready_by_step" in state:
+            self.ready = dict(state["ready_by_step"])
+        else:  # a checkpoint of the one-batch format (max_staleness 1 only)
+            ready = state.get("ready")
+            self.ready = {int(state["ready_for"]): ready} if ready is not None else {}
 
     # ------------------------------------------------------------------ one step
     async def next_batch(self, ctx: RolloutContext) -> RolloutBatch:
         if self._ahead is not None:
-            raise RuntimeError(f"one_step_off: step {ctx.step} started while the rollout started for it still runs "
-                               "(the loop must call before_weight_sync after every step)")
-        if self.ready is not None and self._ready_for != ctx.step:
-            raise RuntimeError(f"one_step_off: the prefetched batch is for step {self._ready_for}, not {ctx.step}")
-        if self.ready is None:  # the first step (or a resume that saved none): generate now, on-policy
+            raise RuntimeError(f"one_step_off: step {ctx.step} started while a rollout started for a later step "
+                               "still runs (the loop must call before_weight_sync after every step)")
+        stray = sorted(s for s in self.ready if s < ctx.step)
+        if stray:
+            raise RuntimeError(f"one_step_off: prefetched batches for steps {stray} were never trained (now at step "
+                               f"{ctx.step})")
+        if ctx.step in self.ready:
+            batch, prefetched = self.ready.pop(ctx.step), True
+        else:  # the first step (or a resume that saved none): generate now, on-policy
             batch, prefetched = await self._generate(_quiet(ctx, ctx.step)), False
-        else:
-            batch, prefetched, self.ready = self.ready, True, None
         ctx.on_round_start(ROUND_TYPE, len(batch.groups))
         for group in batch.groups:
             ctx.on_group_complete(group)
-        if ctx.step + 1 < ctx.cfg.trainer.steps:
-            self._ahead = asyncio.ensure_future(self._generate(_quiet(ctx, ctx.step + 1)))
+        last = min(ctx.step + ctx.cfg.peers.one_step_off.max_staleness, ctx.cfg.trainer.steps - 1)
+        ahead = [s for s in range(ctx.step + 1, last + 1) if s not in self.ready]
+        if ahead:
+            self._ahead = asyncio.ensure_future(self._generate_ahead(ctx, ahead))
         batch.metrics["rollout/prefetched"] = float(prefetched)
+        batch.metrics["rollout/batches_ahead"] = float(len(self.ready) + len(ahead))
         return batch
+
+    async def _generate_ahead(self, ctx: RolloutContext, steps: list[int]) -> None:
+        """The batches of ``steps``, one generation after another, in cursor order."""
+        for step in steps:
+            self.ready[step] = await self._generate(_quiet(ctx, step))
 
     async def _generate(self, ctx: RolloutContext) -> RolloutBatch:
         batch = await self._generator.next_batch(ctx)
@@ -106,10 +137,10 @@ class OneStepOffScheduler(RolloutScheduler):
         return batch
 
     async def before_weight_sync(self, step: int) -> dict[str, float]:
-        """The generation for step + 1 ends on the weights that produced it (version ``step``)."""
+        """The generations started in ``step`` end on the weights that produced them (version ``step``)."""
         if self._ahead is None:
             return {}
         start = time.monotonic()
         ahead, self._ahead = self._ahead, None
-        self.ready, self._ready_for = await ahead, step + 1
+        await ahead
         return {"time/rollout_wait": time.monotonic() - start}

@@ -239,9 +239,9 @@ def test_one_step_off_generates_the_next_batch_while_this_one_trains():
             # Step t+1's requests (its seeds and ids) went out during step t, on version t.
             ahead = engine.submitted[len(engine.submitted) - P0 * R0:]
             assert all(r.request_id.startswith(f"s{step + 1}-") for r in ahead)
-            assert "time/rollout_wait" in settled and sched.ready is not None
+            assert "time/rollout_wait" in settled and list(sched.ready) == [step + 1]
         else:
-            assert settled == {} and sched.ready is None  # the last step starts nothing ahead
+            assert settled == {} and sched.ready == {}  # the last step starts nothing ahead
             assert len(engine.submitted) == before
     # Step 0 trains on-policy; every later batch is exactly one version old.
     assert versions == [{0}, {0}, {1}, {2}]
@@ -254,19 +254,73 @@ def test_one_step_off_checkpoints_the_prefetched_batch():
     sched = OneStepOffScheduler()
     trained = trained_prompt_ids(h.step(sched, 0)[0])
     state, cursor_state = pickle.loads(pickle.dumps(sched.state_dict())), h.cursor.state_dict()
-    assert state["ready_for"] == 1 and len(state["ready"].groups) == P0
+    assert list(state["ready_by_step"]) == [1] and len(state["ready_by_step"][1].groups) == P0
     h2 = Harness(prompts, FakeEngine(lambda req: 5, capacity=1000), ["scheduler.name=one_step_off"], steps=4)
     h2.cursor.load_state_dict(cursor_state)
     resumed = OneStepOffScheduler()
     resumed.load_state_dict(state)
     batch, _ = h2.step(resumed, 1)
-    assert trained_prompt_ids(batch) == trained_prompt_ids(state["ready"])  # trained, not regenerated
+    assert trained_prompt_ids(batch) == trained_prompt_ids(state["ready_by_step"][1])  # trained, not regenerated
     assert not any(r.request_id.startswith("s1-") for r in h2.engine.submitted)
     trained += trained_prompt_ids(batch) + trained_prompt_ids(h2.step(resumed, 2)[0])
     assert len(trained) == len(set(trained)) == 3 * P0
+
+
+def test_k_steps_ahead_fills_the_pipeline_then_generates_one_batch_per_step():
+    """peers.one_step_off.max_staleness=2: step 0 generates the batches of steps 1 and 2 (on
+    version 0), each later step the batch two steps on; each batch trains k = 2 versions after
+    the weights that made it once the pipeline is full; the last steps start nothing past the end."""
+    engine = FakeEngine(lambda req: 5 + req.seed % 7, capacity=1000)
+    h = Harness(make_prompts(40), engine, ["scheduler.name=one_step_off", "peers.one_step_off.max_staleness=2"],
+                steps=5)
+    sched = OneStepOffScheduler()
+    assert sched.max_staleness(h.cfg) == 2
+    seen, versions, submitted_for = [], [], []
+    for step in range(5):
+        before = len(engine.submitted)
+        batch, settled = h.step(sched, step)
+        seen += trained_prompt_ids(batch)
+        versions.append({v for s in batch.samples for v in token_versions(s)})
+        assert batch.metrics["rollout/prefetched"] == float(step > 0)
+        submitted_for.append(sorted({r.request_id.split("-")[0] for r in engine.submitted[before:]}))
+        assert sorted(sched.ready) == [s for s in range(step + 1, min(step + 2, 4) + 1)]
+        assert ("time/rollout_wait" in settled) == (step < 3)
+    assert submitted_for == [["s0", "s1", "s2"], ["s3"], ["s4"], [], []]
+    assert versions == [{0}, {0}, {0}, {1}, {2}]  # staleness 0, 1, 2, 2, 2
+    for step, vs in enumerate(versions):
+        assert step - max(vs) <= 2
+    # The cursor handed prompts out in step order: the batches are consecutive slices of it.
+    assert seen == [f"p{i}" for i in range(5 * P0)]
+
+
+def test_k_steps_ahead_checkpoints_every_waiting_batch_and_reads_the_one_batch_format():
+    prompts = make_prompts(40)
+    args = ["scheduler.name=one_step_off", "peers.one_step_off.max_staleness=3"]
+    h = Harness(prompts, FakeEngine(lambda req: 5, capacity=1000), args, steps=6)
+    sched = OneStepOffScheduler()
+    trained = trained_prompt_ids(h.step(sched, 0)[0]) + trained_prompt_ids(h.step(sched, 1)[0])
+    state, cursor_state = pickle.loads(pickle.dumps(sched.state_dict())), h.cursor.state_dict()
+    assert sorted(state["ready_by_step"]) == [2, 3, 4]
+    h2 = Harness(prompts, FakeEngine(lambda req: 5, capacity=1000), args, steps=6)
+    h2.cursor.load_state_dict(cursor_state)
+    resumed = OneStepOffScheduler()
+    resumed.load_state_dict(state)
+    for step in range(2, 6):
+        trained += trained_prompt_ids(h2.step(resumed, step)[0])
+    # Only step 5's batch was generated after the resume; none lost or trained twice.
+    assert sorted({r.request_id.split("-")[0] for r in h2.engine.submitted}) == ["s5"]
+    assert trained == [f"p{i}" for i in range(6 * P0)]
+    # A checkpoint written before max_staleness existed: one batch and the step it is for.
+    old = OneStepOffScheduler()
+    old.load_state_dict({"ready": state["ready_by_step"][2], "ready_for": 2})
+    assert list(old.ready) == [2]
+    old.load_state_dict({"ready": None, "ready_for": -1})
+    assert old.ready == {}
 
 
 def test_one_step_off_refuses_sleeping_engines():
     with pytest.raises(ConfigError, match="rollout.sleep_during_train cannot be used with scheduler.name=one_step_off"):
         validate(load_config(None, ["scheduler.name=one_step_off", "rollout.sleep_during_train=true"]), device="cpu")
     validate(load_config(None, ["scheduler.name=baseline", "rollout.sleep_during_train=true"]), device="cpu")
+    with pytest.raises(ConfigError, match="peers.one_step_off.max_staleness: must be >= 1"):
+        validate(load_config(None, ["scheduler.name=one_step_off", "peers.one_step_off.max_staleness=0"]), device="cpu")

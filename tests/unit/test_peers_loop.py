@@ -7,8 +7,8 @@ in-process reward pool grading the fake answers.
   old here), under both ways of getting the old logprobs (a scoring pass, the training forward);
   parity is measured on on-policy tokens only; the off-policy metrics are in every step;
 * one-step-off never lets a request run across a weight sync (the fake engine refuses the reload);
-* checkpoint and resume keep the carried responses / the prefetched batch: every prompt is trained
-  exactly once across the resume;
+* checkpoint and resume keep the carried responses / the prefetched batch(es, two steps ahead):
+  every prompt is trained exactly once across the resume;
 * the strict on-policy check still refuses stale samples for the baseline and tail batching, and
   a peer's check refuses anything older than its declared bound.
 """
@@ -130,6 +130,31 @@ def test_one_step_off_trains_one_version_old_batches_and_never_syncs_under_runni
     assert parts.policy.scored == (4 if recompute.endswith("true") else 0)
     flat = [p for r in trained_rows(parts) for p in r]
     assert len(flat) == len(set(flat)) == 4 * P0
+
+
+def test_one_step_off_two_steps_ahead_trains_each_batch_at_its_lag_and_resumes_with_both_waiting(
+        tmp_path, tokenizer, tokenizer_dir):
+    k2 = "peers.one_step_off.max_staleness=2"
+    from megatron_rl.graceful_stop import GracefulStop
+
+    # A SIGTERM before the run: it stops after step 0, whose checkpoint holds steps 1 and 2's batches.
+    first = make_parts(tmp_path, tokenizer, tokenizer_dir, "one_step_off", steps=5, overrides=[k2])
+    first.stop = GracefulStop()
+    first.stop.handle(signal.SIGTERM)
+    trainer, history = run(first)
+    assert trainer.max_staleness == 2 and len(history) == 1
+    assert history[0]["rollout/batches_ahead"] == 2.0
+    resumed = make_parts(tmp_path, tokenizer, tokenizer_dir, "one_step_off", steps=5,
+                         overrides=[k2, "trainer.resume=true"])
+    _, history = run(resumed)
+    assert [m["step"] for m in history] == [1, 2, 3, 4]
+    assert [m["rollout/prefetched"] for m in history] == [1.0] * 4
+    # Steps 1 and 2 trained what step 0 generated (version 0); 3 and 4 what steps 1 and 2 did.
+    assert [m["off_policy/staleness_max"] for m in history] == [1.0, 2.0, 2.0, 2.0]
+    for m, lag in zip(history, (1, 2, 2, 2)):
+        assert m["off_policy/tis_weight_mean"] == pytest.approx(math.exp(-0.1 * lag))
+    flat = [p for r in trained_rows(resumed) for p in r]
+    assert len(flat) == len(set(flat)) == 5 * P0
 
 
 @pytest.mark.parametrize("scheduler", ["partial_rollout", "one_step_off"])
