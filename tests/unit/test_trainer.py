@@ -399,3 +399,32 @@ def test_tail_batching_runs_through_the_same_loop(tmp_path, tokenizer, tokenizer
     trainer, history = run(parts)
     assert [m["round_type"] for m in history] == ["short"] * 4 + ["long"]
     assert all(m["batch/samples_trained"] == P0 * R0 for m in history)
+
+
+def test_an_exhausted_reward_pool_stops_the_step_and_keeps_the_last_checkpoint(tmp_path, tokenizer, tokenizer_dir):
+    """The dispatcher raises RewardPoolExhausted once a response's task is lost past its
+    resubmissions (the Ray pool's own test: tests/integration/test_faults_parts.py). In the loop
+    that is a failed step: StepFailed names the step, the phase and the pool's error; the step's
+    responses are not trained on a made-up reward, and the checkpoint of the step before stays."""
+    from megatron_rl.checkpoint import list_checkpoints
+    from megatron_rl.reward.pool.dispatch import RewardPoolExhausted
+    from megatron_rl.trainer import StepFailed
+
+    parts = make_parts(tmp_path, tokenizer, tokenizer_dir, [], steps=4, overrides=["trainer.save_every=1"])
+    real_score, calls = parts.rewards.score, []
+
+    async def score(sample):
+        calls.append(sample.request_id)
+        if len(calls) > 2 * P0 * R0 + 3:  # some way into step 2's rollout
+            raise RewardPoolExhausted(f"the reward pool is exhausted: the reward of {sample.request_id} was lost")
+        return await real_score(sample)
+
+    parts.rewards.score = score
+    with pytest.raises(StepFailed) as failed:
+        run(parts)
+    assert failed.value.step == 2 and failed.value.phase == "rollout"
+    assert "RewardPoolExhausted: the reward pool is exhausted" in str(failed.value)
+    assert parts.policy.steps == 2  # steps 0 and 1 trained; step 2 trained nothing
+    rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").open()]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert [step for step, _ in list_checkpoints(parts.cfg.trainer.run_dir)] == [1, 2]
