@@ -30,7 +30,7 @@ from megatron_rl.rollout.engine_restart import EngineRestartsExhausted, Restarti
 from megatron_rl.rollout.ray_engine import create_engine_client
 from tests.helpers.engine_io import run as run_with_timeout
 from tests.helpers.fault_figures import record
-from tests.helpers.processes import describe, left_behind
+from tests.helpers.processes import describe, left_behind, run_processes
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -198,13 +198,6 @@ def test_a_death_beyond_max_restarts_stops_with_a_clear_error(supervised, loop) 
            "no processes or psm segments left after shutdown")
 
 
-def run_processes_of(pid: int) -> list[int]:
-    """The descendants of ``pid`` (a reward worker's grading process)."""
-    import psutil
-
-    return [p.pid for p in psutil.Process(pid).children(recursive=True)]
-
-
 def _math_samples(tokenizer, n: int) -> list:
     from megatron_rl.sample import Prompt, Sample
 
@@ -251,7 +244,7 @@ def test_reward_worker_killed_under_load_keeps_every_verdict(ray_session, tokeni
             more, pending = pool.poll(pending, timeout_s=0.2)
             done += more
         assert pending, "the batch finished before the kill: make it larger"
-        victim_tree = [pid, *run_processes_of(pid)]
+        victim_tree = [pid, *run_processes(pid)]
         os.kill(pid, signal.SIGKILL)
         killed_at = time.time()
         pool.wait(handles, timeout_s=300)
