@@ -10,9 +10,12 @@ from megatron_rl.quantization.scheme import quant_spec
 
 INT8 = quant_spec("int8", "float32")
 # Parity tolerance of a quantized engine vs the fp32 trainer on these models (mean |logprob gap|
-# over a response). An fp32 engine stays under 1e-4 (the loop's parity check); int8 rounding moved these models'
-# logprobs by 4e-3 on average (measured); weights written with a 25 % scale error by 6.5e-2.
-MEAN_GAP_TOLERANCE = 0.02
+# over a response). An fp32 engine stays under 1e-4 (the loop's parity check). The int8 GEMM's
+# error depends on the CPU's int8 instructions: with VNNI (AVX512-VNNI / AVX-VNNI) int8 rounding
+# moved these models' logprobs by 4e-3 on average, weights written with a 25 % scale error by
+# 6.5e-2; on an AVX2 CPU without VNNI (AMD EPYC) by 0.018-0.026, the 25 % scale error by 0.080
+# (measured, test_quantized_engine). The bound sits between the two on each.
+MEAN_GAP_TOLERANCE = 0.02 if torch.cpu._is_vnni_supported() else 0.04
 
 
 class ModelTensors:
