@@ -222,14 +222,17 @@ def test_ctrl_c_stops_cleanly_and_the_last_resume_trains_every_prompt_once(chain
 
     run = chain.attempt("6-ctrl-c", "5-node")
     try:
-        run.wait_until(chain.checkpoint_written(4), "checkpoint 4")
+        seen_at = run.wait_until(chain.checkpoint_written(4), "checkpoint 4")
         run.poll()
         interrupted_at = time.time()
         os.killpg(run.proc.pid, signal.SIGINT)
         rc, exited_at = run.wait_exit(120)
     finally:
         run.kill()
-    assert rc != 0, "the run ended before Ctrl-C: nothing was interrupted"
+    # Once failed on a slow box (exit 0); the timings and the log say which side was late.
+    assert rc != 0, (f"the run ended before Ctrl-C: nothing was interrupted (checkpoint 4 seen "
+                     f"{seen_at - run.started_at:.1f} s after the start, SIGINT {interrupted_at - seen_at:.1f} s "
+                     f"later, exit {exited_at - interrupted_at:.1f} s after it):\n{run.tail()}")
     alive, segments = run.left_behind()
     assert not alive, f"left running after Ctrl-C: {alive}"
     assert not segments and not run.shm_dirs_left()

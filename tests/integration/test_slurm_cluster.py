@@ -151,7 +151,11 @@ def test_time_limit_checkpoint_resubmit_then_scancel(slurm, tmp_path, tiny_model
     assert moved.returncode == 0, moved.stderr
     info = slurm.wait_done(first, timeout=400)
     log = jobs.log(first)
-    assert info["ExitCode"] == "143:0", log[-4000:]
+    # Once 0:0 under a loaded suite on a slow box (it passed alone): the job's record says how it ended.
+    assert info["ExitCode"] == "143:0", (f"job {first}: " + " ".join(
+        f"{k}={info.get(k)}" for k in ("JobState", "Reason", "ExitCode", "RunTime", "TimeLimit", "StartTime",
+                                       "EndTime")) + f"; limit moved to {limit_min} min at run time {run_s} s\n"
+        + log[-4000:])
     done = len(_read_jsonl(metrics))
     assert 1 <= done < STEPS, f"{done} steps before the time limit's signal"
     assert "SIGTERM: passing it to the trainer" in log
