@@ -57,11 +57,14 @@ class LocalSlurm:
         return dict(item.split("=", 1) for item in result.stdout.split() if "=" in item)
 
     def wait_done(self, job_id: int, timeout: float) -> dict[str, str]:
-        """Poll until the job left PENDING/RUNNING/COMPLETING; fails after ``timeout`` seconds."""
+        """Poll until the job is over (left PENDING/CONFIGURING/RUNNING/SIGNALING/COMPLETING/STAGE_OUT);
+        fails after ``timeout`` seconds. SIGNALING is the job while Slurm delivers a ``--signal``
+        (seen on a loaded box for a --signal=B:TERM job: state SIGNALING, ExitCode 0:0, still running)."""
         deadline = time.monotonic() + timeout
         while True:
             info = self.job(job_id)
-            if info.get("JobState") not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", None):
+            if info.get("JobState") not in ("PENDING", "CONFIGURING", "RUNNING", "SIGNALING", "COMPLETING",
+                                            "STAGE_OUT", None):
                 return info
             assert time.monotonic() < deadline, f"job {job_id} still {info.get('JobState')} after {timeout:.0f} s"
             time.sleep(1.0)
