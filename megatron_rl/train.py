@@ -260,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"run stopped: {exc} (the last checkpoint is intact: resume with trainer.resume=true)",
               file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the loop stopped mid-step (megatron_rl.aio), teardown has run
+        print("run interrupted (Ctrl-C): the step in progress is lost, the last checkpoint is intact: resume with "
+              "trainer.resume=true", file=sys.stderr)
+        return 130  # 128 + SIGINT, the shell's code for a run ended by Ctrl-C
     return stop.exit_code  # 0, or 143 after a SIGTERM stop (checkpointed; resume to go on)
 
 

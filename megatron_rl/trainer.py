@@ -13,13 +13,13 @@ memory belongs to ``training.colocation.Colocation``, weight movement to
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from megatron_rl import evaluation, loop_metrics, off_policy
+from megatron_rl.aio import run_until_interrupted
 from megatron_rl.algorithms.advantages import compute_advantages
 from megatron_rl.algorithms.filters import filter_zero_variance
 from megatron_rl.checkpoint import CheckpointManager
@@ -402,4 +402,5 @@ class Trainer:
 
 
 def run_trainer(parts: TrainerParts) -> list[dict]:
-    return asyncio.run(Trainer(parts).run())
+    """Run the loop; Ctrl-C stops it with KeyboardInterrupt (megatron_rl.aio.run_until_interrupted)."""
+    return run_until_interrupted(Trainer(parts).run())

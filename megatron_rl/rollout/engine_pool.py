@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
+from megatron_rl.aio import wait_for
 from megatron_rl.rollout.engine import (
     CUMULATIVE_COUNTERS,
     Completion,
@@ -309,7 +310,7 @@ class EnginePool(RolloutEngine):
             if dead:
                 raise RuntimeError(f"release_engines: engine(s) {dead} failed while draining")
             try:
-                await asyncio.wait_for(self._changed.wait(), timeout=max(deadline - time.monotonic(), 0.0))
+                await wait_for(self._changed.wait(), timeout=max(deadline - time.monotonic(), 0.0))
             except asyncio.TimeoutError:
                 left = {i: self._load[i] for i in indices if self._load[i]}
                 raise TimeoutError(f"release_engines: requests still on released engines after "

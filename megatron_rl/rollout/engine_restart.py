@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
 
+from megatron_rl.aio import wait_for
 from megatron_rl.rollout.engine import CUMULATIVE_COUNTERS, Completion, EngineStats, GenerationRequest, RolloutEngine
 
 log = logging.getLogger(__name__)
@@ -173,7 +174,7 @@ class RestartingEngine(RolloutEngine):
             self._counts_before[key] += getattr(self._last_stats, key)
         self._last_stats = EngineStats()
         try:
-            await asyncio.wait_for(old.shutdown(), timeout=_SHUTDOWN_WAIT_S)
+            await wait_for(old.shutdown(), timeout=_SHUTDOWN_WAIT_S)
         except Exception as exc:  # it is dead: its shutdown may fail, its actor is killed anyway
             log.info("shutdown of the dead engine: %r", exc)
         try:

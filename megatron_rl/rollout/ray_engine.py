@@ -16,6 +16,7 @@ import socket
 import time
 from typing import Any, AsyncIterator, Callable
 
+from megatron_rl.aio import wait_for
 from megatron_rl.config import RolloutConfig, RunConfig
 from megatron_rl.fault_injection import fault_point
 from megatron_rl.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine, forward_completions
@@ -98,7 +99,7 @@ class EngineActor:
         self._ensure_pump()
         if not self._buffer:
             try:
-                await asyncio.wait_for(self._ready.wait(), timeout=max_wait_s)
+                await wait_for(self._ready.wait(), timeout=max_wait_s)
             except asyncio.TimeoutError:
                 return []
         batch, self._buffer = self._buffer, []
@@ -208,7 +209,7 @@ class RayEngineClient(RolloutEngine):
 
     async def _call(self, method: str, *args: Any) -> Any:
         ref = getattr(self.actor, method).remote(*args)
-        return await asyncio.wait_for(ref, timeout=self.call_timeout_s)
+        return await wait_for(ref, timeout=self.call_timeout_s)
 
     async def submit(self, request: GenerationRequest) -> None:
         """Queue a request on the actor's engine."""
@@ -277,7 +278,7 @@ class RayEngineClient(RolloutEngine):
         ActorDiedError) or the actor does not answer within ``health_timeout_s`` (TimeoutError)."""
         ref = self.actor.check_health.remote()
         try:
-            await asyncio.wait_for(ref, timeout=self.health_timeout_s)
+            await wait_for(ref, timeout=self.health_timeout_s)
         except asyncio.TimeoutError:
             raise TimeoutError(f"engine actor gave no health answer within {self.health_timeout_s:.0f} s") from None
 
@@ -299,8 +300,8 @@ class RayEngineClient(RolloutEngine):
                 pass
         segments: list[str] = []
         try:
-            segments = await asyncio.wait_for(self.actor.shm_segments.remote(), timeout=self.health_timeout_s)
-            await asyncio.wait_for(self.actor.shutdown.remote(), timeout=60.0)
+            segments = await wait_for(self.actor.shm_segments.remote(), timeout=self.health_timeout_s)
+            await wait_for(self.actor.shutdown.remote(), timeout=60.0)
         finally:
             ray.kill(self.actor)
             if segments:
@@ -319,7 +320,7 @@ async def _remove_after_exit(actor: Any, segments: set[str], wait_s: float = 10.
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         try:
-            await asyncio.wait_for(actor.ready.remote(), timeout=1.0)
+            await wait_for(actor.ready.remote(), timeout=1.0)
         except (ray.exceptions.RayActorError, asyncio.TimeoutError):
             break
         await asyncio.sleep(0.2)

@@ -23,6 +23,7 @@ from typing import Any
 
 import ray
 
+from megatron_rl.aio import wait_for
 from megatron_rl.config import RunConfig
 from megatron_rl.distributed.errors import one_line
 from megatron_rl.sample import Sample
@@ -303,7 +304,7 @@ class PolicyGroup:
                 reason = self.broken or f"ranks {busy} still busy in an abandoned call"
                 log.warning("trainer ranks killed without their teardown (%s)", reason)
             else:
-                await asyncio.wait_for(self._all("shutdown"), timeout=SHUTDOWN_TIMEOUT_S)
+                await wait_for(self._all("shutdown"), timeout=SHUTDOWN_TIMEOUT_S)
         except (asyncio.TimeoutError, TrainerRankError) as exc:
             log.warning("trainer ranks' teardown failed, killing them: %s", exc)
         finally:

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+from megatron_rl.aio import wait_for
 from rollpacker.benchmarks.common import REPO, benchmark_config
 
 # The random models of the throughput part: (directory name, build_tiny_qwen2 arguments).
@@ -153,7 +154,7 @@ def throughput(model_dir: Path, out: Path, args) -> dict:
                   f"int8 {runs['int8'][-1]:.0f} tok/s", flush=True)
     finally:
         for engine in engines.values():
-            loop.run_until_complete(asyncio.wait_for(engine.shutdown(), timeout=120))
+            loop.run_until_complete(wait_for(engine.shutdown(), timeout=120))
         loop.close()
     result = {"model": str(model_dir), "params_m": _params_m(model_dir), "fp32_mb": _fp32_mb(model_dir)}
     for name, values in runs.items():

@@ -41,6 +41,7 @@ import statistics
 import time
 from pathlib import Path
 
+from megatron_rl.aio import wait_for
 from megatron_rl.tools import REPO_ROOT as REPO
 
 
@@ -176,7 +177,7 @@ def run_check(args) -> dict:
                         print(f"[spec-check] {shape} repeat {rep}: greedy responses differ between arms", flush=True)
     finally:
         for engine in engines.values():
-            loop.run_until_complete(asyncio.wait_for(engine.shutdown(), timeout=120))
+            loop.run_until_complete(wait_for(engine.shutdown(), timeout=120))
         loop.close()
     summary = {"args": vars(args), "runs": results, "ratio_ms_per_token": {}, "greedy_identical": identical,
                "first_call_s": first_call}

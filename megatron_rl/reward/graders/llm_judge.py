@@ -19,6 +19,7 @@ import re
 import time
 from typing import Any
 
+from megatron_rl.aio import wait_for
 from megatron_rl.reward.graders.result import RewardResult
 from megatron_rl.rollout.engine import GenerationRequest, RolloutEngine
 
@@ -102,7 +103,7 @@ class LLMJudge:
             await self.engine.submit(GenerationRequest(
                 request_id=rid, prompt_ids=self.build_prompt(question, reference, response),
                 max_tokens=self.max_new_tokens, seed=0, temperature=0.0, return_logprobs=False))
-            done = await asyncio.wait_for(future, self.timeout_s)
+            done = await wait_for(future, self.timeout_s)
         except asyncio.TimeoutError:
             await self.engine.abort([rid])
             return RewardResult(self.timeout_reward, False, "", "timeout", f"judge took over {self.timeout_s} s",

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
+from megatron_rl.aio import wait_for
 from megatron_rl.distributed.errors import one_line
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.weight_sync.interface import WeightTransport
@@ -152,7 +153,7 @@ class TensorTransport(WeightTransport):
         if group_size(spec):
             steps.append(self.writer.join_weight_push(spec.key, spec.port))  # both ends rendezvous together
         try:
-            await asyncio.wait_for(asyncio.gather(*steps), timeout=o.timeout_s + _MARGIN_S)
+            await wait_for(asyncio.gather(*steps), timeout=o.timeout_s + _MARGIN_S)
         except BaseException as exc:
             await self._close_trainer_side(spec.key)
             raise WeightPushError(f"weight push set-up {spec.key} for {len(receivers)} engine(s) of TP {tp} "
@@ -166,7 +167,7 @@ class TensorTransport(WeightTransport):
     async def _close_trainer_side(self, key: str) -> None:
         try:
             # Bounded: after a failed push a rank may be stalled or dead and never answer.
-            await asyncio.wait_for(self.writer.close_weight_push(key), timeout=_GRACE_S)
+            await wait_for(self.writer.close_weight_push(key), timeout=_GRACE_S)
         except Exception as exc:  # teardown must not hide the real error
             log.warning("closing weight push %s on the trainer ranks failed: %r", key, exc)
 
@@ -228,7 +229,7 @@ class TensorTransport(WeightTransport):
                 return pending, failed, None
             if recv in pending:
                 try:
-                    await asyncio.wait_for(engine.check_health(), timeout=_GRACE_S)
+                    await wait_for(engine.check_health(), timeout=_GRACE_S)
                 except Exception as exc:
                     return pending, [], exc
         return pending, [], None
