@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: the loop stopped mid-step (megatron_rl.aio), teardown has run
         print("run interrupted (Ctrl-C): the step in progress is lost, the last checkpoint is intact: resume with "
               "trainer.resume=true", file=sys.stderr)
-        return 130  # 128 + SIGINT, the shell's code for a run ended by Ctrl-C
+        return 128 + signal.SIGINT  # 130, the shell's code for a run ended by Ctrl-C (as GracefulStop's 143)
     return stop.exit_code  # 0, or 143 after a SIGTERM stop (checkpointed; resume to go on)
 
 
