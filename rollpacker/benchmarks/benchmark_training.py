@@ -10,9 +10,10 @@ forward, per-token log-softmax of the labels, a masked mean loss, backward, one 
 ids are random (speed does not depend on them). Each ``--threads`` setting is one arm (torch
 intra-op threads of the one process), steps interleaved across arms so drift hits all alike.
 
-A further arm runs the trainer's own step (``MegatronWorker.train_step``, Megatron-Core at TP 1
-with the run's loss, one thread) on the same shapes in this process, so the table separates what
-the trainer's code costs from what the run's parallel layout costs.
+Further arms run the trainer's own step (``MegatronWorker.train_step``, Megatron-Core at TP 1
+with the run's loss) on the same shapes in this process, one per ``--threads`` setting, so the
+table separates what the trainer's code costs from what the run's parallel layout costs, and
+shows what one trainer rank given every thread would reach against the run's one thread per rank.
 
 Prints per arm the tokens per second (prompt + response tokens of the step over its time; median
 and range over steps) beside the run's own ``train/tokens_per_s`` (Megatron-Core, the run's TP/PP
@@ -67,7 +68,7 @@ def torch_step(model, optimizer, shapes: list[tuple[int, int]], budget: int, voc
 
 class MegatronArm:
     """The trainer's own step (``MegatronWorker.train_step``: Megatron-Core TP 1, the run's loss,
-    the CPU device mode) in this process, on the same shapes and threads as the plain arm: what
+    the CPU device mode) in this process, on the same shapes and threads as the plain arms: what
     the trainer's code costs over plain torch, apart from the run's parallel layout."""
 
     def __init__(self, run_cfg: dict, rng: random.Random, vocab: int) -> None:
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     rates: dict[int, list[float]] = {n: [] for n in arms}
     megatron = MegatronArm(cfg, rng, vocab) if args.megatron else None
-    mega_rates: list[float] = []
+    mega_rates: dict[int, list[float]] = {n: [] for n in arms}
     torch.set_num_threads(max(arms))
     torch_step(model, optimizer, shapes[0], budget, vocab, rng)  # warm-up, not timed
     if megatron is not None:
@@ -139,18 +140,18 @@ def main(argv: list[str] | None = None) -> int:
         for n in (arms if i % 2 == 0 else arms[::-1]):
             torch.set_num_threads(n)
             rates[n].append(tokens / torch_step(model, optimizer, step, budget, vocab, rng))
-        if megatron is not None:
-            torch.set_num_threads(1)
-            mega_rates.append(tokens / megatron.step(step))
+            if megatron is not None:
+                mega_rates[n].append(tokens / megatron.step(step))
     layout = cfg["parallel"]
     print(f"model {cfg['model']['hf_path']}; {len(shapes)} steps of {run_dir}; micro_batch_tokens={budget}")
     print("| arm | tokens/s, median [range] |\n| --- | ---: |")
     for n in arms:
         print(f"| plain torch, 1 process x {n} thread(s) | {statistics.median(rates[n]):.0f} "
               f"[{min(rates[n]):.0f}-{max(rates[n]):.0f}] |")
-    if mega_rates:
-        print(f"| the trainer's step in this process: Megatron-Core TP1, 1 thread | {statistics.median(mega_rates):.0f} "
-              f"[{min(mega_rates):.0f}-{max(mega_rates):.0f}] |")
+    for n, mega in mega_rates.items():
+        if mega:
+            print(f"| the trainer's step in this process: Megatron-Core TP1, {n} thread(s) | {statistics.median(mega):.0f} "
+                  f"[{min(mega):.0f}-{max(mega):.0f}] |")
     if loop:
         print(f"| the run: Megatron-Core TP{layout['tensor_model_parallel_size']} PP{layout['pipeline_model_parallel_size']} "
               f"DP{layout['data_parallel_size']} (1 thread per rank) | {statistics.median(loop):.0f} "
