@@ -7,7 +7,9 @@
 * Elastic TP: short rounds at rollout TP 1 (two engines), long rounds at TP 2 (one engine), so
   the engines are rebuilt twice, each time started from per-rank shards the trainer ranks moved
   through the resharder; every per-step sync is sharded too (each engine rank reloads its own
-  file in place); parity holds after each.
+  file in place); parity holds after each. The same switches with the default sync (tensor
+  pushes into engines started without a model copy) run with int8 engines in
+  test_quantized_loop.py.
 """
 from __future__ import annotations
 
@@ -108,38 +110,3 @@ def test_elastic_tp_switches_real_engines_between_round_types(tiny_model_dir, tm
     # Both switches started the new engines from the weight-sync directory itself (one copy).
     sync_dir = re.search(r"weights for the engines go to (\S+)", log).group(1)
     assert log.count(f"engines started from {sync_dir})") == 2
-
-
-def test_elastic_tp_with_tensor_pushes_starts_engines_without_a_model_copy(tiny_model_dir, tmp_path):
-    """The default sync (rollout.weight_sync_format=tensor) through the same switches: new engines
-    start from config + tokenizer only (dummy weights) and get a tensor push; every step's sync
-    is a push too, streamed from trainer memory between waking the engines and offloading it."""
-    rows, log = _run(tiny_model_dir, tmp_path, 3, [
-        "planner.enabled=true", "planner.initial_tp=short:1,long:2", "tail_batching.eta_prompts=2.0",
-        "trainer.offload_during_rollout=true", "rollout.sleep_during_train=true",
-        "rollout.weight_sync_format=tensor", "rollout.weight_push_bucket_mb=0.05",  # many buckets
-    ])
-    assert [r["planner/rollout_tp"] for r in rows] == [1.0, 2.0, 1.0]
-    assert [r["planner/switched"] for r in rows] == [0.0, 1.0, 1.0]
-    from megatron_rl.model.qwen2 import read_qwen2_arch
-    from megatron_rl.resharding.layouts import VLLMLayout
-
-    arch = read_qwen2_arch(tiny_model_dir)
-    for i, r in enumerate(rows):
-        layout = VLLMLayout(arch, int(r["planner/rollout_tp"]))
-        one_copy_mb = sum(seg.length * spec.row_numel for shard in range(layout.tp)
-                          for spec in layout.tensors(shard) for seg in spec.segments) * 4 / 1e6
-        # Each step's sync pushed one copy per engine replica; no file was written.
-        assert r["weight_sync/push_mb"] == pytest.approx(one_copy_mb), r
-        assert r["weight_sync/push_replicas"] == 2.0 / layout.tp
-        assert "weight_sync/reshard_mb" not in r and "weight_sync/fanout_mb" not in r
-        if i > 0:  # the switch: no rank files, a push into the new engines instead
-            assert r["planner/push_mb"] == pytest.approx(one_copy_mb) and "planner/reshard_mb" not in r
-    assert "Failed to load weights" not in log
-    sync_dir = re.search(r"weights for the engines go to (\S+)", log).group(1)
-    assert log.count(f"engines started from {sync_dir})") == 2
-    # The push rings this run's trainer ranks set up (one per rank and set-up: the first, then one
-    # per switch), each named in the log, are gone (only this run's: another test may push now).
-    rings = [r for line in re.findall(r"weight push \S+ set up: .*; rings (.*)", log) for r in line.split()]
-    assert len(rings) >= 2 * 3, rings
-    assert not [r for r in rings if Path(r).exists()], "the trainer ranks' push rings were left in /dev/shm"
