@@ -17,8 +17,9 @@ chain runs first, before the module's Ray session exists:
 "Stopped cleanly": within a bounded time, an error naming the part (rank, engine or node) and the
 step; no process and nothing in /dev/shm left; the last checkpoint intact.
 
-Then a tail-batching run whose engine core is SIGKILLed in its first short round and again in
-its long round (recovered inside each round, every prompt trained once).
+The engine core SIGKILLed in tail batching's first short round and again in its long round
+(recovered inside each round, every prompt trained once) is part of the tail-batching resume
+run in tests/integration/test_train_loop.py.
 
 The engine chain and the reward pool's faults: tests/integration/test_faults_parts.py.
 
@@ -38,7 +39,7 @@ import pytest
 from tests.helpers.fault_figures import record
 from tests.helpers.fault_runs import RAY_AGENTS, Attempt, Chain, cluster_job_processes, kill_node, two_node_cluster
 from tests.helpers.processes import left_behind
-from tests.helpers.train_runs import P0, overrides, read_jsonl
+from tests.helpers.train_runs import P0, read_jsonl
 
 pytestmark = [pytest.mark.integration, pytest.mark.loop, pytest.mark.slow, pytest.mark.timeout(600)]
 HERE = "tests/integration/test_faults.py"
@@ -252,50 +253,3 @@ def test_ctrl_c_stops_cleanly_and_the_last_resume_trains_every_prompt_once(chain
            "trains every prompt once", None, exited_at - interrupted_at,
            f"{HERE}::test_ctrl_c_stops_cleanly_and_the_last_resume_trains_every_prompt_once",
            f"stop time = SIGINT until the driver exited; {len(run.seen)} processes checked")
-
-
-# ---------------------------------------------------------------------- a long round
-def test_engine_core_killed_in_a_short_and_a_long_round_is_replaced_and_each_round_completes(
-        tiny_model_dir, tmp_path) -> None:
-    """Tail batching (``tail_batching.eta_prompts=2``: short, long, short); the engine core is
-    SIGKILLed as the first short round's first request is accepted, and again as the long
-    round's is. Expected outcome: recovered inside each round (the replacement takes the current
-    weights by the loop's sync, the round's requests run again at the same policy version),
-    every prompt trained once, nothing left."""
-    import json
-
-    records = tmp_path / "faults"
-    records.mkdir()
-    args = overrides(tiny_model_dir, tmp_path / "run", 3, [
-        "scheduler.name=tail_batching", "tail_batching.eta_prompts=2.0", "data.eval_every=0",
-        "rollout.max_new_tokens=64", "algorithm.overlong_buffer_tokens=56"])
-    # step: the engine's weight version, which is the loop step (0: the short round of step 0,
-    # 1: the long round of step 1).
-    run = Attempt("short-and-long-round", args, tmp_path, records,
-                  "point=engine.submit,step=0,action=kill; point=engine.submit,step=1,action=kill")
-    try:
-        rc, _ = run.wait_exit(600)
-    finally:
-        run.kill()
-    assert rc == 0, run.tail()
-    faults = [json.loads(p.read_text()) for p in sorted(records.glob("fault*-engine.submit.json"))]
-    assert [f["step"] for f in faults] == [0, 1], faults
-    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
-    assert [r["round_type"] for r in rows] == ["short", "long", "short"], run.tail()
-    assert [r["fault/engine_restarts"] for r in rows] == [1.0, 2.0, 2.0]
-    for r in rows:  # on-policy after the replacements: the engine's logprobs are the trainer's
-        assert r["policy_version"] == rows.index(r) + 1 and r["rollout/logprob_abs_diff_max"] <= 1e-4, r
-    trained = [pid for rec in read_jsonl(tmp_path / "run" / "trained_prompts.jsonl") for pid in rec["prompt_ids"]]
-    assert len(trained) == len(set(trained)) == 3 * P0
-    died, replaced = run.log_times("rollout engine died"), run.log_times("rollout engine replaced")
-    assert len(died) == len(replaced) == 2, run.tail()
-    resubmitted = [int(n) for n in re.findall(r"(\d+) request\(s\) resubmitted", run.text())]
-    assert len(resubmitted) == 2 and min(resubmitted) >= 1, resubmitted
-    alive, segments = run.left_behind()
-    assert not alive and not segments and not run.shm_dirs_left(), (alive, segments)
-    test = f"{HERE}::test_engine_core_killed_in_a_short_and_a_long_round_is_replaced_and_each_round_completes"
-    for i, (kind, what) in enumerate((("short", "the short round's"), ("long", "the long round's"))):
-        record(f"vLLM engine core SIGKILLed in a {kind} round (tail batching, inside a training run)",
-               f"recovered: {what} requests resubmitted to the replacement, the step stayed on-policy",
-               died[i] - faults[i]["time"], replaced[i] - faults[i]["time"], test,
-               f"{resubmitted[i]} request(s) resubmitted; {len(run.seen)} processes checked")

@@ -6,7 +6,9 @@ batching) goes through both ways a run ends early and its resumes: it is SIGKILL
 the first resume gets a SIGTERM (Slurm's time limit, scancel), finishes the step, checkpoints,
 tears down and exits 143; the second resumes at another parallel layout (TP1) and completes. The
 run as a whole loses and repeats no prompt and keeps its rollout history; the two resumes log to
-one W&B run.
+one W&B run. On the way, its engine core is SIGKILLed (``megatron_rl.fault_injection``) in the
+first short round and again in the long round: each is replaced inside its round and the steps
+stay on-policy.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import pytest
 
 from megatron_rl.checkpoint import CheckpointManager
 from megatron_rl.data.cursor import PromptCursor
+from tests.helpers.fault_figures import record
+from tests.helpers.fault_runs import Attempt
 from tests.helpers.job_lock import exclusive_jobs
 from tests.helpers.processes import left_behind, run_processes
 from tests.helpers.train_runs import P0, R0, overrides, read_jsonl, run_train
@@ -76,39 +80,62 @@ def _checkpoints(run_dir: Path) -> set[str]:
     return {p.name for p in (run_dir / "checkpoints").iterdir()}
 
 
+def _engine_replaced_once(run: Attempt, step: int) -> tuple[float, float, int]:
+    """The attempt's engine core was SIGKILLed once, at weight version ``step``, and replaced once,
+    with the requests in flight resubmitted. Returns (time to notice, time to replace, resubmitted)."""
+    fault = run.fault("engine.submit")
+    assert fault["step"] == step, fault
+    died, replaced = run.log_times("rollout engine died"), run.log_times("rollout engine replaced")
+    assert len(died) == len(replaced) == 1, run.tail()
+    resubmitted = [int(n) for n in re.findall(r"(\d+) request\(s\) resubmitted", run.text())]
+    assert len(resubmitted) == 1 and resubmitted[0] >= 1, resubmitted
+    return died[0] - fault["time"], replaced[0] - fault["time"], resubmitted[0]
+
+
 @pytest.mark.slow
 def test_sigkill_then_sigterm_then_resume_at_another_layout(tiny_model_dir, tmp_path):
     """One tail-batching run of 5 steps (eta 1.25: four short rounds, then one long round), in
     three attempts:
 
-    1. TP2, a checkpoint every step, SIGKILLed (the whole process group) while step 2 or later is
-       in flight, with prompts in the long-prompt queue;
+    1. TP2, a checkpoint every step; its engine core is SIGKILLed as the first short round's
+       first request is accepted (replaced inside the round); the attempt is SIGKILLed (the
+       whole process group) while step 2 or later is in flight, with prompts in the long-prompt
+       queue;
     2. resumed at TP2 without periodic checkpoints and with W&B (offline), SIGTERMed (the driver
        only, as Slurm's teardown does) during its first step: it finishes that step, writes one
        checkpoint, tears down and exits 143;
-    3. resumed at TP1 (the dist_checkpointing format loads at any layout) to the end.
+    3. resumed at TP1 (the dist_checkpointing format loads at any layout) to the end; its engine
+       core is SIGKILLed as the long round's first request is accepted (replaced inside the round).
 
     Checked: attempt 2's start-up swept what the killed attempt could not remove (its weights
     directory, its trainer ranks' push rings); every prompt the cursor handed out (in the
     cursor's order, across both resumes) is trained exactly once or still queued in the final
     checkpoint; the rollout history of the steps before the kill survives; attempts 2 and 3 log
-    to one W&B run whose history matches metrics.jsonl."""
+    to one W&B run whose history matches metrics.jsonl; every step is on-policy (trainer/engine
+    parity), the two engine deaths included; nothing of attempt 3 is left."""
     run_dir, steps = tmp_path / "run", 5
     args = overrides(tiny_model_dir, run_dir, steps, ["trainer.save_every=1", "trainer.keep_checkpoints=5",
                                                       "scheduler.name=tail_batching"])
     wandb = ["trainer.wandb_project=rollpacker-test", "trainer.wandb_mode=offline"]
-    logs = [tmp_path / f"log{i}.txt" for i in (1, 2, 3)]
+    logs = [tmp_path / f"attempt{i}.log" for i in (1, 2, 3)]
+    records = [tmp_path / f"faults{i}" for i in (1, 3)]  # a fault fires once per records directory
+    for directory in records:
+        directory.mkdir()
 
     # Attempt 1 until attempt 2 has started up with no other test's job starting or ending
     # meanwhile: job start-ups and teardowns sweep dead runs' dirs, and attempt 2's own start-up
     # must be the one that sweeps attempt 1's (tests/helpers/job_lock; two test workers).
     with exclusive_jobs():
-        # 1. SIGKILL mid-step: checkpoint step_000002 exists (steps 0-1 committed).
-        proc = run_train(args, logs[0], job_lock=False)
+        # 1. The engine core dies in step 0's short round (the engine's weight version is the
+        # step); SIGKILL mid-step once checkpoint step_000002 exists (steps 0-1 committed).
+        first = Attempt("attempt1", args, tmp_path, records[0], "point=engine.submit,step=0,action=kill",
+                        job_lock=False)
+        proc = first.proc
         _wait_for(proc, logs[0], lambda: (run_dir / "checkpoints" / "step_000002").is_dir(), "checkpoint step_000002")
         time.sleep(0.3)  # step 2 has begun; a later kill may find it done (a tiny model's step takes ~1 s)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+        short_round = _engine_replaced_once(first, 0)
         before = read_jsonl(run_dir / "trained_prompts.jsonl")
         assert len(before) >= 2
         log1 = logs[0].read_text()
@@ -145,14 +172,21 @@ def test_sigkill_then_sigterm_then_resume_at_another_layout(tiny_model_dir, tmp_
     sync_dir = re.search(r"weights for the engines go to (\S+)", log2).group(1)
     assert not Path(sync_dir).exists(), "teardown did not run"
 
-    # 3. Resume at TP1 to the end.
-    proc = run_train(args + ["trainer.resume=true", "trainer.save_every=0", *wandb,
-                             "parallel.tensor_model_parallel_size=1"], logs[2])
-    rc = proc.wait(timeout=600)
+    # 3. Resume at TP1 to the end; the engine core dies in step 4's long round.
+    last = Attempt("attempt3", args + ["trainer.resume=true", "trainer.save_every=0", *wandb,
+                                       "parallel.tensor_model_parallel_size=1"],
+                   tmp_path, records[1], f"point=engine.submit,step={steps - 1},action=kill")
+    try:
+        rc, _ = last.wait_exit(600)
+    finally:
+        last.kill()
     log3 = logs[2].read_text()
     assert rc == 0, log3[-4000:]
     assert re.search(rf"resumed from \S*step_{done:06d} at step {done}\b", log3), log3[-3000:]
     assert "saved at layout TP2 PP1 DP1, RNG reseeded" in log3, log3[-3000:]
+    long_round = _engine_replaced_once(last, steps - 1)
+    alive, segments = last.left_behind()
+    assert not alive and not segments and not last.shm_dirs_left(), (alive, segments, last.shm_dirs_left())
 
     trained = read_jsonl(run_dir / "trained_prompts.jsonl")
     assert [r["step"] for r in trained] == list(range(steps))
@@ -166,6 +200,9 @@ def test_sigkill_then_sigterm_then_resume_at_another_layout(tiny_model_dir, tmp_
     metrics = read_jsonl(metrics_file)
     assert [r["step"] for r in metrics] == list(range(steps))
     assert [r["round_type"] for r in metrics] == ["short"] * 4 + ["long"]
+    for r in metrics:  # on-policy throughout, the replaced engines included
+        assert r["policy_version"] == r["step"] + 1 and r["rollout/logprob_abs_diff_max"] <= 1e-4, r
+    assert metrics[0]["fault/engine_restarts"] == 1.0 and metrics[-1]["fault/engine_restarts"] == 1.0
     # The history came back from the checkpoints: the prompts of steps 0-1 (trained before the
     # kill, never drawn again) are still remembered with their responses, and every prompt
     # handed out is in it.
@@ -184,3 +221,10 @@ def test_sigkill_then_sigterm_then_resume_at_another_layout(tiny_model_dir, tmp_
         for row in run["history"]:
             assert row["reward/mean"] == pytest.approx(metrics[row["_step"]]["reward/mean"])
             assert "train/loss" in row and "time/step" in row
+
+    test = "tests/integration/test_train_loop.py::test_sigkill_then_sigterm_then_resume_at_another_layout"
+    for kind, what, (died_s, replaced_s, resubmitted) in (("short", "the short round's", short_round),
+                                                           ("long", "the long round's", long_round)):
+        record(f"vLLM engine core SIGKILLed in a {kind} round (tail batching, inside a training run)",
+               f"recovered: {what} requests resubmitted to the replacement, the step stayed on-policy",
+               died_s, replaced_s, test, f"{resubmitted} request(s) resubmitted")
