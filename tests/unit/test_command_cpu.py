@@ -1,0 +1,44 @@
+"""rollpacker.benchmarks.profiling.command_cpu: processes sorted into the table's kinds, and a real
+command sampled (its CPU found in its own row, its exit code passed on)."""
+from __future__ import annotations
+
+import json
+import sys
+
+from rollpacker.benchmarks.profiling.command_cpu import KINDS, Seen, kind_of, main, markdown, table
+
+
+def test_loop_roles_and_command_lines_get_their_kinds():
+    assert kind_of("engine core", "VLLM::EngineCor", "VLLM::EngineCore") == KINDS["engine core"]
+    assert kind_of("trainer rank", "ray::TrainerRan", "ray::TrainerRank") == KINDS["trainer rank"]
+    assert kind_of("ray runtime", "raylet", "/x/raylet --head") == KINDS["ray runtime"]
+    assert kind_of("other", "python", "/v/bin/python -m megatron_rl.train model.hf_path=m").startswith("driver")
+    assert kind_of("other", "python", "python -c from megatron_rl.reward.sandbox.isolated_call import "
+                   "_fork_server_main; _fork_server_main(5, '')").startswith("reward grading")
+    assert kind_of("other", "python", "/v/bin/python -m pytest -q tests").startswith("pytest")
+    assert kind_of("other", "python3.11", "/v/bin/python -c from multiprocessing.spawn import spawn_main") \
+        .startswith("other Python")
+    assert kind_of("other", "bash", "bash tests/run.sh").startswith("other (shells")
+
+
+def test_table_sums_per_kind_and_sorts_by_cpu():
+    seen = [Seen(1, "a", 3.0, 10), Seen(2, "a", 1.0, 30), Seen(3, "b", 6.0, 4)]
+    rows = table(seen)
+    assert [r["kind"] for r in rows] == ["b", "a"]
+    a = rows[1]
+    assert (a["processes"], a["cpu_s"], a["share"], a["cpu_s_each"]) == (2, 4.0, 0.4, 2.0)
+    assert (a["threads_median"], a["threads_max"]) == (20, 30)
+    text = markdown(rows)
+    assert "| b | 1 | 6 | 60 % | 6.0 | 4 / 4 |" in text and "| all | 3 | 10 |" in text
+
+
+def test_a_real_command_is_sampled_and_its_exit_code_passed_on(tmp_path, capsys):
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.8: pass\nraise SystemExit(3)"
+    out = tmp_path / "cpu.json"
+    rc = main(["--interval", "0.1", "--out", str(out), "--", sys.executable, "-c", busy])
+    assert rc == 3
+    report = json.loads(out.read_text())
+    assert report["exit_code"] == 3
+    python_rows = [r for r in report["rows"] if r["kind"].startswith("other Python")]
+    assert python_rows and python_rows[0]["cpu_s"] >= 0.5, report["rows"]
+    assert "| other Python" in capsys.readouterr().out
