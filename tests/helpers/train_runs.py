@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -45,3 +46,32 @@ def run_train(args: list[str], log_file: Path, job_lock: bool = True, **popen) -
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def sync_dir_of(log: str) -> str:
+    """The run's weight directory, as its start-up logged it."""
+    return re.search(r"weights for the engines go to (\S+)", log).group(1)
+
+
+def assert_weights_dir_removed(log: str) -> None:
+    """The run's weight directory (in /dev/shm: memory), and its per-process parent there, are gone."""
+    sync_dir = sync_dir_of(log)
+    assert not Path(sync_dir).exists()
+    if sync_dir.startswith("/dev/shm/"):
+        assert not Path(sync_dir).parent.exists(), "the per-process /dev/shm dir was left behind"
+
+
+def assert_each_prompt_trained_once(run_dir: Path, steps: int) -> None:
+    trained = [pid for rec in read_jsonl(run_dir / "trained_prompts.jsonl") for pid in rec["prompt_ids"]]
+    assert len(trained) == len(set(trained)) == steps * P0
+
+
+def one_copy_mb(model_dir: Path, tp: int) -> float:
+    """Megabytes of one fp32 copy of the model's engine tensors at rollout TP ``tp`` (vocabulary
+    padding excluded): what one sync moves into one engine replica."""
+    from megatron_rl.model.qwen2 import read_qwen2_arch
+    from megatron_rl.resharding.layouts import VLLMLayout
+
+    layout = VLLMLayout(read_qwen2_arch(model_dir), tp)
+    return sum(seg.length * spec.row_numel for shard in range(layout.tp)
+               for spec in layout.tensors(shard) for seg in spec.segments) * 4 / 1e6

@@ -27,7 +27,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.train_runs import P0, overrides, read_jsonl, run_train
+from tests.helpers.train_runs import (
+    assert_each_prompt_trained_once,
+    assert_weights_dir_removed,
+    one_copy_mb,
+    overrides,
+    read_jsonl,
+    run_train,
+    sync_dir_of,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.loop, pytest.mark.slow]
 
@@ -45,18 +53,13 @@ def _run(tiny_model_dir, tmp_path, steps: int, extra: list[str]) -> tuple[list[d
     log = (tmp_path / "log.txt").read_text()
     assert rc == 0, log[-4000:]
     assert "rollout.quantization=int8: engines start from" in log
-    # The run's weight directory (in /dev/shm: memory) is gone once the run is over.
-    sync_dir = re.search(r"weights for the engines go to (\S+)", log).group(1)
-    assert not Path(sync_dir).exists()
-    if sync_dir.startswith("/dev/shm/"):
-        assert not Path(sync_dir).parent.exists(), "the per-process /dev/shm dir was left behind"
+    assert_weights_dir_removed(log)  # in /dev/shm (memory): gone once the run is over
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["policy_version"] for r in rows] == list(range(1, steps + 1))
     for r in rows:
         assert FP32_PARITY < r["rollout/logprob_abs_diff_max"] and r["rollout/logprob_abs_diff_mean"] < GAP_MEAN_BOUND, r
         assert r["train/grad_norm"] > 0, "the weights must change for each sync to matter"
-    trained = [pid for rec in read_jsonl(run_dir / "trained_prompts.jsonl") for pid in rec["prompt_ids"]]
-    assert len(trained) == len(set(trained)) == steps * P0
+    assert_each_prompt_trained_once(run_dir, steps)
     return rows, log
 
 
@@ -76,28 +79,22 @@ def test_int8_loop_with_elastic_tp_the_tensor_push_and_tis_by_default(tiny_model
     assert [r["planner/rollout_tp"] for r in rows] == [1.0, 2.0, 1.0]
     assert [r["planner/switched"] for r in rows] == [0.0, 1.0, 1.0]
     assert all(r["time/trainer_reload"] > 0 and r["time/engine_sleep"] > 0 for r in rows)
-    from megatron_rl.model.qwen2 import read_qwen2_arch
-    from megatron_rl.resharding.layouts import VLLMLayout
-
-    arch = read_qwen2_arch(tiny_model_dir)
     for i, r in enumerate(rows):
-        layout = VLLMLayout(arch, int(r["planner/rollout_tp"]))
-        one_copy_mb = sum(seg.length * spec.row_numel for shard in range(layout.tp)
-                          for spec in layout.tensors(shard) for seg in spec.segments) * 4 / 1e6
+        copy_mb = one_copy_mb(tiny_model_dir, int(r["planner/rollout_tp"]))
         # Each step's sync pushed one full-precision copy per engine replica (the engines
         # quantize what they receive); no file was written.
-        assert r["weight_sync/push_mb"] == pytest.approx(one_copy_mb), r
-        assert r["weight_sync/push_replicas"] == 2.0 / layout.tp
+        assert r["weight_sync/push_mb"] == pytest.approx(copy_mb), r
+        assert r["weight_sync/push_replicas"] == 2.0 / r["planner/rollout_tp"]
         assert "weight_sync/reshard_mb" not in r and "weight_sync/fanout_mb" not in r
         if i > 0:  # the switch: no rank files, a push into the new engines instead
-            assert r["planner/push_mb"] == pytest.approx(one_copy_mb) and "planner/reshard_mb" not in r
+            assert r["planner/push_mb"] == pytest.approx(copy_mb) and "planner/reshard_mb" not in r
         # TIS weights exp(trainer - engine) deviate from 1 by about the logprob gap.
         assert r["train/tis_weight_abs_dev"] > FP32_PARITY / 10, r
         assert 0.0 <= r["train/tis_clip_frac"] < 0.5 and abs(r["train/tis_weight_mean"] - 1.0) < 0.2, r
     assert "Failed to load weights" not in log  # every in-place reload found all its tensors
     # Both switches started the new engines from the weight-sync directory (the quantized config
     # there, dummy weights), not from a model copy.
-    sync_dir = re.search(r"weights for the engines go to (\S+)", log).group(1)
+    sync_dir = sync_dir_of(log)
     assert log.count(f"engines started from {sync_dir})") == 2, log[-3000:]
     # The push rings this run's trainer ranks set up (one per rank and set-up: the first, then one
     # per switch), each named in the log, are gone (only this run's: another test may push now).

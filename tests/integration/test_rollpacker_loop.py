@@ -13,12 +13,21 @@
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.train_runs import P0, R0, overrides, read_jsonl, run_train
+from tests.helpers.train_runs import (
+    P0,
+    R0,
+    assert_each_prompt_trained_once,
+    assert_weights_dir_removed,
+    one_copy_mb,
+    overrides,
+    read_jsonl,
+    run_train,
+    sync_dir_of,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.loop, pytest.mark.slow]
 
@@ -34,19 +43,14 @@ def _run(tiny_model_dir: Path, tmp_path: Path, steps: int, extra: list[str]) -> 
     rc = proc.wait(timeout=900)
     log = (tmp_path / "log.txt").read_text()
     assert rc == 0, log[-4000:]
-    # The run's weight directory (in /dev/shm: memory) is gone once the run is over.
-    sync_dir = re.search(r"weights for the engines go to (\S+)", log).group(1)
-    assert not Path(sync_dir).exists()
-    if sync_dir.startswith("/dev/shm/"):
-        assert not Path(sync_dir).parent.exists(), "the per-process /dev/shm dir was left behind"
+    assert_weights_dir_removed(log)  # in /dev/shm (memory): gone once the run is over
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["policy_version"] for r in rows] == list(range(1, steps + 1))
     for r in rows:
         # The engine generated with exactly the weights the trainer scores with.
         assert r["rollout/logprob_abs_diff_max"] <= 1e-4, r
         assert r["train/grad_norm"] > 0, "the weights must change for the parity check to mean anything"
-    trained = [pid for rec in read_jsonl(run_dir / "trained_prompts.jsonl") for pid in rec["prompt_ids"]]
-    assert len(trained) == len(set(trained)) == steps * P0
+    assert_each_prompt_trained_once(run_dir, steps)
     return rows, log
 
 
@@ -92,21 +96,15 @@ def test_elastic_tp_switches_real_engines_between_round_types(tiny_model_dir, tm
     assert all(r["time/engine_switch"] > 0 for r in rows[1:])
     # Each switch, and each step's sync, moved one full copy of the model (fp32, vocabulary
     # padding excluded) through the resharder into the engines' rank files.
-    from megatron_rl.model.qwen2 import read_qwen2_arch
-    from megatron_rl.resharding.layouts import VLLMLayout
-
-    arch = read_qwen2_arch(tiny_model_dir)
     for i, r in enumerate(rows):
-        layout = VLLMLayout(arch, int(r["planner/rollout_tp"]))
-        one_copy_mb = sum(seg.length * spec.row_numel for shard in range(layout.tp)
-                          for spec in layout.tensors(shard) for seg in spec.segments) * 4 / 1e6
+        copy_mb = one_copy_mb(tiny_model_dir, int(r["planner/rollout_tp"]))
         if i > 0:
-            assert r["planner/reshard_mb"] == pytest.approx(one_copy_mb), r
+            assert r["planner/reshard_mb"] == pytest.approx(copy_mb), r
             assert r["planner/reshard_s"] > 0
         # The step's sync: shards for the engines of this step's TP, in place.
-        assert r["weight_sync/reshard_mb"] == pytest.approx(one_copy_mb), r
+        assert r["weight_sync/reshard_mb"] == pytest.approx(copy_mb), r
     # Every per-step in-place reload went through without vLLM's spurious rotary-cache warning.
     assert "Failed to load weights" not in log
     # Both switches started the new engines from the weight-sync directory itself (one copy).
-    sync_dir = re.search(r"weights for the engines go to (\S+)", log).group(1)
+    sync_dir = sync_dir_of(log)
     assert log.count(f"engines started from {sync_dir})") == 2
