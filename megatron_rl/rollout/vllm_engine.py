@@ -46,8 +46,8 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
         cfg: rollout section of the run config (batch capacity, KV cache, TP, memory).
         seed: engine seed (per-request seeds drive sampling; this only seeds the engine).
         max_model_len: context length (prompt + response), <= max_position_embeddings.
-        runtime_dir: where vLLM's cache and this engine's scratch dir go
-            (default :func:`default_runtime_root`).
+        runtime_dir: where this engine's scratch dir and, unless ``VLLM_CACHE_ROOT`` is set,
+            vLLM's cache go (default :func:`default_runtime_root`).
         logprobs_mode: vLLM logprobs mode ('raw_logprobs' or 'processed_logprobs').
         dtype: model dtype; default 'float32' on CPU and 'auto' (checkpoint dtype) on GPU.
 

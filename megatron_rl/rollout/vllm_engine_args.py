@@ -61,10 +61,15 @@ def default_runtime_root() -> Path:
 
 
 def engine_process_env(cfg: RolloutConfig, on_gpu: bool, root: Path, scratch: Path) -> dict[str, str | None]:
-    """Environment of the engine's processes (None: unset): caches under ``root``, temp files in
-    this engine's ``scratch`` dir, CPU thread and compile settings, the drafter's options."""
+    """Environment of the engine's processes (None: unset): vLLM's caches in ``VLLM_CACHE_ROOT``
+    when the user set it, else under ``root``; temp files in this engine's ``scratch`` dir; CPU
+    thread and compile settings; the drafter's options.
+
+    A shared ``VLLM_CACHE_ROOT`` (``megatron_rl.distributed.cluster.start_ray`` sets one per run)
+    lets every engine reuse what the first one cached, e.g. vLLM's model-class inspection, which
+    otherwise runs in a fresh Python process importing vLLM (~12 CPU s) per cache directory."""
     env: dict[str, str | None] = {
-        "VLLM_CACHE_ROOT": str(root / "cache"),
+        "VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT") or str(root / "cache"),
         "TMPDIR": str(scratch),
         "XDG_CACHE_HOME": str(root / "xdg"),
     }

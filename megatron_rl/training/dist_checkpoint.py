@@ -37,6 +37,7 @@ Megatron's ``fully_reshardable`` form (see :data:`DIST_OPT_SHARDING`).
 from __future__ import annotations
 
 import logging
+import queue
 import shutil
 from pathlib import Path
 from typing import Any
@@ -169,10 +170,29 @@ def save_trainer_state(directory: str | Path, *, model: torch.nn.Module, optimiz
     if reference is not None:
         state["reference"] = sharded_model_state(reference, REFERENCE_PREFIX)
     save_strategy, _ = _strategies()
+    _in_process_write_results()
     # Fault-injection tests kill a rank here: the others are inside the save, waiting for it.
     fault_point("checkpoint.save", step=int(steps_done), rank=torch.distributed.get_rank())
     dist_checkpointing.save(state, str(target), sharded_strategy=save_strategy)
     return target
+
+
+def _in_process_write_results() -> None:
+    """Give megatron-core's torch_dist writer an in-process results queue before the first save.
+
+    megatron-core 0.16.1 (``strategies.filesystem_async._get_write_results_queue``) creates that
+    queue on a rank's first save through a spawned ``multiprocessing`` Manager: a server process
+    that imports torch (~3 CPU s, ~250 MB) and lives as long as the rank (a SIGKILLed rank leaves
+    it behind). The Manager is there for asynchronous saves, whose writer runs in another process.
+    Ours are synchronous: ``dist_checkpointing.save`` runs the writer in this process
+    (``AsyncRequest.execute_sync``), its forked per-bucket writers report through a queue of
+    their own, and the writer puts the collected results on this queue for the same process to
+    read, so a ``queue.Queue`` does the same job. Left alone when the module no longer has the
+    global (another megatron-core) or a queue is already set."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def _load(request: dict, source: Path) -> dict:

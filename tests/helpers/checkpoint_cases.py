@@ -13,6 +13,7 @@ import pickle
 from pathlib import Path
 from typing import Any, Iterator
 
+import psutil
 import torch
 
 from tests.helpers.megatron_cases import make_samples, policy_loss_cfg, toy_loss
@@ -188,7 +189,9 @@ def _save(rank: int, world: int, port: int, case: dict) -> dict:
         os.makedirs(case["checkpoint"], exist_ok=True)
     torch.distributed.barrier()
     worker.save_checkpoint(case["checkpoint"])
-    out = {"label": case["label"], "weights": worker.export_hf_state_dict()}
+    # The save's forked writers are joined; no helper process (megatron's Manager) stays behind.
+    helpers = [p.name() for p in psutil.Process().children(recursive=True)]
+    out = {"label": case["label"], "weights": worker.export_hf_state_dict(), "helpers_after_save": helpers}
     if not cfg.parallel.use_distributed_optimizer:
         out["adam"] = adam_state(worker)
     worker.shutdown(destroy_world=False)

@@ -127,6 +127,13 @@ def test_weights_and_moments_carry_over_exactly(runs):
             assert r["info"]["saved_layout"] == TIED_SAVED, label
 
 
+def test_a_save_leaves_no_helper_process_behind(runs):
+    # megatron-core's writer would start a multiprocessing Manager per rank on its first save
+    # (megatron_rl.training.dist_checkpoint._in_process_write_results); its forked writers are joined.
+    for label in ("untied tp2pp2", "distopt tp2dp2"):
+        assert [r["helpers_after_save"] for r in runs["results"][label]] == [[]] * 4, label
+
+
 def test_untied_tp2pp2_resumes_at_dp2(runs):
     save, r = runs["results"]["untied tp2pp2"][0], runs["results"]["untied tp2pp2 -> dp2"][0]
     assert r["info"]["saved_layout"]["pipeline_model_parallel_size"] == 2 and "lm_head.weight" in r["weights"]

@@ -37,3 +37,14 @@ def test_cpu_engines_run_dynamo_off_unless_compile_is_asked_for(tmp_path: Path, 
     assert env["VLLM_CPU_KVCACHE_SPACE"] is None  # unset: the fractional size in the engine args wins
     gpu = engine_process_env(cfg, on_gpu=True, root=tmp_path, scratch=tmp_path / "s")
     assert "TORCHDYNAMO_DISABLE" not in gpu and "OMP_NUM_THREADS" not in gpu
+
+
+def test_vllm_caches_go_where_the_user_points_them_else_under_the_runtime_root(tmp_path: Path, monkeypatch) -> None:
+    cfg = RolloutConfig()
+    monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
+    env = engine_process_env(cfg, on_gpu=False, root=tmp_path / "rt", scratch=tmp_path / "s")
+    assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "rt" / "cache")
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "shared"))
+    for on_gpu in (False, True):
+        env = engine_process_env(cfg, on_gpu=on_gpu, root=tmp_path / "rt", scratch=tmp_path / "s")
+        assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "shared")
