@@ -8,6 +8,7 @@ tests/run.sh passes, on two generated modules, and reads which worker ran each t
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -54,3 +55,38 @@ def test_run_sh_keeps_each_module_on_one_worker(tmp_path: Path) -> None:
     assert all(w != {"none"} for w in workers.values()), "the tests ran without xdist workers"
     spread = {m: sorted(w) for m, w in workers.items() if len(w) > 1}
     assert not spread, f"a module's tests ran on more than one worker: {spread}"
+
+
+ORDER_CONFTEST = '''
+from tests.helpers.suite_order import heavy_first
+
+def pytest_configure(config):
+    for name in ("loop", "integration"):
+        config.addinivalue_line("markers", f"{name}: test marker")
+
+def pytest_collection_modifyitems(config, items):
+    items[:] = heavy_first(items)
+'''
+
+
+def test_run_sh_hands_out_job_modules_first_and_unit_tests_last(tmp_path: Path) -> None:
+    """The unit-test module (most tests, first in collection order) starts only after the job
+    module and the real-stack module have started: what xdist's default reorder by test count,
+    or plain collection order, would not do."""
+    modules = {"test_a_unit": ("", 6), "test_b_job": ("import pytest\npytestmark = pytest.mark.loop\n", 1),
+               "test_c_stack": ("import pytest\npytestmark = pytest.mark.integration\n", 2)}
+    for name, (header, count) in modules.items():
+        tests = "".join(f"def test_{i}():\n    _record('test_{i}')\n\n" for i in range(count))
+        (tmp_path / f"{name}.py").write_text(header + MODULE.split("def test_0")[0] + tests)
+    (tmp_path / "conftest.py").write_text(ORDER_CONFTEST)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+         *run_sh_worker_options()],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    started: dict[str, int] = {}
+    for index, line in enumerate((tmp_path / "ran.txt").read_text().splitlines()):
+        started.setdefault(line.split()[0], index)
+    assert set(started) == set(modules), started
+    assert started["test_a_unit"] > max(started["test_b_job"], started["test_c_stack"]), started
