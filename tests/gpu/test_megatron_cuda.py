@@ -33,6 +33,6 @@ def test_cuda_logprobs_match_transformers(tiny_model_dir, tmp_path):
     world = min(2, torch.cuda.device_count())
     samples = make_samples(6, seed=5)
     expected, _, _ = hf_reference(str(tiny_model_dir), samples)
-    got = run_spmd(_cuda_logprobs, world, (str(tiny_model_dir), samples), tmp_path, 540)[0]
+    got = run_spmd(_cuda_logprobs, world, (str(tiny_model_dir), samples), tmp_path, 540, fresh=True)[0]  # CUDA
     for a, b in zip(got, expected):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=1e-4)

@@ -48,11 +48,47 @@ def _rank_entry(fn: Callable, rank: int, world: int, port: int, args: tuple, out
         pickle.dump(result, handle)
 
 
-def run_spmd(fn: Callable, world: int, args: tuple, out_dir: Path, timeout_s: float) -> list[Any]:
-    """Run ``fn(rank, world, port, *args)`` on ``world`` spawned processes; return per-rank results.
+def _rank_results(world: int, out_dir: Path) -> tuple[list[Any], str | None]:
+    """The pickled results of ranks ``0..world-1`` that wrote one, and the first failure's text."""
+    results = []
+    for rank in range(world):
+        path = out_dir / f"rank{rank}.pkl"
+        if not path.is_file():
+            continue
+        status, value = pickle.loads(path.read_bytes())
+        if status == "error":
+            return results, f"rank {rank} failed:\n{value}"
+        results.append(value)
+    return results, None
 
-    Kills every rank and raises if one fails or the group does not finish within ``timeout_s``.
+
+def run_spmd(fn: Callable, world: int, args: tuple, out_dir: Path, timeout_s: float, fresh: bool = False) -> list[Any]:
+    """Run ``fn(rank, world, port, *args)`` on ``world`` ranks; return per-rank results.
+
+    The ranks are this pytest process's pooled ones (``tests.helpers.rank_pool``: started once,
+    torn down to a fresh process's state after each scenario); ``fresh=True`` spawns ``world``
+    new processes instead, for scenarios that end their processes (a rank killed mid-save) or
+    must not share one. Raises if a rank fails or the group does not finish within ``timeout_s``
+    (a pooled set is then killed: its ranks may be stuck in a collective).
     """
+    from tests.helpers.rank_pool import POOL_SIZE, close_shared_pool, shared_pool
+
+    if fresh or world > POOL_SIZE:
+        return _run_spawned(fn, world, args, out_dir, timeout_s)
+    try:
+        shared_pool().run(fn, world, free_port(), args, out_dir, timeout_s)
+        results, failure = _rank_results(world, out_dir)
+        if failure is not None:
+            raise RuntimeError(failure)
+        if len(results) != world:
+            raise RuntimeError(f"ranks reported without a result: {len(results)}/{world} finished")
+    except BaseException:
+        close_shared_pool()
+        raise
+    return results
+
+
+def _run_spawned(fn: Callable, world: int, args: tuple, out_dir: Path, timeout_s: float) -> list[Any]:
     ctx = mp.get_context("spawn")
     port = free_port()
     procs = [ctx.Process(target=_rank_entry, args=(fn, r, world, port, args, str(out_dir))) for r in range(world)]
@@ -62,15 +98,9 @@ def run_spmd(fn: Callable, world: int, args: tuple, out_dir: Path, timeout_s: fl
         for proc in procs:
             proc.join(timeout=timeout_s)
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        results = []
-        for rank in range(world):
-            path = out_dir / f"rank{rank}.pkl"
-            if not path.is_file():
-                continue
-            status, value = pickle.loads(path.read_bytes())
-            if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results.append(value)
+        results, failure = _rank_results(world, out_dir)
+        if failure is not None:
+            raise RuntimeError(failure)
         if hung:
             raise TimeoutError(f"ranks {hung} still running after {timeout_s}s; {len(results)}/{world} finished")
         if len(results) != world:

@@ -45,7 +45,7 @@ def runs(tiny_model_dir, tiny_untied_model_dir, tmp_path_factory):
     (root / "s2").mkdir()
     with pytest.raises(RuntimeError, match=re.escape(f"exit codes {{0: {KILLED}, 1: {KILLED}}}")):
         run_spmd(save_then_die, 2, (tied, probe, str(run_dir), str(legacy), str(root / "s2"), (2, 1)),
-                 root / "s2", timeout_s=400)
+                 root / "s2", timeout_s=400, fresh=True)  # its ranks exit: not the pooled ones
     saved = {r: pickle.loads((root / "s2" / f"saved{r}.pkl").read_bytes()) for r in range(2)}
     step1 = run_dir / "checkpoints" / "step_000001"
     interrupted = sorted((run_dir / "checkpoints").glob("step_000002.tmp-*"))
@@ -234,7 +234,8 @@ def test_step_directory_exports_to_hf(runs, tiny_model_dir, tmp_path):
 
 def test_device_check_of_the_distributed_optimizer_passes_on_cpu(tmp_path):
     """The GPU check script's function (tests/gpu/dist_optimizer_check.py), here on CPU."""
-    result = run_spmd(device_check_on_cpu, 1, (str(tmp_path / "work"),), tmp_path, timeout_s=400)[0]
+    result = run_spmd(device_check_on_cpu, 1, (str(tmp_path / "work"),), tmp_path, timeout_s=400,
+                      fresh=True)[0]  # it stands in for CUDA by patching: keep that out of the pool
     assert result["device"] == "cpu" and result["steps_done"] == 1
     assert result["optimizer_tensors"] >= 3 * 10 and result["optimizer_max_diff"] == 0.0
     assert result["weights_max_diff_after_step"] <= 1e-5
