@@ -19,7 +19,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 from megatron_rl.config import RolloutConfig
 from megatron_rl.rollout import speculative
@@ -30,6 +30,10 @@ from megatron_rl.rollout.weight_sync.push.engine_methods import TensorPushReceiv
 from megatron_rl.rollout.weight_sync.push.start_dir import read_push_manifest
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+DEATH_POLL_S = 0.5
+"""How often a pending call into the engine core checks whether the core died (``VLLMEngine._rpc``)."""
 
 _SHUTDOWN = object()  # sentinel that ends completions()
 
@@ -250,6 +254,26 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
         """Version stamped on completions of requests submitted from now on."""
         return self._version
 
+    async def _rpc(self, call: Awaitable[T]) -> T:
+        """Await ``call``, a call into the engine core (a utility or collective RPC), failing it
+        with vLLM's EngineDeadError as soon as the core is seen dead.
+
+        vLLM refuses such a call when it already knows the core died, but one sent before its
+        monitor thread noticed (a core SIGKILLed just before a weight sync, its death not yet
+        seen on a busy host) waits for an answer that never comes: until the caller's timeout
+        (``RayEngineClient.call_timeout_s``, 10 minutes) instead of the engine replacement."""
+        task = asyncio.ensure_future(call)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DEATH_POLL_S)
+                if done:
+                    return task.result()
+                if self._llm.errored:
+                    raise self._llm.dead_error
+        finally:
+            if not task.done():
+                task.cancel()
+
     async def reload_weights(self, weights_dir: str, version: int) -> dict[str, float]:
         """Load new weights in place from ``weights_dir``, then drop the prefix cache; returns
         ``engine_s`` and, for rank files, the slowest rank's ``engine_read_s`` (file into memory)
@@ -284,13 +308,13 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
         start = time.monotonic()
         figures: dict[str, float] = {}
         if shards is not None:
-            ranks = await self._llm.collective_rpc("load_rank_shards", args=(str(path.resolve()),))
+            ranks = await self._rpc(self._llm.collective_rpc("load_rank_shards", args=(str(path.resolve()),)))
             figures = {"engine_read_s": max(r["read_s"] for r in ranks), "engine_load_s": max(r["load_s"] for r in ranks)}
         else:
             await self._reload_hf(path)
         # Cached KV blocks were computed with the old weights.
-        await self._llm.reset_prefix_cache()
-        await self._llm.update_weight_version(str(version))  # completions carry it (completion_version)
+        await self._rpc(self._llm.reset_prefix_cache())
+        await self._rpc(self._llm.update_weight_version(str(version)))  # completions carry it (completion_version)
         self._version = version
         self._weights_pending = ""
         figures["engine_s"] = time.monotonic() - start
@@ -301,14 +325,14 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
         if self._load_format != "auto":
             # The sharded_state loader cannot read an HF checkpoint (nor reload at all): later
             # syncs go through the default loader, which shards the HF tensors itself.
-            await self._llm.collective_rpc("update_config", args=({"load_config": {"load_format": "auto"}},))
+            await self._rpc(self._llm.collective_rpc("update_config", args=({"load_config": {"load_format": "auto"}},)))
             self._load_format = "auto"
         if self.cfg.quantization != "none":  # vLLM's own reload breaks oneDNN int8 layers (quantized_engine)
-            await self._llm.collective_rpc("reload_quantized", args=(str(path.resolve()),))
+            await self._rpc(self._llm.collective_rpc("reload_quantized", args=(str(path.resolve()),)))
             return
-        await self._llm.collective_rpc(
+        await self._rpc(self._llm.collective_rpc(
             "reload_weights", kwargs=dict(weights_path=str(path.resolve()), is_checkpoint_format=True)
-        )
+        ))
 
     async def sleep(self) -> None:
         """AsyncLLM sleep level 1: on GPU the weights move to pinned host memory and the KV cache
@@ -326,8 +350,8 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
         try:
             # Level 1 keeps a host copy of the weights, so the engine serves again after wake_up
             # even without a reload. It also clears the prefix cache (its KV blocks are dropped).
-            await self._llm.sleep(level=1)
-            if not await self._llm.is_sleeping():
+            await self._rpc(self._llm.sleep(level=1))
+            if not await self._rpc(self._llm.is_sleeping()):
                 raise RuntimeError("vLLM did not report sleeping after sleep(level=1)")
         except BaseException:
             self._sleeping = False
@@ -341,7 +365,7 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
         if not self._sleeping:
             return
         start = time.monotonic()
-        await self._llm.wake_up()
+        await self._rpc(self._llm.wake_up())
         self._sleeping = False
         logger.info("engine awake after %.3f s", time.monotonic() - start)
 
@@ -372,7 +396,7 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
     async def process_settings(self) -> list[dict]:
         """What each vLLM worker process made of its environment: pid, torch threads, whether
         torch.compile is off (``vllm_worker_ext.RankShardReload.process_settings``)."""
-        return await self._llm.collective_rpc("process_settings")
+        return await self._rpc(self._llm.collective_rpc("process_settings"))
 
     async def check_health(self) -> None:
         """Raises vLLM's EngineDeadError once the engine-core process died; else returns at once."""

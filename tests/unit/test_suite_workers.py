@@ -8,7 +8,6 @@ tests/run.sh passes, on two generated modules, and reads which worker ran each t
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -58,14 +57,18 @@ def test_run_sh_keeps_each_module_on_one_worker(tmp_path: Path) -> None:
 
 
 ORDER_CONFTEST = '''
-from tests.helpers.suite_order import heavy_first
+import importlib.util
+
+_spec = importlib.util.spec_from_file_location("suite_order", SUITE_ORDER_PATH)
+_order = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_order)
 
 def pytest_configure(config):
     for name in ("loop", "integration"):
         config.addinivalue_line("markers", f"{name}: test marker")
 
 def pytest_collection_modifyitems(config, items):
-    items[:] = heavy_first(items)
+    items[:] = _order.heavy_first(items)
 '''
 
 
@@ -78,11 +81,11 @@ def test_run_sh_hands_out_job_modules_first_and_unit_tests_last(tmp_path: Path) 
     for name, (header, count) in modules.items():
         tests = "".join(f"def test_{i}():\n    _record('test_{i}')\n\n" for i in range(count))
         (tmp_path / f"{name}.py").write_text(header + MODULE.split("def test_0")[0] + tests)
-    (tmp_path / "conftest.py").write_text(ORDER_CONFTEST)
+    (tmp_path / "conftest.py").write_text(ORDER_CONFTEST.replace("SUITE_ORDER_PATH", repr(str(REPO / "tests" / "helpers" / "suite_order.py"))))
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
          *run_sh_worker_options()],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     started: dict[str, int] = {}

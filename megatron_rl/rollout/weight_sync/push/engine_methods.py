@@ -51,8 +51,9 @@ def node_id() -> str:
 class TensorPushReceiver:
     """Mixin of ``VLLMEngine``: the RolloutEngine tensor-push methods on its ``AsyncLLM``.
 
-    Uses the engine's ``_llm``, ``_inflight``, ``_sleeping``, ``_version``, ``cfg`` and sets
-    ``_weights_pending`` (a reason string while the engine must not generate)."""
+    Uses the engine's ``_llm``, ``_rpc`` (a call into the engine core that fails once the core
+    is dead), ``_inflight``, ``_sleeping``, ``_version``, ``cfg`` and sets ``_weights_pending``
+    (a reason string while the engine must not generate)."""
 
     _weights_pending: str = ""
     _receiver_id: str = ""
@@ -72,7 +73,7 @@ class TensorPushReceiver:
 
         if len(init_infos) != 1:
             raise ValueError(f"a single engine takes one init info, got {len(init_infos)}")
-        await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_infos[0]))
+        await self._rpc(self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_infos[0])))
         self._push_open = True
 
     async def receive_weights(self, sync_id: int, version: int) -> list[dict[str, float]]:
@@ -90,12 +91,13 @@ class TensorPushReceiver:
         # From the first byte on the weights are neither old nor new: refuse requests until done.
         self._weights_pending = (f"weight push of version {version} did not complete; the engine's weights are "
                                  "incomplete (restart it or push again)")
-        await self._llm.start_weight_update()
-        await self._llm.update_weights(WeightTransferUpdateRequest(update_info={"sync_id": sync_id,
-                                                                                "version": version}))
-        await self._llm.finish_weight_update(weight_version=str(version))
+        await self._rpc(self._llm.start_weight_update())
+        await self._rpc(self._llm.update_weights(WeightTransferUpdateRequest(update_info={"sync_id": sync_id,
+                                                                                         "version": version})))
+        await self._rpc(self._llm.finish_weight_update(weight_version=str(version)))
         # Cached KV blocks were computed with the old weights; the workers' figures meanwhile.
-        _, ranks = await asyncio.gather(self._llm.reset_prefix_cache(), self._llm.collective_rpc("weight_push_stats"))
+        _, ranks = await self._rpc(asyncio.gather(self._llm.reset_prefix_cache(),
+                                                  self._llm.collective_rpc("weight_push_stats")))
         self._version = version
         self._weights_pending = ""
         seconds = time.monotonic() - start
