@@ -53,11 +53,7 @@ def _cuda_available() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Whole-job modules first, unit tests last (tests/helpers/suite_order.py); GPU tests skip
-    without a GPU."""
-    from tests.helpers.suite_order import heavy_first
-
-    items[:] = heavy_first(items)
+    """GPU tests skip without a GPU."""
     skip_gpu = None if _cuda_available() else pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")
     for item in items:
         if skip_gpu is not None and "gpu" in item.keywords:

@@ -38,10 +38,8 @@ args=("$@")
 # Two pytest-xdist workers (TEST_WORKERS=0: none): the real-stack tests leave a core idle while a
 # process starts, an engine core waits or a fault test sleeps out a timeout. Each module stays on
 # one worker (--dist loadfile: its engines and SPMD runs start once); whole training jobs run under
-# one lock between the workers (tests/helpers/job_lock.py, docs/tests.md). Modules go out in
-# collection order, which tests/conftest.py makes whole jobs first and unit tests last
-# (tests/helpers/suite_order.py); xdist's default reorder (by test count) would put jobs last.
-workers=(-n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)
+# one lock between the workers (tests/helpers/job_lock.py, docs/tests.md).
+workers=(-n "${TEST_WORKERS:-2}" --dist loadfile)
 [ "${TEST_WORKERS:-2}" != 0 ] || workers=()
 set +e
 "$ROOT/.venv/bin/python" -m pytest -q -rs --durations=40 --basetemp="$RUN_TMP/pt" "${workers[@]}" "${args[@]}"
