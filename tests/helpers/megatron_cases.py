@@ -7,7 +7,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
-import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,14 +37,10 @@ def policy_loss_cfg(tp: int, pp: int, loss_agg: str, kl_coef: float, tis_cap: fl
 
 
 def _rank_entry(fn: Callable, rank: int, world: int, port: int, args: tuple, out_dir: str) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    try:
-        result = ("ok", fn(rank, world, port, *args))
-    except BaseException:  # report any failure to the parent instead of hanging it
-        result = ("error", traceback.format_exc())
-    with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as handle:
-        pickle.dump(result, handle)
+    from tests.helpers.rank_pool import run_scenario, single_threaded, write_result
+
+    single_threaded()
+    write_result(out_dir, rank, run_scenario(fn, rank, world, port, args))
 
 
 def _rank_results(world: int, out_dir: Path) -> tuple[list[Any], str | None]:

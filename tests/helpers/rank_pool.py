@@ -37,13 +37,32 @@ def _teardown_distributed() -> None:
     destroy_process_groups(destroy_world=True)
 
 
-def _rank_loop(rank: int, jobs: Any, done: Any, parent: int) -> None:
-    import gc
-
+def single_threaded() -> None:
+    """What every SPMD rank runs with: one torch thread (the ranks share two cores)."""
     import torch
 
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+
+
+def run_scenario(fn: Callable, rank: int, world: int, port: int, args: tuple) -> tuple[str, Any]:
+    """``("ok", fn(rank, world, port, *args))``, or ``("error", traceback)`` for any failure, so the
+    parent gets a report instead of waiting on a rank that died."""
+    try:
+        return "ok", fn(rank, world, port, *args)
+    except BaseException:
+        return "error", traceback.format_exc()
+
+
+def write_result(out_dir: str | Path, rank: int, result: tuple[str, Any]) -> None:
+    with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as handle:
+        pickle.dump(result, handle)
+
+
+def _rank_loop(rank: int, jobs: Any, done: Any, parent: int) -> None:
+    import gc
+
+    single_threaded()
     while True:
         try:
             job = jobs.get(timeout=_POLL_S)
@@ -54,18 +73,14 @@ def _rank_loop(rank: int, jobs: Any, done: Any, parent: int) -> None:
         if job is None:
             return
         fn, world, port, args, out_dir = job
-        try:
-            result = ("ok", fn(rank, world, port, *args))
-        except BaseException:  # report any failure to the parent instead of hanging it
-            result = ("error", traceback.format_exc())
+        result = run_scenario(fn, rank, world, port, args)
         try:
             _teardown_distributed()
         except BaseException:
             if result[0] == "ok":
                 result = ("error", "tearing down after the scenario failed:\n" + traceback.format_exc())
         gc.collect()
-        with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as handle:
-            pickle.dump(result, handle)
+        write_result(out_dir, rank, result)
         done.put((rank, result[0]))
 
 
