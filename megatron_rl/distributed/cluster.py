@@ -17,11 +17,10 @@ import ray
 
 from megatron_rl.config import RunConfig
 from megatron_rl.distributed.local_state import ray_temp_dir
+from megatron_rl.distributed.ray_start import init_local_ray
 from megatron_rl.fault_injection import FAULTS_DIR_ENV, FAULTS_ENV
 
 log = logging.getLogger(__name__)
-
-
 
 
 def start_ray(cfg: RunConfig, run_dir: Path, device: str) -> None:
@@ -41,13 +40,9 @@ def start_ray(cfg: RunConfig, run_dir: Path, device: str) -> None:
         log.info("Ray cluster at %s: %s", cfg.cluster.ray_address, describe_nodes())
         return
     temp = ray_temp_dir()  # follows TMPDIR, short enough for Ray's socket paths
-    # The raylet would start one idle worker per CPU for the first driver; every actor of a run
-    # asks for its own runtime_env (env_vars above), which those plain workers cannot serve, so
-    # they only cost a Python start each (~1 CPU s).
-    os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
     num_cpus = cfg.cluster.num_cpus or _needed_cpus(cfg, device)
-    ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=str(temp), runtime_env=env,
-             log_to_driver=True, configure_logging=False)
+    init_local_ray(num_cpus=num_cpus, include_dashboard=False, _temp_dir=str(temp), runtime_env=env,
+                   log_to_driver=True, configure_logging=False)
 
 
 def _needed_cpus(cfg: RunConfig, device: str) -> int:

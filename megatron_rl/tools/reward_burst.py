@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     from megatron_rl.config import AlgorithmConfig, RewardConfig
+    from megatron_rl.distributed.ray_start import init_local_ray
     from megatron_rl.model.tiny import build_tokenizer
     from megatron_rl.reward.pool.reward_pool import RewardPool
 
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = build_tokenizer()
         tokenizer.save_pretrained(tok_dir)
         burst = build_burst(tokenizer, args.responses, args.hostile)
-        ray.init(num_cpus=max(2, args.workers), include_dashboard=False, log_to_driver=False)
+        init_local_ray(num_cpus=max(2, args.workers), include_dashboard=False, log_to_driver=False)
         cfg = RewardConfig(kind="code", num_workers=args.workers, worker_num_cpus=0.5,
                            code_timeout_min_s=args.timeout, code_timeout_max_s=args.timeout)
         pool = RewardPool(cfg, tok_dir, max_new_tokens=1 << 16, algorithm_cfg=AlgorithmConfig())

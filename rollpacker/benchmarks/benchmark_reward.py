@@ -148,6 +148,7 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
+    from megatron_rl.distributed.ray_start import init_local_ray
     from megatron_rl.reward.pool.reward_pool import RewardPool
     from megatron_rl.rollout.vllm_engine import VLLMEngine
 
@@ -159,8 +160,8 @@ def main() -> None:
 
         model = str(build_tiny_qwen2(Path(tmp) / "tiny", seed=0))
     tokenizer = AutoTokenizer.from_pretrained(model)
-    ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
-             _temp_dir=str(Path(tmp) / "ray"), runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    init_local_ray(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
+                   _temp_dir=str(Path(tmp) / "ray"), runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     engine = VLLMEngine(model, RolloutConfig(max_num_seqs=64, cpu_kv_cache_gib=0.25), seed=0,
                         max_model_len=128 + args.max_new_tokens)
     base = dict(kind="mixed", worker_num_cpus=0.25, timeout_s=5.0, code_timeout_max_s=30.0)

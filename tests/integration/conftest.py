@@ -56,10 +56,11 @@ def ray_session():
     from tests.helpers.ray_dirs import short_ray_dir
 
     if not ray.is_initialized():
-        os.environ.setdefault("RAY_prestart_worker_first_driver", "0")  # as megatron_rl's start_ray
+        from megatron_rl.distributed.ray_start import init_local_ray
+
         temp_dir = _ray_dir.enter_context(short_ray_dir())
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=str(temp_dir),
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+        init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=str(temp_dir),
+                       runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     yield ray
 
 
