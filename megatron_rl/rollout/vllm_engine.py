@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 from megatron_rl.config import RolloutConfig
+from megatron_rl.import_cost import preimport
 from megatron_rl.rollout import speculative
 from megatron_rl.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine
 from megatron_rl.rollout.vllm_engine_args import default_runtime_root, engine_args, engine_process_env, scoped_env
@@ -30,6 +31,9 @@ from megatron_rl.rollout.weight_sync.push.engine_methods import TensorPushReceiv
 from megatron_rl.rollout.weight_sync.push.start_dir import read_push_manifest
 
 logger = logging.getLogger(__name__)
+
+VLLM_MODULES = ("vllm.v1.engine.async_llm", "vllm.engine.arg_utils")
+"""What an engine's process imports of vLLM before it starts one (see ``megatron_rl.import_cost``)."""
 
 T = TypeVar("T")
 DEATH_POLL_S = 0.5
@@ -119,6 +123,7 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
             raise
 
     def _start(self, seed: int, logprobs_mode: str, dtype: str | None) -> Any:
+        preimport(*VLLM_MODULES)  # the engine actor's first vLLM import: the collector paused
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = engine_args(self.cfg, self.model_path, self.max_model_len, self.on_gpu, self._load_format, seed,

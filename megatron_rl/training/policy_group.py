@@ -26,6 +26,7 @@ import ray
 from megatron_rl.aio import wait_for
 from megatron_rl.config import RunConfig
 from megatron_rl.distributed.errors import one_line
+from megatron_rl.import_cost import collector_paused, preimport
 from megatron_rl.sample import Sample
 
 log = logging.getLogger(__name__)
@@ -36,14 +37,19 @@ PEER_GRACE_S = 5.0
 blocked in a collective with a dead one never answers)."""
 SHUTDOWN_TIMEOUT_S = 30.0
 """Longest wait for the ranks' own teardown before their actors are killed anyway."""
+RANK_MODULES = ("megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.distributed",
+                "megatron_rl.training.megatron_worker")
+"""The Megatron-Core parts every rank builds (model, optimizer, DDP), then the worker: imported
+first thing by :func:`import_rank_modules`."""
 _TAKES_LOSS_FN = ("train_step", "accumulate_gradients")
 """Worker methods that get the run's policy loss (built rank-side: it is not picklable cheaply)."""
 
 
-class TrainerRank:
-    """Ray actor body: one Megatron rank. Heavy imports happen here, not on the driver."""
-
-    def __init__(self, cfg: RunConfig, rank: int, world_size: int, master_addr: str, master_port: int, device: str):
+def import_rank_modules(device: str, pause: bool = True) -> None:
+    """A rank's first imports, with the collector paused (``megatron_rl.import_cost``): torch, on CPU
+    the CUDA-to-CPU shim (it imports and patches parts of Megatron-Core, so it comes first), then
+    :data:`RANK_MODULES`."""
+    with collector_paused(pause):
         import torch
 
         if device == "cpu":
@@ -51,6 +57,14 @@ class TrainerRank:
 
             apply_cpu_shim()
             torch.set_num_threads(1)
+        preimport(*RANK_MODULES, pause=pause)
+
+
+class TrainerRank:
+    """Ray actor body: one Megatron rank. Heavy imports happen here, not on the driver."""
+
+    def __init__(self, cfg: RunConfig, rank: int, world_size: int, master_addr: str, master_port: int, device: str):
+        import_rank_modules(device)
         from megatron_rl.training.megatron_worker import MegatronWorker
 
         self.cfg = cfg

@@ -1,0 +1,59 @@
+"""The collector pause around big imports (megatron_rl.import_cost) and its benchmark's table."""
+from __future__ import annotations
+
+import gc
+import sys
+
+import pytest
+
+from megatron_rl.import_cost import collector_paused, preimport
+from rollpacker.benchmarks import benchmark_imports
+
+
+@pytest.fixture
+def probe_module(tmp_path, monkeypatch):
+    """A module that records, when imported, whether the collector was enabled."""
+    name = "import_cost_probe_mod"
+    (tmp_path / f"{name}.py").write_text("import gc\nENABLED_AT_IMPORT = gc.isenabled()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield name
+    sys.modules.pop(name, None)
+
+
+def test_preimport_imports_with_the_collector_paused_and_restores_it(probe_module):
+    assert gc.isenabled()
+    preimport(probe_module)
+    assert sys.modules[probe_module].ENABLED_AT_IMPORT is False
+    assert gc.isenabled()
+
+
+def test_without_pause_the_import_sees_the_collector_on(probe_module):
+    preimport(probe_module, pause=False)
+    assert sys.modules[probe_module].ENABLED_AT_IMPORT is True
+
+
+def test_the_collector_is_restored_after_a_failing_import_and_a_disabled_one_stays_disabled():
+    with pytest.raises(ModuleNotFoundError):
+        preimport("no_such_module_for_import_cost")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # whoever disabled it keeps it disabled
+    finally:
+        gc.enable()
+
+
+def test_benchmark_table_gives_median_range_and_ratio():
+    figures = {"engine": {"collector on": [10.0, 12.0, 11.0], "paused": [8.0, 9.5, 8.5]},
+               "rank": {"collector on": [4.0, 4.0, 5.0], "paused": [3.0, 3.5, 2.0]}}
+    text = benchmark_imports.table(figures)
+    assert "| engine | 11.00 (10.00-12.00) | 8.50 (8.00-9.50) | 0.77 |" in text
+    assert "| rank | 4.00 (4.00-5.00) | 3.00 (2.00-3.50) | 0.75 |" in text
+
+
+def test_benchmark_rejects_no_repeats(capsys):
+    with pytest.raises(SystemExit):
+        benchmark_imports.main(["--repeats", "0"])
+    assert "--repeats must be >= 1" in capsys.readouterr().err
