@@ -39,9 +39,11 @@ from pathlib import Path
 from rollpacker.benchmarks.common import (
     REPO,
     add_run_options,
-    benchmark_config,
     check_run_options,
+    column_run_config,
     interleaved_order,
+    plot_curves,
+    ratio_line,
     run_columns,
     run_shape,
     spread,
@@ -150,37 +152,6 @@ def peer_wins(runs: list[dict[str, dict]], peer: str) -> list[str]:
     return wins
 
 
-def ratio_line(title: str, values: list[float]) -> str:
-    if not values:
-        return f"{title}: n/a"
-    return (f"{title}: {statistics.median(values):.2f} (range {min(values):.2f}-{max(values):.2f}, {len(values)} runs: "
-            + ", ".join(f"{v:.2f}" for v in values) + ")")
-
-
-def plot(runs: dict[str, dict[str, dict]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_r, ax_v) = plt.subplots(1, 2, figsize=(12, 4))
-    first = next(iter(runs))
-    for label, cols in runs.items():
-        for name, fig_data in cols.items():
-            c = fig_data["curves"]
-            legend = name if label == first else None
-            ax_r.plot(c["step"], c["reward"], color=COLORS[name], alpha=0.6, label=legend)
-            if c["val"]:
-                ax_v.plot(c["val_step"], c["val"], "o-", color=COLORS[name], alpha=0.6, label=legend)
-    ax_r.set(title="train reward (mean per step)", xlabel="step")
-    ax_v.set(title="validation pass@1", xlabel="step")
-    for ax in (ax_r, ax_v):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def run_order(passes: int, seeds: list[int]) -> list[tuple[int, int, list[str]]]:
     """(pass, seed, columns in run order): as listed, then reversed, alternating."""
     return interleaved_order(passes, seeds, [c[0] for c in COLUMNS])
@@ -188,11 +159,7 @@ def run_order(passes: int, seeds: list[int]) -> list[tuple[int, int, list[str]]]
 
 def column_config(args, column: str, seed: int, run_dir: Path):
     """The run config of one column at one seed (the same prompts, seeds and evaluation in every column)."""
-    scheduler, extra = next((sched, extra) for name, sched, extra in COLUMNS if name == column)
-    steps, num_prompts = run_shape(args)
-    args.seed = seed
-    return benchmark_config(args, scheduler, steps, run_dir, [
-        f"data.builtin_num_prompts={num_prompts}", f"data.eval_every={max(1, steps // 3)}", *extra])
+    return column_run_config(args, COLUMNS, column, seed, run_dir, evaluations=3)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "peers.json").write_text(json.dumps(result, indent=2))
     try:
-        plot(runs, out / "curves.png")
+        plot_curves(runs, out / "curves.png", COLORS)
         print(f"curves: {out / 'curves.png'}")
     except Exception as exc:  # the numbers stand without the picture
         print(f"curve plot failed: {exc}", file=sys.stderr)

@@ -37,9 +37,11 @@ from pathlib import Path
 from rollpacker.benchmarks.common import (
     REPO,
     add_run_options,
-    benchmark_config,
     check_run_options,
+    column_run_config,
     interleaved_order,
+    plot_curves,
+    ratio_line,
     run_columns,
     run_shape,
     spread,
@@ -50,6 +52,7 @@ COLUMNS = [
     ("tail", "tail_batching", []),
     ("tail+spec+hist", "tail_batching", ["rollout.speculative.method=suffix", "tail_batching.history_routing=true"]),
 ]
+COLORS = {"baseline": "tab:gray", "tail": "tab:blue", "tail+spec+hist": "tab:red"}
 
 
 def column_figures(rows: list[dict]) -> dict:
@@ -151,50 +154,14 @@ def print_columns(runs: dict[str, dict[str, dict]]) -> dict[str, dict]:
     return medians
 
 
-def plot(runs: dict[str, dict[str, dict]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_r, ax_v) = plt.subplots(1, 2, figsize=(11, 4))
-    colors = {"baseline": "tab:gray", "tail": "tab:blue", "tail+spec+hist": "tab:red"}
-    first = next(iter(runs))
-    for label, cols in runs.items():
-        for name, fig_data in cols.items():
-            c = fig_data["curves"]
-            legend = name if label == first else None
-            ax_r.plot(c["step"], c["reward"], color=colors[name], alpha=0.6, label=legend)
-            if c["val"]:
-                ax_v.plot(c["val_step"], c["val"], "o-", color=colors[name], alpha=0.6, label=legend)
-    ax_r.set(title="train reward (mean per step)", xlabel="step")
-    ax_v.set(title="validation pass@1", xlabel="step")
-    for ax in (ax_r, ax_v):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def column_config(args, column: str, seed: int, run_dir: Path):
     """The run config of one column at one seed (same prompts and seeds in every column)."""
-    scheduler, extra = next((sched, extra) for name, sched, extra in COLUMNS if name == column)
-    steps, num_prompts = run_shape(args)
-    args.seed = seed
-    return benchmark_config(args, scheduler, steps, run_dir, [
-        f"data.builtin_num_prompts={num_prompts}", f"data.eval_every={max(1, steps // 2)}", *extra])
+    return column_run_config(args, COLUMNS, column, seed, run_dir, evaluations=2)
 
 
 def run_order(passes: int, seeds: list[int]) -> list[tuple[int, int, list[str]]]:
     """(pass, seed, columns in run order): as listed, then reversed, alternating."""
     return interleaved_order(passes, seeds, [c[0] for c in COLUMNS])
-
-
-def _ratio_line(title: str, values: list[float]) -> str:
-    if not values:
-        return f"{title}: n/a"
-    return (f"{title}: {statistics.median(values):.2f} (range {min(values):.2f}-{max(values):.2f}, "
-            f"{len(values)} runs: " + ", ".join(f"{x:.2f}" for x in values) + ")")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = run_columns(args, [c[0] for c in COLUMNS], column_config, column_figures)
     args.seed = first_seed
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     add_ceilings(runs)
     print(f"\nmodel {args.model}; {args.seeds} seed(s) from {first_seed} x {args.runs} pass(es); {steps} steps per run; "
           f"P0={args.prompts_per_step}, R0={args.responses}, {num_prompts} prompts "
@@ -236,12 +204,12 @@ def main(argv: list[str] | None = None) -> int:
               "speedups": total, "steps": steps, "num_prompts": num_prompts, "args": vars(args)}
     (out / "speculative.json").write_text(json.dumps(result, indent=2))
     try:
-        plot(runs, out / "curves.png")
+        plot_curves(runs, out / "curves.png", COLORS, width=11)
         print(f"curves: {out / 'curves.png'}")
     except Exception as exc:  # the numbers stand without the picture
         print(f"curve plot failed: {exc}", file=sys.stderr)
-    print(_ratio_line("tail batching speedup (baseline / tail)", tb))
-    print(_ratio_line("long-round rollout speedup (speculation)", long))
+    print(ratio_line("tail batching speedup (baseline / tail)", tb))
+    print(ratio_line("long-round rollout speedup (speculation)", long))
     print(f"speedup: {statistics.median(total):.2f}")
     return 0
 

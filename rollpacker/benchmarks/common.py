@@ -85,6 +85,52 @@ def spread(values: list, fmt: str = "{:.2f}") -> str:
     return fmt.format(med) if lo == hi else f"{fmt.format(med)} [{fmt.format(lo)}-{fmt.format(hi)}]"
 
 
+def ratio_line(title: str, values: list[float]) -> str:
+    """``title: median (range lo-hi, n runs: each)`` of a ratio over runs, ``title: n/a`` without runs."""
+    if not values:
+        return f"{title}: n/a"
+    return (f"{title}: {statistics.median(values):.2f} (range {min(values):.2f}-{max(values):.2f}, {len(values)} runs: "
+            + ", ".join(f"{v:.2f}" for v in values) + ")")
+
+
+def plot_curves(runs: dict[str, dict[str, dict]], path: Path, colors: dict[str, str], width: float = 12) -> None:
+    """Train reward per step and validation pass@1 of every column (one colour each, every run drawn
+    faintly) from the figures' ``curves``, as two panels in one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_r, ax_v) = plt.subplots(1, 2, figsize=(width, 4))
+    first = next(iter(runs))
+    for label, cols in runs.items():
+        for name, fig_data in cols.items():
+            c = fig_data["curves"]
+            legend = name if label == first else None
+            ax_r.plot(c["step"], c["reward"], color=colors[name], alpha=0.6, label=legend)
+            if c["val"]:
+                ax_v.plot(c["val_step"], c["val"], "o-", color=colors[name], alpha=0.6, label=legend)
+    ax_r.set(title="train reward (mean per step)", xlabel="step")
+    ax_v.set(title="validation pass@1", xlabel="step")
+    for ax in (ax_r, ax_v):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def column_run_config(args, columns: list[tuple[str, str, list[str]]], column: str, seed: int, run_dir: Path,
+                      evaluations: int) -> RunConfig:
+    """The run config of one column (``(name, scheduler, overrides)`` of ``columns``) at one seed:
+    the same prompts, seeds and evaluation in every column, ``evaluations`` validations per run."""
+    scheduler, extra = next((sched, extra) for name, sched, extra in columns if name == column)
+    steps, num_prompts = run_shape(args)
+    args.seed = seed
+    return benchmark_config(args, scheduler, steps, run_dir, [
+        f"data.builtin_num_prompts={num_prompts}", f"data.eval_every={max(1, steps // evaluations)}", *extra])
+
+
 def interleaved_order(passes: int, seeds: list[int], names: list[str]) -> list[tuple[int, int, list[str]]]:
     """(pass, seed, columns in run order): as listed, then reversed, alternating over every
     (pass, seed), so that a drift of the machine's speed hits every column alike."""

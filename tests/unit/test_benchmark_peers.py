@@ -11,6 +11,7 @@ import json
 import pytest
 
 from rollpacker.benchmarks import benchmark, benchmark_peers
+from tests.helpers.fake_loop_runs import fake_loop_runs
 
 LOOP_TIME = {"baseline": 10.0, "partial_rollout": 8.0, "one_step_off": 6.0, "tail": 5.0, "tail+spec+hist": 4.0}
 """Seconds per step of each column (seed 0); later seeds are 10 % slower."""
@@ -41,29 +42,7 @@ def fake_rows(name: str, seed_offset: int, steps: int) -> list[dict]:
 
 @pytest.fixture
 def fake_runs(monkeypatch, tmp_path):
-    """build_and_run records each config; read_metrics returns that column's rows."""
-    import megatron_rl.metrics
-    import megatron_rl.train
-
-    configs = []
-    by_dir: dict[str, tuple[str, int]] = {}
-
-    def build_and_run(cfg):
-        configs.append(cfg)
-        column = next(n for n in LOOP_TIME if n.replace("+", "_") == cfg.trainer.run_dir.rsplit("/", 1)[1])
-        by_dir[cfg.trainer.run_dir] = (column, cfg.trainer.seed - 5, cfg.trainer.steps)
-        return []
-
-    def read_metrics(run_dir):
-        column, seed_offset, steps = by_dir[str(run_dir)]
-        return fake_rows(column, seed_offset, steps)
-
-    monkeypatch.setattr(megatron_rl.train, "build_and_run", build_and_run)
-    monkeypatch.setattr(megatron_rl.metrics, "read_metrics", read_metrics)
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    return configs, model
+    return fake_loop_runs(monkeypatch, tmp_path, list(LOOP_TIME), fake_rows)
 
 
 def test_peers_benchmark_runs_five_columns_per_seed_and_ends_with_tail_vs_best_peer(fake_runs, tmp_path, capsys):
