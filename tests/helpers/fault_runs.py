@@ -159,6 +159,27 @@ class Attempt:
         assert found, f"{self.name}: the fault at {point} never fired:\n{self.tail()}"
         return found[-1]
 
+    def engine_replacements(self, *points: str) -> list[tuple[float, float, int]]:
+        """The attempt's rollout engine died and was replaced once per fault point of ``points``
+        (each must have fired), in that order, and no other time. Returns, for each point, (time from
+        the fault to the loop noticing, time from the fault to the replacement, requests resubmitted)."""
+        died, replaced = self.log_times("rollout engine died"), self.log_times("rollout engine replaced")
+        assert len(died) == len(replaced) == len(points), self.tail()
+        resubmitted = [int(n) for n in re.findall(r"(\d+) request\(s\) resubmitted", self.text())]
+        assert len(resubmitted) == len(points), resubmitted
+        faults = [self.fault(point)["time"] for point in points]
+        return [(d - t, r - t, n) for t, d, r, n in zip(faults, died, replaced, resubmitted)]
+
+    def engine_replaced_once(self, point: str, step: int) -> tuple[float, float, int]:
+        """The attempt's engine core was SIGKILLed once, by the fault at ``point`` at weight version
+        ``step``, and replaced once, with the requests in flight (at least one) resubmitted. Returns
+        (time to notice, time to replace, requests resubmitted), as :meth:`engine_replacements`."""
+        fault = self.fault(point)
+        assert fault["step"] == step, fault
+        [(died_s, replaced_s, resubmitted)] = self.engine_replacements(point)
+        assert resubmitted >= 1, resubmitted
+        return died_s, replaced_s, resubmitted
+
 
 class Chain:
     """One run directory shared by chained attempts (each resumes from the last checkpoint of the

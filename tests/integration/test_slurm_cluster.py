@@ -31,6 +31,7 @@ from megatron_rl.data.cursor import PromptCursor
 from tests.helpers.job_lock import shared_jobs
 from tests.helpers.shm import mapped_segments
 from tests.helpers.slurm_local import NO_PACKAGES, LocalSlurm, job_processes, processes_naming, wait_for
+from tests.helpers.train_runs import sync_dir_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.loop, pytest.mark.slow]
 RECIPE = "examples/qwen2.5/tiny_cpu_2node.yaml"
@@ -200,7 +201,7 @@ def test_time_limit_checkpoint_resubmit_then_scancel(slurm, tmp_path, tiny_model
 
     # Nothing of the cancelled job is left: processes and Ray dirs on both nodes, /dev/shm.
     _assert_no_leftovers(second)
-    sync_dir = Path(re.search(r"weights for the engines go to (\S+)", log2).group(1))
+    sync_dir = Path(sync_dir_of(log2))
     assert not sync_dir.parent.exists(), f"{sync_dir.parent} left in /dev/shm"
     new = {p.name for p in Path("/dev/shm").iterdir()} - shm_before
     # The job's run dirs carry its nodes' names (megatron_rl-n1-..., -n2-...); vLLM's queues are

@@ -26,7 +26,7 @@ from tests.helpers.fault_figures import record
 from tests.helpers.fault_runs import Attempt
 from tests.helpers.job_lock import exclusive_jobs
 from tests.helpers.processes import left_behind, run_processes
-from tests.helpers.train_runs import P0, R0, overrides, read_jsonl, run_train
+from tests.helpers.train_runs import P0, R0, overrides, read_jsonl, run_train, sync_dir_of
 from tests.helpers.wandb_offline import offline_runs
 
 pytestmark = [pytest.mark.integration, pytest.mark.loop]
@@ -57,6 +57,7 @@ def test_loop_runs_on_policy_with_engine_parity(tiny_model_dir, tmp_path):
         # The default sync: a tensor push, no file, one copy of the model per step.
         assert r["weight_sync/push_mb"] > 0 and "weight_sync/reshard_mb" not in r
         assert r["batch/samples_trained"] == P0 * R0
+        assert r["train/torch_threads"] == 1.0  # a CPU rank's default (MEGATRON_RL_NUM_THREADS unset)
     assert "val/pass@1" in rows[0] and "val/pass@1" in rows[1] and "val/pass@1" in rows[2]
     assert rows[0]["val/policy_version"] == 0.0
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
@@ -78,18 +79,6 @@ def _wait_for(proc, log_file: Path, ready, what: str, timeout_s: float = 600.0) 
 
 def _checkpoints(run_dir: Path) -> set[str]:
     return {p.name for p in (run_dir / "checkpoints").iterdir()}
-
-
-def _engine_replaced_once(run: Attempt, step: int) -> tuple[float, float, int]:
-    """The attempt's engine core was SIGKILLed once, at weight version ``step``, and replaced once,
-    with the requests in flight resubmitted. Returns (time to notice, time to replace, resubmitted)."""
-    fault = run.fault("engine.submit")
-    assert fault["step"] == step, fault
-    died, replaced = run.log_times("rollout engine died"), run.log_times("rollout engine replaced")
-    assert len(died) == len(replaced) == 1, run.tail()
-    resubmitted = [int(n) for n in re.findall(r"(\d+) request\(s\) resubmitted", run.text())]
-    assert len(resubmitted) == 1 and resubmitted[0] >= 1, resubmitted
-    return died[0] - fault["time"], replaced[0] - fault["time"], resubmitted[0]
 
 
 @pytest.mark.slow
@@ -135,11 +124,11 @@ def test_sigkill_then_sigterm_then_resume_at_another_layout(tiny_model_dir, tmp_
         time.sleep(0.3)  # step 2 has begun; a later kill may find it done (a tiny model's step takes ~1 s)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-        short_round = _engine_replaced_once(first, 0)
+        short_round = first.engine_replaced_once("engine.submit", 0)
         before = read_jsonl(run_dir / "trained_prompts.jsonl")
         assert len(before) >= 2
         log1 = logs[0].read_text()
-        killed_sync_dir = Path(re.search(r"weights for the engines go to (\S+)", log1).group(1))
+        killed_sync_dir = Path(sync_dir_of(log1))
         rings = re.search(r"weight push push1 set up: .*; rings (.+)$", log1, re.M).group(1).split()
         assert len(rings) == 2
         time.sleep(3)  # let the killed run's Ray processes notice their driver died
@@ -169,7 +158,7 @@ def test_sigkill_then_sigterm_then_resume_at_another_layout(tiny_model_dir, tmp_
     assert done == resumed_at + 1 < steps
     assert f"stopped after step {done - 1} of {steps} on request" in log2
     assert _checkpoints(run_dir) - saved_before_term == {f"step_{done:06d}"}  # save_every=0: the stop's only
-    sync_dir = re.search(r"weights for the engines go to (\S+)", log2).group(1)
+    sync_dir = sync_dir_of(log2)
     assert not Path(sync_dir).exists(), "teardown did not run"
 
     # 3. Resume at TP1 to the end; the engine core dies in step 4's long round.
@@ -184,7 +173,7 @@ def test_sigkill_then_sigterm_then_resume_at_another_layout(tiny_model_dir, tmp_
     assert rc == 0, log3[-4000:]
     assert re.search(rf"resumed from \S*step_{done:06d} at step {done}\b", log3), log3[-3000:]
     assert "saved at layout TP2 PP1 DP1, RNG reseeded" in log3, log3[-3000:]
-    long_round = _engine_replaced_once(last, steps - 1)
+    long_round = last.engine_replaced_once("engine.submit", steps - 1)
     alive, segments = last.left_behind()
     assert not alive and not segments and not last.shm_dirs_left(), (alive, segments, last.shm_dirs_left())
 
