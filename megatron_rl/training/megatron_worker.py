@@ -75,6 +75,7 @@ class _Accumulation:
     samples: int = 0
     tokens: int = 0
     time_s: float = 0.0
+    torch_threads: int = 0  # the most torch threads a chunk was computed with
     failed: str = ""  # a chunk died mid-schedule: the buffers hold part of it
 
 
@@ -281,7 +282,9 @@ class MegatronWorker(WeightExport, WeightPush):
 
         ``loss_fn`` is called per microbatch with [B, L] tensors (see ``LossFn``); its loss must
         be normalised by the mini-batch totals it is given. Returns mean loss-metrics over
-        mini-batches (each summed over microbatches and DP ranks), grad norm, lr, tokens, time.
+        mini-batches (each summed over microbatches and DP ranks), grad norm, lr, tokens, time and
+        the torch threads this rank computed with (``torch_threads``: on CPU, ``MEGATRON_RL_NUM_THREADS``
+        unless the trainer was lent more, see ``Colocation.lend_engines``).
         """
         start = time.perf_counter()
         if self._accumulated is not None:
@@ -315,6 +318,7 @@ class MegatronWorker(WeightExport, WeightPush):
             "tokens": float(sum(len(s.response_ids) for s in samples)),
             "optimizer_steps": float(n_mini),
             "time_s": time.perf_counter() - start,
+            "torch_threads": float(torch.get_num_threads()),
         })
         return totals
 
@@ -361,6 +365,7 @@ class MegatronWorker(WeightExport, WeightPush):
         acc.samples += len(samples)
         acc.tokens += sum(len(s.response_ids) for s in samples)
         acc.time_s += time.perf_counter() - start
+        acc.torch_threads = max(acc.torch_threads, torch.get_num_threads())
         return raw
 
     @with_training_state
@@ -372,7 +377,8 @@ class MegatronWorker(WeightExport, WeightPush):
         response tokens and sequences) and steps (with clipping). The raw metrics are kept in
         the worker; returns them normalised as :meth:`train_step` reports them (loss, pg_loss,
         kl_loss / N; token metrics / num_tokens_total; counts unchanged) plus grad_norm, lr,
-        tokens, optimizer_steps=1 and time_s (all accumulate calls plus this one). Collective.
+        tokens, optimizer_steps=1, time_s (all accumulate calls plus this one) and torch_threads (the
+        most of any of these calls). Collective.
         """
         from megatron.core.distributed import finalize_model_grads
 
@@ -394,7 +400,8 @@ class MegatronWorker(WeightExport, WeightPush):
         out = {key: value / norm if key in LOSS_METRICS else value / num_tokens_total if key in TOKEN_METRICS
                else value for key, value in acc.metrics.items()}
         out.update({"grad_norm": grad_norm, "lr": self.cfg.optimizer.lr, "tokens": float(acc.tokens),
-                    "optimizer_steps": 1.0, "time_s": acc.time_s + time.perf_counter() - start})
+                    "optimizer_steps": 1.0, "time_s": acc.time_s + time.perf_counter() - start,
+                    "torch_threads": float(max(acc.torch_threads, torch.get_num_threads()))})
         return out
 
     def discard_accumulated_gradients(self) -> None:

@@ -13,7 +13,9 @@ intra-op threads of the one process), steps interleaved across arms so drift hit
 Further arms run the trainer's own step (``MegatronWorker.train_step``, Megatron-Core at TP 1
 with the run's loss) on the same shapes in this process, one per ``--threads`` setting, so the
 table separates what the trainer's code costs from what the run's parallel layout costs, and
-shows what one trainer rank given every thread would reach against the run's one thread per rank.
+shows what one trainer rank given every thread would reach against the run's threads per rank
+(its ranks' torch threads as the run recorded them, ``train/torch_threads``: one on CPU unless
+``MEGATRON_RL_NUM_THREADS`` says otherwise).
 
 Prints per arm the tokens per second (prompt + response tokens of the step over its time; median
 and range over steps) beside the run's own ``train/tokens_per_s`` (Megatron-Core, the run's TP/PP
@@ -64,6 +66,14 @@ def torch_step(model, optimizer, shapes: list[tuple[int, int]], budget: int, voc
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return time.perf_counter() - start
+
+
+def threads_label(threads: list[float]) -> str:
+    """The run's torch threads per trainer rank, from its steps' ``train/torch_threads``."""
+    if not threads:
+        return "threads per rank not recorded"
+    low, high = int(min(threads)), int(max(threads))
+    return f"{low} thread(s) per rank" if low == high else f"{low}-{high} threads per rank"
 
 
 class MegatronArm:
@@ -118,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = step_shapes(run_dir)[: args.steps]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     loop = [m["train/tokens_per_s"] for m in metrics[: len(shapes)] if "train/tokens_per_s" in m]
+    rank_threads = threads_label([m["train/torch_threads"] for m in metrics[: len(shapes)] if "train/torch_threads" in m])
     arms = [int(t) for t in args.threads.split(",") if t]
 
     import torch
@@ -154,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"[{min(mega):.0f}-{max(mega):.0f}] |")
     if loop:
         print(f"| the run: Megatron-Core TP{layout['tensor_model_parallel_size']} PP{layout['pipeline_model_parallel_size']} "
-              f"DP{layout['data_parallel_size']} (1 thread per rank) | {statistics.median(loop):.0f} "
+              f"DP{layout['data_parallel_size']} ({rank_threads}) | {statistics.median(loop):.0f} "
               f"[{min(loop):.0f}-{max(loop):.0f}] |")
         best = max(statistics.median(rates[n]) for n in arms)
         print(f"training fraction of plain torch: {statistics.median(loop) / best:.2f}")

@@ -24,7 +24,7 @@ def _fake_run(run_dir, model_dir) -> None:
     (run_dir / "trained_prompts.jsonl").write_text(
         "".join(json.dumps({"step": i, "prompt_ids": ["a", "b"], "lengths": s}) + "\n" for i, s in enumerate(shapes)))
     (run_dir / "metrics.jsonl").write_text(
-        "".join(json.dumps({"step": i, "train/tokens_per_s": 1000.0 + i}) + "\n" for i in range(2)))
+        "".join(json.dumps({"step": i, "train/tokens_per_s": 1000.0 + i, "train/torch_threads": 1.0}) + "\n" for i in range(2)))
 
 
 def test_each_thread_count_gets_a_plain_and_a_megatron_arm_and_the_fraction_is_printed(tmp_path, tiny_model_dir):
@@ -40,7 +40,7 @@ def test_each_thread_count_gets_a_plain_and_a_megatron_arm_and_the_fraction_is_p
                 "the trainer's step in this process: Megatron-Core TP1, 2 thread(s)"):
         median = float(rows[arm].split()[0])
         assert median > 0, (arm, proc.stdout)
-    assert "the run: Megatron-Core TP" in proc.stdout
+    assert "the run: Megatron-Core TP" in proc.stdout and "(1 thread(s) per rank) |" in proc.stdout, proc.stdout
     fraction = [line for line in proc.stdout.splitlines() if line.startswith("training fraction of plain torch: ")]
     assert len(fraction) == 1, proc.stdout
     best = max(float(rows[f"plain torch, 1 process x {n} thread(s)"].split()[0]) for n in (1, 2))
