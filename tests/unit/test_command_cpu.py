@@ -42,3 +42,29 @@ def test_a_real_command_is_sampled_and_its_exit_code_passed_on(tmp_path, capsys)
     python_rows = [r for r in report["rows"] if r["kind"].startswith("other Python")]
     assert python_rows and python_rows[0]["cpu_s"] >= 0.5, report["rows"]
     assert "| other Python" in capsys.readouterr().out
+
+
+ORPHAN = """import os, sys, time
+if os.fork() == 0:
+    if os.fork() == 0:  # the grandchild outlives its parent: no longer a descendant of the command
+        t = time.process_time()
+        while time.process_time() - t < 0.8: pass
+        os._exit(0)
+    os._exit(0)
+os.wait()
+time.sleep(2.0)
+"""
+
+
+def test_host_mode_finds_processes_that_left_the_command_tree(tmp_path):
+    """``--host`` samples every process started after the command (Ray nodes started by ``ray start``
+    and Slurm's steps are not its descendants): a double-forked busy grandchild is counted."""
+    report = {}
+    for host in (False, True):
+        out = tmp_path / f"cpu_{host}.json"
+        rc = main(["--interval", "0.1", "--out", str(out), *(["--host"] if host else []), "--",
+                   sys.executable, "-c", ORPHAN])
+        assert rc == 0
+        rows = json.loads(out.read_text())["rows"]
+        report[host] = sum(r["cpu_s"] for r in rows if r["kind"].startswith("other Python"))
+    assert report[True] >= report[False] + 0.5, report

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import psutil
 
-from rollpacker.benchmarks.profiling.sampling import role_of
+from rollpacker.benchmarks.profiling.sampling import ProcessSampler, started_since
 
 KINDS = {
     "engine core": "vLLM engine core (VLLM::EngineCore)",
@@ -62,47 +62,19 @@ def kind_of(role: str, name: str, cmdline: str) -> str:
     return "other (shells, compilers, Slurm, ...)"
 
 
-class CommandSampler:
-    """Samples the processes of one command (see the module docstring) until :meth:`sample` stops being called."""
+def command_sampler(root_pid: int, host: bool, interval: float) -> ProcessSampler:
+    """A sampler of the command's processes (see the module docstring): once an interval, each
+    process's CPU time and thread count; its kind as of its latest name (Ray and vLLM rename their
+    processes after they start)."""
+    since = psutil.Process(root_pid).create_time()
+    return ProcessSampler(root_pid, interval, thread_every=1, per_thread=False,
+                          processes=started_since(since) if host else None)
 
-    def __init__(self, root_pid: int, host: bool) -> None:
-        self.root_pid, self.host = root_pid, host
-        self.started = psutil.Process(root_pid).create_time()
-        self.seen: dict[tuple[int, float], Seen] = {}
 
-    def _processes(self) -> list[psutil.Process]:
-        if self.host:
-            return [p for p in psutil.process_iter() if self._created(p) >= self.started]
-        try:
-            root = psutil.Process(self.root_pid)
-            return [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
-
-    @staticmethod
-    def _created(proc: psutil.Process) -> float:
-        try:
-            return proc.create_time()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            return 0.0
-
-    def sample(self) -> None:
-        """Record every process's CPU time and threads now (its kind as of its latest name: Ray and
-        vLLM rename their processes after they start)."""
-        for proc in self._processes():
-            try:
-                with proc.oneshot():
-                    times, threads = proc.cpu_times(), proc.num_threads()
-                    key = (proc.pid, proc.create_time())
-                    role = role_of(proc, -1, None)
-                    kind = kind_of(role, proc.name(), " ".join(proc.cmdline()))
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                continue
-            record = self.seen.setdefault(key, Seen(proc.pid, kind))
-            if not kind.startswith("other"):  # a spawned child renamed itself (VLLM::EngineCore)
-                record.kind = kind
-            record.cpu_s = times.user + times.system
-            record.threads = max(record.threads, threads)
+def seen_by(sampler: ProcessSampler) -> list[Seen]:
+    """Every process the sampler read, with its kind and its last sample."""
+    return [Seen(r.pid, kind_of(r.role, r.name, r.cmdline), r.samples[-1][1], r.max_threads)
+            for r in sampler.all_records() if r.samples]
 
 
 def table(seen: list[Seen]) -> list[dict]:
@@ -140,13 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     if not command:
         parser.error("give the command after --, e.g. -- bash tests/run.sh")
     proc = subprocess.Popen(command)
-    sampler = CommandSampler(proc.pid, args.host)
+    sampler = command_sampler(proc.pid, args.host, args.interval)
     started = time.monotonic()
-    while proc.poll() is None:
-        sampler.sample()
-        time.sleep(args.interval)
-    sampler.sample()
-    rows = table(list(sampler.seen.values()))
+    sampler.start()
+    proc.wait()
+    sampler.stop()  # after one last sample
+    rows = table(seen_by(sampler))
     print(markdown(rows))
     print(f"command exited {proc.returncode} after {time.monotonic() - started:.0f} s", file=sys.stderr)
     if args.out:

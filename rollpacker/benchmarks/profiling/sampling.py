@@ -2,12 +2,13 @@
 accounting of every process and thread (psutil over /proc) and py-spy's stacks.
 
 Nothing here changes the processes it watches: :class:`ProcessSampler` reads each descendant's
-CPU time every ``interval`` seconds (user + system, the kernel's own accounting, 10 ms ticks),
-its main thread's CPU time (the main thread's id is the pid) and, every ``thread_every`` samples,
-every thread's; :class:`SpyRecorders` attaches one ``py-spy record`` to each process of interest
-as it appears (``--idle`` so that a thread's stack is known at every instant, ``--nonblocking`` so
-the target is never paused) and writes Chrome-trace files (timestamps relative to py-spy's start,
-which is recorded on the monotonic clock the loop's ``phases.jsonl`` uses).
+(or, with :func:`started_since`, each new process's of the machine) CPU time every ``interval``
+seconds (user + system, the kernel's own accounting, 10 ms ticks), its main thread's CPU time (the
+main thread's id is the pid) and, every ``thread_every`` samples, every thread's;
+:class:`SpyRecorders` attaches one ``py-spy record`` to each process of interest as it appears
+(``--idle`` so that a thread's stack is known at every instant, ``--nonblocking`` so the target is
+never paused) and writes Chrome-trace files (timestamps relative to py-spy's start, which is
+recorded on the monotonic clock the loop's ``phases.jsonl`` uses).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import psutil
 
@@ -114,19 +116,46 @@ def _thread_names(pid: int) -> dict[int, str]:
     return names
 
 
+def started_since(since: float) -> Callable[[], list[psutil.Process]]:
+    """For :class:`ProcessSampler`'s ``processes``: every process of the machine created at or after
+    ``since`` (a psutil create time), whoever started it (Ray nodes started with ``ray start``,
+    Slurm's job steps)."""
+    def processes() -> list[psutil.Process]:
+        found = []
+        for proc in psutil.process_iter():
+            try:
+                if proc.create_time() >= since:
+                    found.append(proc)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return found
+
+    return processes
+
+
 class ProcessSampler(threading.Thread):
     """Samples the CPU time of ``root_pid`` and all its descendants until :meth:`stop`.
 
     ``on_new(record)`` is called (from this thread) for every process seen for the first time.
+    ``processes``, when given, lists the processes to sample instead of the descendants (e.g.
+    :func:`started_since`). ``per_thread=False`` keeps of the thread snapshots only each process's
+    thread count (``max_threads``), not every thread's CPU time and name. A pid taken again by a
+    new process gets a new record: the earlier one moves to :attr:`ended`.
     """
 
-    def __init__(self, root_pid: int, interval: float = 0.1, thread_every: int = 10, on_new=None) -> None:
+    def __init__(self, root_pid: int, interval: float = 0.1, thread_every: int = 10, on_new=None,
+                 processes: Callable[[], list[psutil.Process]] | None = None, per_thread: bool = True) -> None:
         super().__init__(name="process-sampler", daemon=True)
         self.root_pid = root_pid
         self.interval = interval
         self.thread_every = thread_every
         self.on_new = on_new
+        self.per_thread = per_thread
         self.records: dict[int, ProcessRecord] = {}
+        """The latest process of each pid."""
+        self.ended: list[ProcessRecord] = []
+        """Records of processes whose pid a later process took."""
+        self._processes = processes or self._tree
         self._stop_event = threading.Event()
         self._procs: dict[int, psutil.Process] = {}
 
@@ -149,17 +178,26 @@ class ProcessSampler(threading.Thread):
         except psutil.NoSuchProcess:
             return []
 
+    def all_records(self) -> list[ProcessRecord]:
+        """Every process seen, those whose pid was taken again included."""
+        return [*self.ended, *self.records.values()]
+
     def _sample(self, with_threads: bool) -> None:
         # The tree walk reads every /proc entry: new processes are looked for only with the
         # thread snapshot; known ones are read every tick (two small /proc reads each).
         if with_threads or not self._procs:
-            for proc in self._tree():
+            for proc in self._processes():
                 try:
-                    if proc.pid not in self.records:
+                    known = self.records.get(proc.pid)
+                    if known is not None and (known.gone or self._procs[proc.pid].create_time() != proc.create_time()):
+                        known.gone = True  # its pid was taken again
+                        self.ended.append(self.records.pop(proc.pid))
+                        known = None
+                    if known is None:
                         self._procs[proc.pid] = proc
                         self._new_record(proc, time.monotonic())
                     else:
-                        self._reclassify(self.records[proc.pid], self._procs[proc.pid])
+                        self._reclassify(known, self._procs[proc.pid])
                 except (psutil.NoSuchProcess, psutil.AccessDenied):
                     continue
         for pid, record in self.records.items():
@@ -175,10 +213,14 @@ class ProcessSampler(threading.Thread):
 
     def _sample_threads(self, record: ProcessRecord) -> None:
         try:
-            threads = self._procs[record.pid].threads()
+            proc = self._procs[record.pid]
+            threads = proc.threads() if self.per_thread else None
+            count = len(threads) if threads is not None else proc.num_threads()
         except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError):
             return
-        record.max_threads = max(record.max_threads, len(threads))
+        record.max_threads = max(record.max_threads, count)
+        if threads is None:
+            return
         names = _thread_names(record.pid)
         for t in threads:
             cpu = t.user_time + t.system_time
