@@ -22,6 +22,7 @@ from megatron_rl.rollout.engine import (
     CUMULATIVE_COUNTERS,
     Completion,
     EngineStats,
+    ForwardsWeightUpdates,
     GenerationRequest,
     RolloutEngine,
     forward_completions,
@@ -42,7 +43,7 @@ WeightsLoader = Callable[[RolloutEngine], Awaitable[dict[str, float]]]
 returns figures for the switch's metrics."""
 
 
-class ElasticRollout(RolloutEngine):
+class ElasticRollout(ForwardsWeightUpdates, RolloutEngine):
     """The current engines plus the ability to rebuild them at another TP (see module docstring)."""
 
     def __init__(self, engine: RolloutEngine, tp: int, factory: EngineFactory) -> None:
@@ -93,22 +94,6 @@ class ElasticRollout(RolloutEngine):
 
     async def abort(self, request_ids: list[str]) -> None:
         await self._engine.abort(request_ids)
-
-    async def reload_weights(self, weights_dir: str, version: int) -> dict | None:
-        return await self._engine.reload_weights(weights_dir, version)
-
-    async def weight_receivers(self) -> list[tuple[str, str]]:
-        """The current engines' replicas (new ids after a switch: the push is set up again)."""
-        return await self._engine.weight_receivers()
-
-    async def open_weight_receiver(self, init_infos: list[dict]) -> None:
-        await self._engine.open_weight_receiver(init_infos)
-
-    async def receive_weights(self, sync_id: int, version: int) -> list[dict]:
-        return await self._engine.receive_weights(sync_id, version)
-
-    async def close_weight_receiver(self) -> None:
-        await self._engine.close_weight_receiver()
 
     async def stats(self) -> EngineStats:
         st = await self._engine.stats()

@@ -190,6 +190,35 @@ class RolloutEngine(abc.ABC):
         """Free the engine; pending requests are aborted."""
 
 
+class ForwardsWeightUpdates:
+    """Weight updates passed on unchanged to the one engine a wrapper holds (``self._engine``, read
+    at each call, so a wrapper that replaces its engine forwards to the new one): a file reload and
+    the four calls of the tensor push. For the Ray actor body (``ray_engine.EngineActor``) and the
+    elastic-TP wrapper (``elastic.ElasticRollout``); see :class:`RolloutEngine` for what each does."""
+
+    _engine: RolloutEngine
+
+    async def reload_weights(self, weights_dir: str, version: int) -> dict | None:
+        """Forwarded (the directory must be readable where the engine runs)."""
+        return await self._engine.reload_weights(weights_dir, version)
+
+    async def weight_receivers(self) -> list[tuple[str, str]]:
+        """Forwarded: the current engine's replicas (new ids after it was replaced)."""
+        return await self._engine.weight_receivers()
+
+    async def open_weight_receiver(self, init_infos: list[dict]) -> None:
+        """Forwarded."""
+        await self._engine.open_weight_receiver(init_infos)
+
+    async def receive_weights(self, sync_id: int, version: int) -> list[dict[str, float]]:
+        """Forwarded."""
+        return await self._engine.receive_weights(sync_id, version)
+
+    async def close_weight_receiver(self) -> None:
+        """Forwarded."""
+        await self._engine.close_weight_receiver()
+
+
 async def forward_completions(engine: RolloutEngine, deliver: Callable[[Completion], None],
                               fail: Callable[[Exception], None]) -> None:
     """Pump ``engine.completions()`` into ``deliver`` until the stream ends.

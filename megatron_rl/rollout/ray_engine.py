@@ -19,13 +19,20 @@ from typing import Any, AsyncIterator, Callable
 from megatron_rl.aio import wait_for
 from megatron_rl.config import RolloutConfig, RunConfig
 from megatron_rl.fault_injection import fault_point
-from megatron_rl.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine, forward_completions
+from megatron_rl.rollout.engine import (
+    Completion,
+    EngineStats,
+    ForwardsWeightUpdates,
+    GenerationRequest,
+    RolloutEngine,
+    forward_completions,
+)
 from megatron_rl.rollout.engine_pool import EnginePool
 
 log = logging.getLogger(__name__)
 
 
-class EngineActor:
+class EngineActor(ForwardsWeightUpdates):
     """Ray actor body: one VLLMEngine plus a completion buffer drained by the client.
 
     Wrapped with ``ray.remote`` in :meth:`RayEngineClient.create`; all methods are coroutines so
@@ -112,26 +119,6 @@ class EngineActor:
     async def stats(self) -> EngineStats:
         """Forward to VLLMEngine.stats."""
         return await self._engine.stats()
-
-    async def reload_weights(self, weights_dir: str, version: int) -> dict | None:
-        """Forward to VLLMEngine.reload_weights (the directory must be on this actor's node)."""
-        return await self._engine.reload_weights(weights_dir, version)
-
-    async def weight_receivers(self) -> list[tuple[str, str]]:
-        """Forward to VLLMEngine.weight_receivers (its workers run on this actor's node)."""
-        return await self._engine.weight_receivers()
-
-    async def open_weight_receiver(self, init_infos: list[dict]) -> None:
-        """Forward to VLLMEngine.open_weight_receiver."""
-        await self._engine.open_weight_receiver(init_infos)
-
-    async def receive_weights(self, sync_id: int, version: int) -> list[dict]:
-        """Forward to VLLMEngine.receive_weights."""
-        return await self._engine.receive_weights(sync_id, version)
-
-    async def close_weight_receiver(self) -> None:
-        """Forward to VLLMEngine.close_weight_receiver."""
-        await self._engine.close_weight_receiver()
 
     async def sleep(self) -> None:
         """Forward to VLLMEngine.sleep (release device memory; nothing may be in flight)."""

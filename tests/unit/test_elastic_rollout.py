@@ -138,6 +138,62 @@ def test_switch_shuts_down_then_starts_engines_from_the_written_weights_and_keep
     asyncio.run(main())
 
 
+class PushRecordingEngine(CountingEngine):
+    """CountingEngine that takes a tensor push and a file reload, recording each call."""
+
+    def __init__(self, tp: int, model_dir: str = "hf", version: int = 0) -> None:
+        super().__init__(tp, model_dir, version)
+        self.calls: list[tuple] = []
+
+    async def reload_weights(self, weights_dir: str, version: int) -> dict:
+        self.calls.append(("reload", weights_dir, version))
+        return {"load_s": 0.1}
+
+    async def weight_receivers(self) -> list[tuple[str, str]]:
+        self.calls.append(("receivers",))
+        return [(f"tp{self.tp}-replica", "node")]
+
+    async def open_weight_receiver(self, init_infos: list[dict]) -> None:
+        self.calls.append(("open", init_infos))
+
+    async def receive_weights(self, sync_id: int, version: int) -> list[dict[str, float]]:
+        self.calls.append(("receive", sync_id, version))
+        return [{"load_s": 0.2}]
+
+    async def close_weight_receiver(self) -> None:
+        self.calls.append(("close",))
+
+
+def test_weight_updates_go_to_the_current_engines_before_and_after_a_switch():
+    async def push(rollout: ElasticRollout, sync_id: int) -> tuple:
+        receivers = await rollout.weight_receivers()
+        await rollout.open_weight_receiver([{"rank": 0}])
+        figures = await rollout.receive_weights(sync_id, sync_id + 10)
+        await rollout.close_weight_receiver()
+        return receivers, figures, await rollout.reload_weights(f"/w{sync_id}", sync_id)
+
+    async def main():
+        built: list[PushRecordingEngine] = []
+
+        async def factory(tp: int, model_dir: str):
+            built.append(PushRecordingEngine(tp, model_dir))
+            return built[-1]
+
+        first = PushRecordingEngine(1)
+        rollout = ElasticRollout(first, 1, factory)
+        assert await push(rollout, 1) == ([("tp1-replica", "node")], [{"load_s": 0.2}], {"load_s": 0.1})
+        await rollout.switch(2, FakeTrainer().write)
+        receivers, _, _ = await push(rollout, 2)
+        assert receivers == [("tp2-replica", "node")]  # the new engines' ids: the push is set up again
+        calls = [("receivers",), ("open", [{"rank": 0}]), ("receive", 1, 11), ("close",), ("reload", "/w1", 1)]
+        assert first.calls == calls
+        assert built[0].calls == [("receivers",), ("open", [{"rank": 0}]), ("receive", 2, 12), ("close",),
+                                  ("reload", "/w2", 2)]
+        await rollout.shutdown()
+
+    asyncio.run(main())
+
+
 def test_switch_with_requests_in_flight_is_refused():
     trainer = FakeTrainer()
 
