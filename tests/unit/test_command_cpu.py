@@ -68,3 +68,22 @@ def test_host_mode_finds_processes_that_left_the_command_tree(tmp_path):
         rows = json.loads(out.read_text())["rows"]
         report[host] = sum(r["cpu_s"] for r in rows if r["kind"].startswith("other Python"))
     assert report[True] >= report[False] + 0.5, report
+
+
+EXEC_LATER = """import os, sys, time  # pytest: this command line reads as pytest's
+if os.fork() == 0:
+    time.sleep(1.0)  # sampled meanwhile with its parent's command line
+    os.execv(sys.executable, [sys.executable, "-c",
+             "import time\\nt = time.process_time()\\nwhile time.process_time() - t < 0.8: pass"])
+os.wait()
+"""
+
+
+def test_a_child_that_execs_another_python_program_is_counted_as_that_program(tmp_path):
+    """A process seen before its exec has its parent's command line, and ``python`` stays its name:
+    its CPU goes to what it ran after the exec (here other Python, not pytest)."""
+    out = tmp_path / "cpu.json"
+    assert main(["--interval", "0.1", "--out", str(out), "--", sys.executable, "-c", EXEC_LATER]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    cpu = {kind: sum(r["cpu_s"] for r in rows if r["kind"].startswith(kind)) for kind in ("other Python", "pytest")}
+    assert cpu["other Python"] >= 0.5 and cpu["pytest"] < 0.5, rows

@@ -229,14 +229,16 @@ class ProcessSampler(threading.Thread):
 
     def _reclassify(self, record: ProcessRecord, proc: psutil.Process) -> None:
         """Ray workers start as ``ray::IDLE`` and vLLM's processes as ``python``; they take their
-        names (and roles) later."""
+        names (and roles) later. A process first seen between its fork and its exec carries its
+        parent's command line; an exec of another Python program keeps the name ``python``, so a
+        changed command line counts too."""
         if record.role in PROFILED_ROLES:
             return
-        name = proc.name()
-        if name == record.name:
+        name, cmdline = proc.name(), " ".join(proc.cmdline())[:300]
+        if name == record.name and cmdline == record.cmdline:
             return
         parent = self.records.get(record.ppid)
-        record.name, record.cmdline = name, " ".join(proc.cmdline())[:300]
+        record.name, record.cmdline = name, cmdline
         record.role = role_of(proc, self.root_pid, parent.role if parent else None)
         if record.role in PROFILED_ROLES:
             record.env = _env_of(proc)
