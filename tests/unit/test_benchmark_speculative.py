@@ -15,24 +15,22 @@ LONG_ROLLOUT = {"baseline": 2.0, "tail": 3.0, "tail+spec+hist": 2.0}
 """Per column: seconds of every step, and of the rollout of a long round."""
 
 
-def fake_rows(name: str, steps: int) -> list[dict]:
-    rows = []
-    for step in range(steps):
-        long = name != "baseline" and step == steps - 1
-        row = {"step": step, "round_type": "long" if long else "short", "time/step": STEP_TIME[name],
-               "time/rollout": LONG_ROLLOUT[name] if long else 1.0, "time/train": 1.0,
-               "reward/mean": 0.1 * step}
-        if name == "tail+spec+hist":
-            row.update({"rollout/spec/draft_tokens": 40.0, "rollout/spec/accepted_tokens": 30.0})
-        if step in (0, steps - 1):
-            row["val/pass@1"] = 0.2 + 0.01 * step
-        rows.append(row)
-    return rows
+def fake_row(name: str, step: int, steps: int) -> dict:
+    """Step ``step`` of a column: the last step of a tail-batching column is its long round;
+    validation at the first and the last step; the speculative column drafts 40, accepts 30."""
+    long = name != "baseline" and step == steps - 1
+    row = {"step": step, "round_type": "long" if long else "short", "time/step": STEP_TIME[name],
+           "time/rollout": LONG_ROLLOUT[name] if long else 1.0, "time/train": 1.0, "reward/mean": 0.1 * step,
+           **({"val/pass@1": 0.2 + 0.01 * step} if step in (0, steps - 1) else {})}
+    if name == "tail+spec+hist":
+        row.update({"rollout/spec/draft_tokens": 40.0, "rollout/spec/accepted_tokens": 30.0})
+    return row
 
 
 @pytest.fixture
 def fake_runs(monkeypatch, tmp_path):
-    return fake_loop_runs(monkeypatch, tmp_path, list(STEP_TIME), lambda name, seed_offset, steps: fake_rows(name, steps))
+    return fake_loop_runs(monkeypatch, tmp_path, list(STEP_TIME),
+                          lambda name, seed_offset, steps: [fake_row(name, i, steps) for i in range(steps)])
 
 
 def test_three_columns_per_seed_and_the_speedups_of_tail_batching_and_speculation(fake_runs, tmp_path, capsys):
