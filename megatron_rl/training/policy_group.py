@@ -50,14 +50,12 @@ def import_rank_modules(device: str, pause: bool = True) -> None:
     the CUDA-to-CPU shim (it imports and patches parts of Megatron-Core, so it comes first), then
     :data:`RANK_MODULES`."""
     with collector_paused(pause):
-        import torch
-
+        preimport("torch", pause=False)  # the block pauses the collector (or, as a baseline, not)
         if device == "cpu":
             from megatron_rl.distributed.cpu_shim import apply_cpu_shim
 
             apply_cpu_shim()
-            torch.set_num_threads(1)
-        preimport(*RANK_MODULES, pause=pause)
+        preimport(*RANK_MODULES, pause=False)
 
 
 class TrainerRank:
@@ -65,6 +63,10 @@ class TrainerRank:
 
     def __init__(self, cfg: RunConfig, rank: int, world_size: int, master_addr: str, master_port: int, device: str):
         import_rank_modules(device)
+        if device == "cpu":
+            import torch
+
+            torch.set_num_threads(1)
         from megatron_rl.training.megatron_worker import MegatronWorker
 
         self.cfg = cfg
