@@ -130,6 +130,10 @@ class MegatronWorker(WeightExport, WeightPush):
             pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
             transformer_impl=self.cfg.model.transformer_impl, local_attention=self.cfg.model.local_attention,
         )
+        if torch.cuda.is_available():
+            # As Megatron's own get_model does: its parallel linears are created on the current
+            # device, but the local spec's torch norms (and any plain torch module) on the CPU.
+            model.cuda(torch.cuda.current_device())
         if tcfg.bf16:
             from megatron.core.transformer.module import Float16Module
 

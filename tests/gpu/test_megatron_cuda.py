@@ -24,6 +24,8 @@ def _cuda_logprobs(rank: int, world: int, port: int, model_dir: str, samples):
     worker = MegatronWorker(cfg, rank, world, "127.0.0.1", port)
     try:
         worker.load_hf(model_dir)
+        off_gpu = [n for n, p in worker.model.named_parameters() if p.device.type != "cuda"]
+        assert not off_gpu, f"parameters left off the GPU: {off_gpu}"
         return worker.compute_logprobs(samples)
     finally:
         worker.shutdown()
