@@ -144,9 +144,15 @@ def prepare_process(ctx: Context, deterministic: bool) -> None:
     else:
         torch.set_num_threads(1)
     if deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-
-
+        # On the GPU, warn_only=True only warns about a nondeterministic kernel and runs it anyway:
+        # the first H200 run's repeated bf16 step differed (max |diff| 2.4e-4) through cuDNN
+        # attention's backward. warn_only=False makes flash attention's backward deterministic, and
+        # the cuDNN and memory-efficient SDPA backends are switched off so attention can only take
+        # flash or math. CPU kernels are deterministic already; there warn_only stays True.
+        torch.use_deterministic_algorithms(True, warn_only=not ctx.gpu)
+        if ctx.gpu:
+            torch.backends.cuda.enable_cudnn_sdp(False)
+            torch.backends.cuda.enable_mem_efficient_sdp(False)
 
 
 def sync(ctx: Context) -> None:
