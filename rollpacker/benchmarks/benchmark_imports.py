@@ -1,7 +1,9 @@
-"""Benchmark: the CPU time of an engine's and a trainer rank's first imports, with CPython's cyclic
-collector paused (``megatron_rl.import_cost``, what the run does) and not, side by side in one run.
+"""Benchmark: the CPU time of a process's start-up imports, before and after a change, side by side
+in one run: an engine's and a trainer rank's with CPython's cyclic collector on and paused
+(``megatron_rl.import_cost``, what the run does); a reward worker's with transformers' AutoTokenizer
+and with the tokenizers library (``megatron_rl.reward.pool.response_decoder``, what the run does).
 
-    python -m rollpacker.benchmarks.benchmark_imports [--repeats 5] [--json FILE]
+    python -m rollpacker.benchmarks.benchmark_imports [--repeats 5] [--kinds engine,rank,reward] [--json FILE]
 
 Each measurement is a fresh interpreter (the project's Python), so nothing is imported yet, as in
 a new Ray actor; the two settings alternate, so both see the same page cache and the same load
@@ -10,7 +12,9 @@ on the host. A child measures its own CPU time (user + system, ``resource.getrus
 * engine: ``import torch``, then ``megatron_rl.rollout.vllm_engine.VLLM_MODULES`` (what an engine's
   process imports before it starts vLLM's AsyncLLM);
 * rank: ``megatron_rl.training.policy_group.import_rank_modules("cpu")`` (torch, the CPU shim,
-  Megatron-Core's model, optimizer and DDP, the worker).
+  Megatron-Core's model, optimizer and DDP, the worker);
+* reward: a ``RewardWorker`` built (``eager_start=False``) on the tiny model's tokenizer, written
+  to a temporary directory first, with its decoder loaded either way.
 
 Prints, per kind, the median and range of each setting and the ratio of the medians.
 """
@@ -21,67 +25,83 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 CHILD = """
 import resource, sys
-kind, pause = sys.argv[1], sys.argv[2] == "paused"
+kind, after_change = sys.argv[1], sys.argv[2] == "after"
 before = resource.getrusage(resource.RUSAGE_SELF)
 if kind == "engine":
     from megatron_rl.import_cost import preimport
     from megatron_rl.rollout.vllm_engine import VLLM_MODULES
-    preimport("torch", *VLLM_MODULES, pause=pause)
-else:
+    preimport("torch", *VLLM_MODULES, pause=after_change)
+elif kind == "rank":
     from megatron_rl.training.policy_group import import_rank_modules
-    import_rank_modules("cpu", pause=pause)
+    import_rank_modules("cpu", pause=after_change)
+else:
+    from megatron_rl.config import RewardConfig
+    from megatron_rl.reward.pool import response_decoder, worker
+    if not after_change:
+        worker.load_response_decoder = response_decoder.TransformersDecoder
+    worker.RewardWorker(RewardConfig(), sys.argv[3], 64, eager_start=False)
 after = resource.getrusage(resource.RUSAGE_SELF)
 print(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
 """
 
-KINDS = ("engine", "rank")
-SETTINGS = ("collector on", "paused")
+SETTINGS = {"engine": ("collector on", "paused"), "rank": ("collector on", "paused"),
+            "reward": ("transformers", "tokenizers")}
+"""Per kind: the setting before the change, then after it (what the run does)."""
 
 
-def measure(kind: str, setting: str) -> float:
-    """CPU seconds of one fresh interpreter's imports of ``kind`` under ``setting``."""
-    out = subprocess.run([sys.executable, "-c", CHILD, kind, "paused" if setting == "paused" else "on"],
+def measure(kind: str, after_change: bool, tokenizer_dir: str) -> float:
+    """CPU seconds of one fresh interpreter's start of ``kind``, before or after the change."""
+    out = subprocess.run([sys.executable, "-c", CHILD, kind, "after" if after_change else "before", tokenizer_dir],
                          capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def run(repeats: int) -> dict[str, dict[str, list[float]]]:
+def run(repeats: int, kinds: tuple[str, ...] = tuple(SETTINGS)) -> dict[str, dict[str, list[float]]]:
     """``{kind: {setting: [cpu s per repeat]}}``, the settings alternating within each repeat."""
-    figures: dict[str, dict[str, list[float]]] = {k: {s: [] for s in SETTINGS} for k in KINDS}
-    for i in range(repeats):
-        for kind in KINDS:
-            order = SETTINGS if i % 2 == 0 else tuple(reversed(SETTINGS))
-            for setting in order:
-                figures[kind][setting].append(measure(kind, setting))
-        print(f"repeat {i + 1}/{repeats} done", file=sys.stderr, flush=True)
+    from megatron_rl.model.tiny import build_tokenizer
+
+    figures: dict[str, dict[str, list[float]]] = {k: {s: [] for s in SETTINGS[k]} for k in kinds}
+    with tempfile.TemporaryDirectory() as tokenizer_dir:
+        build_tokenizer().save_pretrained(tokenizer_dir)
+        for i in range(repeats):
+            for kind in kinds:
+                for after_change in ((False, True) if i % 2 == 0 else (True, False)):
+                    figures[kind][SETTINGS[kind][after_change]].append(measure(kind, after_change, tokenizer_dir))
+            print(f"repeat {i + 1}/{repeats} done", file=sys.stderr, flush=True)
     return figures
 
 
 def table(figures: dict[str, dict[str, list[float]]]) -> str:
-    lines = ["| imports | collector on: CPU s median (range) | paused: CPU s median (range) | paused / on |",
-             "|---|---:|---:|---:|"]
+    lines = ["| start | before | CPU s median (range) | after | CPU s median (range) | after / before |",
+             "|---|---|---:|---|---:|---:|"]
     for kind, by_setting in figures.items():
         cells = []
-        for setting in SETTINGS:
+        for setting in SETTINGS[kind]:
             xs = by_setting[setting]
-            cells.append(f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})")
-        ratio = statistics.median(by_setting["paused"]) / statistics.median(by_setting["collector on"])
-        lines.append(f"| {kind} | {cells[0]} | {cells[1]} | {ratio:.2f} |")
+            cells.append(f"{setting} | {statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})")
+        before, after = (statistics.median(by_setting[s]) for s in SETTINGS[kind])
+        lines.append(f"| {kind} | {cells[0]} | {cells[1]} | {after / before:.2f} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5, help="measurements per kind and setting")
+    parser.add_argument("--kinds", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
     parser.add_argument("--json", type=Path, help="also write the raw figures here")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
-    figures = run(args.repeats)
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    unknown = [k for k in kinds if k not in SETTINGS]
+    if unknown or not kinds:
+        parser.error(f"--kinds: unknown {unknown or 'none given'}; choose from {', '.join(SETTINGS)}")
+    figures = run(args.repeats, kinds)
     print(table(figures))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")

@@ -47,13 +47,23 @@ def test_the_collector_is_restored_after_a_failing_import_and_a_disabled_one_sta
 
 def test_benchmark_table_gives_median_range_and_ratio():
     figures = {"engine": {"collector on": [10.0, 12.0, 11.0], "paused": [8.0, 9.5, 8.5]},
-               "rank": {"collector on": [4.0, 4.0, 5.0], "paused": [3.0, 3.5, 2.0]}}
+               "reward": {"transformers": [4.0, 4.0, 5.0], "tokenizers": [0.1, 0.2, 0.05]}}
     text = benchmark_imports.table(figures)
-    assert "| engine | 11.00 (10.00-12.00) | 8.50 (8.00-9.50) | 0.77 |" in text
-    assert "| rank | 4.00 (4.00-5.00) | 3.00 (2.00-3.50) | 0.75 |" in text
+    assert "| engine | collector on | 11.00 (10.00-12.00) | paused | 8.50 (8.00-9.50) | 0.77 |" in text
+    assert "| reward | transformers | 4.00 (4.00-5.00) | tokenizers | 0.10 (0.05-0.20) | 0.03 |" in text
 
 
-def test_benchmark_rejects_no_repeats(capsys):
+def test_benchmark_rejects_no_repeats_and_unknown_kinds(capsys):
     with pytest.raises(SystemExit):
         benchmark_imports.main(["--repeats", "0"])
     assert "--repeats must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        benchmark_imports.main(["--kinds", "engine,driver"])
+    assert "unknown ['driver']" in capsys.readouterr().err
+
+
+def test_the_reward_kind_measures_both_decoders_in_fresh_interpreters():
+    figures = benchmark_imports.run(1, ("reward",))
+    assert list(figures) == ["reward"]
+    assert all(len(xs) == 1 and xs[0] > 0 for xs in figures["reward"].values()), figures
+    assert set(figures["reward"]) == {"transformers", "tokenizers"}

@@ -25,6 +25,7 @@ from megatron_rl.config import AlgorithmConfig, RewardConfig
 from megatron_rl.reward.graders.code_reward import CODE_FORMATS, CodeReward
 from megatron_rl.reward.graders.math_reward import MathReward
 from megatron_rl.reward.graders.result import RewardResult
+from megatron_rl.reward.pool.response_decoder import load_response_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -82,10 +83,8 @@ class RewardWorker:
         """``eager_start`` starts the math grading process now rather than on the first response."""
         if reward_cfg.kind not in REWARD_KINDS:
             raise ValueError(f"reward.kind={reward_cfg.kind!r}: expected one of {REWARD_KINDS}")
-        from transformers import AutoTokenizer
-
         try:
-            self._tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+            self._decoder = load_response_decoder(tokenizer_path)
         except (OSError, ValueError) as exc:
             raise ValueError(f"reward worker cannot load the tokenizer from {tokenizer_path!r}: {exc}") from exc
         self._cfg = reward_cfg
@@ -137,7 +136,7 @@ class RewardWorker:
                 cancel = threading.Event()
                 self._running = (task_id, cancel)
         try:
-            text = self._tokenizer.decode(response_ids, skip_special_tokens=True)
+            text = self._decoder.decode(response_ids)
             if source == "code" and self._code is not None:
                 result = self._code(text, ground_truth, metadata, timeout_s, cancel)
             elif source == "math" and self._math is not None:
