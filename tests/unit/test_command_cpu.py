@@ -87,3 +87,10 @@ def test_a_child_that_execs_another_python_program_is_counted_as_that_program(tm
     rows = json.loads(out.read_text())["rows"]
     cpu = {kind: sum(r["cpu_s"] for r in rows if r["kind"].startswith(kind)) for kind in ("other Python", "pytest")}
     assert cpu["other Python"] >= 0.5 and cpu["pytest"] < 0.5, rows
+    processes = json.loads(out.read_text())["processes"]
+    assert [p["cpu_s"] for p in processes] == sorted((p["cpu_s"] for p in processes), reverse=True)
+    child = processes[0]  # the busiest: the exec'd loop, under its own command line and parent
+    assert "process_time() - t < 0.8" in child["cmdline"] and child["cpu_s"] >= 0.5, processes
+    parent = next(p for p in processes if p["pid"] == child["ppid"])
+    assert "os.execv" in parent["cmdline"]
+    assert 0 <= parent["start_s"] <= child["start_s"] <= child["last_s"], processes

@@ -45,6 +45,17 @@ class Seen:
     kind: str
     cpu_s: float = 0.0
     threads: int = 0
+    ppid: int = 0
+    cmdline: str = ""
+    start_s: float = 0.0
+    """When the sampler first saw it, seconds after the command started."""
+    last_s: float = 0.0
+    """Its last sample, seconds after the command started."""
+
+    def as_json(self) -> dict:
+        return {"pid": self.pid, "ppid": self.ppid, "kind": self.kind, "cpu_s": round(self.cpu_s, 2),
+                "threads": self.threads, "start_s": round(self.start_s, 1), "last_s": round(self.last_s, 1),
+                "cmdline": self.cmdline[:400]}
 
 
 def kind_of(role: str, name: str, cmdline: str) -> str:
@@ -71,9 +82,11 @@ def command_sampler(root_pid: int, host: bool, interval: float) -> ProcessSample
                           processes=started_since(since) if host else None)
 
 
-def seen_by(sampler: ProcessSampler) -> list[Seen]:
-    """Every process the sampler read, with its kind and its last sample."""
-    return [Seen(r.pid, kind_of(r.role, r.name, r.cmdline), r.samples[-1][1], r.max_threads)
+def seen_by(sampler: ProcessSampler, started: float = 0.0) -> list[Seen]:
+    """Every process the sampler read, with its kind and its last sample (times from ``started``,
+    a ``time.monotonic()`` reading)."""
+    return [Seen(r.pid, kind_of(r.role, r.name, r.cmdline), r.samples[-1][1], r.max_threads, r.ppid, r.cmdline,
+                 r.samples[0][0] - started, r.samples[-1][0] - started)
             for r in sampler.all_records() if r.samples]
 
 
@@ -105,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between samples")
     parser.add_argument("--host", action="store_true", help="every process started after the command, not only its descendants")
-    parser.add_argument("--out", type=Path, help="also write the rows (and the command's exit code) as JSON")
+    parser.add_argument("--out", type=Path, help="also write the rows, every process (command line, parent, "
+                        "CPU s, threads, first and last sample) and the command's exit code as JSON")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- the command to run")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -117,11 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     sampler.start()
     proc.wait()
     sampler.stop()  # after one last sample
-    rows = table(seen_by(sampler))
+    seen = seen_by(sampler, started)
+    rows = table(seen)
     print(markdown(rows))
     print(f"command exited {proc.returncode} after {time.monotonic() - started:.0f} s", file=sys.stderr)
     if args.out:
-        args.out.write_text(json.dumps({"command": command, "exit_code": proc.returncode, "rows": rows}, indent=2))
+        processes = [s.as_json() for s in sorted(seen, key=lambda s: -s.cpu_s)]
+        args.out.write_text(json.dumps({"command": command, "exit_code": proc.returncode, "rows": rows,
+                                        "processes": processes}, indent=2))
     return proc.returncode
 
 
