@@ -5,7 +5,7 @@ A reward worker only decodes. ``transformers.AutoTokenizer`` costs a worker ~4 C
 same ``tokenizer.json`` in ~0.02 s. transformers 5's fast-tokenizer decode is that library's decode
 plus two settings from ``tokenizer_config.json``, both honoured here:
 
-* which ids are special: those flagged special in ``tokenizer.json``, in the config's
+* which ids are special: the added tokens flagged special in ``tokenizer.json``, in the config's
   ``added_tokens_decoder``, and the config's named special tokens (``eos_token``, ``pad_token``,
   ..., ``additional_special_tokens``). ``skip_special_tokens=True`` drops exactly these, so they
   are filtered out here before decoding;
@@ -70,9 +70,9 @@ def _token_text(entry: Any) -> str | None:
     return None
 
 
-def special_token_ids(tokenizer: Any, tokenizer_json: dict, config: dict) -> frozenset[int]:
+def special_token_ids(tokenizer: Any, config: dict) -> frozenset[int]:
     """Every id that transformers' ``skip_special_tokens=True`` drops (see the module docstring)."""
-    ids = {t["id"] for t in tokenizer_json.get("added_tokens", []) if t.get("special")}
+    ids = {i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special}
     for key, entry in (config.get("added_tokens_decoder") or {}).items():
         if isinstance(entry, dict) and entry.get("special"):
             ids.add(int(key))
@@ -94,17 +94,15 @@ def load_response_decoder(path: str) -> ResponseDecoder:
     if not tokenizer_file.is_file():
         return TransformersDecoder(path)
     try:
-        tokenizer_json = json.loads(tokenizer_file.read_text())
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     except (OSError, ValueError) as exc:
-        raise ValueError(f"reward worker cannot read the tokenizer in {path!r}: {exc}") from exc
-    is_bpe = (tokenizer_json.get("model") or {}).get("type") == "BPE"
-    if config.get("clean_up_tokenization_spaces") and not is_bpe:
-        return TransformersDecoder(path)
-    from tokenizers import Tokenizer
+        raise ValueError(f"reward worker cannot read {config_file}: {exc}") from exc
+    from tokenizers import Tokenizer, models
 
     try:
         tokenizer = Tokenizer.from_file(str(tokenizer_file))
     except Exception as exc:  # tokenizers raises plain Exception subclasses for a bad file
         raise ValueError(f"reward worker cannot load {tokenizer_file}: {exc}") from exc
-    return TokenizersDecoder(tokenizer, special_token_ids(tokenizer, tokenizer_json, config))
+    if config.get("clean_up_tokenization_spaces") and not isinstance(tokenizer.model, models.BPE):
+        return TransformersDecoder(path)
+    return TokenizersDecoder(tokenizer, special_token_ids(tokenizer, config))
