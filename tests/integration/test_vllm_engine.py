@@ -27,9 +27,11 @@ MAX_MODEL_LEN = 512
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir, loop, tmp_path_factory):
     cfg = RolloutConfig(max_num_seqs=CAPACITY, cpu_kv_cache_gib=0.125)
+    threads_before = torch.get_num_threads()
     eng = LongRequestsIgnoreEOS(
         str(tiny_model_dir), cfg, seed=0, max_model_len=MAX_MODEL_LEN, runtime_dir=tmp_path_factory.mktemp("vllm_rt")
     )
+    eng.host_threads_before = threads_before  # the engine start must leave them as they were
     yield eng
     loop.run_until_complete(asyncio.wait_for(eng.shutdown(), timeout=60))
 
@@ -178,11 +180,17 @@ def test_many_seeded_requests_with_long_prompts_do_not_crash(engine, loop):
 
 
 def test_engine_processes_run_the_sampler_eager_and_the_host_env_is_untouched(engine, loop):
-    """rollout.cpu_torch_compile=false (the default): TORCHDYNAMO_DISABLE=1 in vLLM's spawned
-    engine process (torch reads it at import there); this process's environment is as before."""
+    """rollout.cpu_torch_compile=false (the default): TORCHDYNAMO_DISABLE=1 in vLLM's engine
+    process and torch.compile off there; rollout.cpu_engine_start='fork' (the default): that
+    process was forked from this one; this process's environment, torch threads and torch.compile
+    switch are as before."""
     import os
+
+    import torch._dynamo
 
     settings = run(loop, engine.process_settings())
     assert settings and all(s["TORCHDYNAMO_DISABLE"] == "1" and not s["sampler_compiled"] for s in settings), settings
-    assert all(s["pid"] != os.getpid() for s in settings)
+    assert all(s["pid"] != os.getpid() and s["forked_from"] == os.getpid() for s in settings), settings
     assert "TORCHDYNAMO_DISABLE" not in os.environ
+    assert not torch._dynamo.config.disable
+    assert torch.get_num_threads() == engine.host_threads_before

@@ -81,6 +81,7 @@ def test_impossible_layout_against_architecture(overrides, key):
     (["algorithm.loss_agg=mean"], "algorithm.loss_agg"),
     (["algorithm.recompute_old_logprobs=false", "algorithm.ppo_mini_batches=2"], "algorithm.recompute_old_logprobs"),
     (["rollout.top_p=0"], "rollout.top_p"),
+    (["rollout.cpu_engine_start=forkserver"], "rollout.cpu_engine_start"),
     (["data.prompts_per_step=0"], "data.prompts_per_step"),
     (["data.format=custom"], "data.prompt_key"),
     (["parallel.data_parallel_size=8", "cluster.num_cpus=2"], "cluster.num_cpus"),
