@@ -94,3 +94,29 @@ def test_a_child_that_execs_another_python_program_is_counted_as_that_program(tm
     parent = next(p for p in processes if p["pid"] == child["ppid"])
     assert "os.execv" in parent["cmdline"]
     assert 0 <= parent["start_s"] <= child["start_s"] <= child["last_s"], processes
+
+
+RENAMED_FORK = """
+import ctypes, os, time
+def name(title):
+    ctypes.CDLL(None).prctl(15, title.encode(), 0, 0, 0)  # PR_SET_NAME, as vLLM's titles set it
+name("VLLM::EngineCore")
+if os.fork() == 0:
+    time.sleep(0.5)  # seen under the parent's name first
+    name("VLLM::Worker_TP0")
+    t = time.process_time()
+    while time.process_time() - t < 0.8:
+        pass
+    os._exit(0)
+os.wait()
+"""
+
+
+def test_a_forked_child_that_takes_its_own_name_is_counted_under_it(tmp_path):
+    """A TP worker forked from an engine core carries the core's name until it sets its own: its
+    CPU goes to the TP-worker row, not the engine core's."""
+    out = tmp_path / "cpu.json"
+    assert main(["--interval", "0.1", "--out", str(out), "--", sys.executable, "-c", RENAMED_FORK]) == 0
+    rows = {r["kind"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows[KINDS["engine worker"]]["cpu_s"] >= 0.5, rows
+    assert rows.get(KINDS["engine core"], {"cpu_s": 0.0})["cpu_s"] < 0.5, rows

@@ -231,8 +231,14 @@ class ProcessSampler(threading.Thread):
         """Ray workers start as ``ray::IDLE`` and vLLM's processes as ``python``; they take their
         names (and roles) later. A process first seen between its fork and its exec carries its
         parent's command line; an exec of another Python program keeps the name ``python``, so a
-        changed command line counts too."""
+        changed command line counts too. A process forked from a loop part (vLLM's TP workers
+        from a forked engine core, ``rollout.cpu_engine_start``) starts with that part's name and
+        takes its own a moment later: its role follows the name (it is profiled already)."""
         if record.role in PROFILED_ROLES:
+            name = proc.name()
+            if name != record.name:
+                parent = self.records.get(record.ppid)
+                record.name, record.role = name, role_of(proc, self.root_pid, parent.role if parent else None)
             return
         name, cmdline = proc.name(), " ".join(proc.cmdline())[:300]
         if name == record.name and cmdline == record.cmdline:
