@@ -46,7 +46,6 @@ EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 """vLLM's name of the kernel that is replaced."""
 
 
-
 def expand_at_dtype(output: torch.Tensor, input_val: torch.Tensor, cu_num_tokens: torch.Tensor,
                     replace_from, replace_to, MAX_NUM_TOKENS=None) -> None:  # noqa: N803 (vLLM's kernel argument name)
     """``output[cu[i-1]:cu[i]] = input_val[i]`` (``replace_from`` values become ``replace_to``)
