@@ -76,6 +76,16 @@ if os.fork() == 0:
     os.execv(sys.executable, [sys.executable, "-c",
              "import time\\nt = time.process_time()\\nwhile time.process_time() - t < 0.8: pass"])
 os.wait()
+if os.fork() == 0:
+    name("ray::EngineActor")
+    time.sleep(0.3)
+    t = time.process_time()
+    while time.process_time() - t < 0.8:
+        pass
+    name("ray::IDLE")  # Ray renames an actor's process as it ends
+    time.sleep(0.5)
+    os._exit(0)
+os.wait()
 """
 
 
@@ -109,14 +119,26 @@ if os.fork() == 0:
         pass
     os._exit(0)
 os.wait()
+if os.fork() == 0:
+    name("ray::EngineActor")
+    time.sleep(0.3)
+    t = time.process_time()
+    while time.process_time() - t < 0.8:
+        pass
+    name("ray::IDLE")  # Ray renames an actor's process as it ends
+    time.sleep(0.5)
+    os._exit(0)
+os.wait()
 """
 
 
 def test_a_forked_child_that_takes_its_own_name_is_counted_under_it(tmp_path):
     """A TP worker forked from an engine core carries the core's name until it sets its own: its
-    CPU goes to the TP-worker row, not the engine core's."""
+    CPU goes to the TP-worker row, not the engine core's. An engine actor renamed as it ends
+    stays in the front-end row."""
     out = tmp_path / "cpu.json"
     assert main(["--interval", "0.1", "--out", str(out), "--", sys.executable, "-c", RENAMED_FORK]) == 0
     rows = {r["kind"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows[KINDS["engine worker"]]["cpu_s"] >= 0.5, rows
     assert rows.get(KINDS["engine core"], {"cpu_s": 0.0})["cpu_s"] < 0.5, rows
+    assert rows[KINDS["engine front-end"]]["cpu_s"] >= 0.5, rows

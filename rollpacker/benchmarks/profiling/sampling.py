@@ -233,12 +233,15 @@ class ProcessSampler(threading.Thread):
         parent's command line; an exec of another Python program keeps the name ``python``, so a
         changed command line counts too. A process forked from a loop part (vLLM's TP workers
         from a forked engine core, ``rollout.cpu_engine_start``) starts with that part's name and
-        takes its own a moment later: its role follows the name (it is profiled already)."""
+        takes its own a moment later: its role follows a new name of another part (it is profiled
+        already). A part renamed otherwise (Ray renames an actor's process as it ends) keeps its role."""
         if record.role in PROFILED_ROLES:
             name = proc.name()
             if name != record.name:
                 parent = self.records.get(record.ppid)
-                record.name, record.role = name, role_of(proc, self.root_pid, parent.role if parent else None)
+                role = role_of(proc, self.root_pid, parent.role if parent else None)
+                if role in PROFILED_ROLES:
+                    record.name, record.role = name, role
             return
         name, cmdline = proc.name(), " ".join(proc.cmdline())[:300]
         if name == record.name and cmdline == record.cmdline:
