@@ -76,16 +76,6 @@ if os.fork() == 0:
     os.execv(sys.executable, [sys.executable, "-c",
              "import time\\nt = time.process_time()\\nwhile time.process_time() - t < 0.8: pass"])
 os.wait()
-if os.fork() == 0:
-    name("ray::EngineActor")
-    time.sleep(0.3)
-    t = time.process_time()
-    while time.process_time() - t < 0.8:
-        pass
-    name("ray::IDLE")  # Ray renames an actor's process as it ends
-    time.sleep(0.5)
-    os._exit(0)
-os.wait()
 """
 
 
