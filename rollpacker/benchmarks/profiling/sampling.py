@@ -244,8 +244,8 @@ class ProcessSampler(threading.Thread):
                     record.name, record.role = name, role
             return
         name, cmdline = proc.name(), " ".join(proc.cmdline())[:300]
-        if name == record.name and cmdline == record.cmdline:
-            return
+        if not cmdline or (name == record.name and cmdline == record.cmdline):
+            return  # an exiting process reads an empty command line: keep what it ran
         parent = self.records.get(record.ppid)
         record.name, record.cmdline = name, cmdline
         record.role = role_of(proc, self.root_pid, parent.role if parent else None)
