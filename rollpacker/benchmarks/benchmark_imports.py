@@ -21,12 +21,13 @@ Prints, per kind, the median and range of each setting and the ratio of the medi
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from rollpacker.benchmarks.report import emit
 
 CHILD = """
 import resource, sys
@@ -102,10 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not kinds:
         parser.error(f"--kinds: unknown {unknown or 'none given'}; choose from {', '.join(SETTINGS)}")
     figures = run(args.repeats, kinds)
-    print(table(figures))
-    if args.json:
-        args.json.write_text(json.dumps(figures, indent=2) + "\n")
-    return 0
+    return emit(table(figures), figures, args.json)
 
 
 if __name__ == "__main__":
