@@ -43,6 +43,27 @@ def pytest_sessionfinish(session, exitstatus):
         shm.remove_dead_run_dirs(shm.run_dirs() - dirs)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_collection(session):
+    """The collection's span on the run's timeline (each xdist worker collects every module)."""
+    from tests.helpers import timeline
+
+    start = timeline.now()
+    yield
+    timeline.record("collect", start, timeline.now())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test's span, setup to teardown, on the run's timeline when TEST_TIMELINE is set
+    (tests/helpers/timeline)."""
+    from tests.helpers import timeline
+
+    start = timeline.now()
+    yield
+    timeline.record("test", start, timeline.now(), nodeid=item.nodeid)
+
+
 def _cuda_available() -> bool:
     try:
         import torch
@@ -52,8 +73,21 @@ def _cuda_available() -> bool:
         return False
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` hands modules out longest first (tests/helpers/scheduling)."""
+    if config.getvalue("dist") == "loadfile":
+        from tests.helpers import scheduling
+
+        return scheduling.make_scheduler(config, log)
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
-    """GPU tests skip without a GPU."""
+    """Modules longest first (tests/helpers/scheduling); GPU tests skip without a GPU."""
+    from tests.helpers import scheduling
+
+    items[:] = scheduling.longest_first(items, scheduling.load_durations())
     skip_gpu = None if _cuda_available() else pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")
     for item in items:
         if skip_gpu is not None and "gpu" in item.keywords:

@@ -56,8 +56,7 @@ def slurm():
                     + result.stderr.strip().splitlines()[-1])
     try:
         assert result.returncode == 0, f"tools/slurm_local.sh up failed:\n{result.stderr}"
-        with shared_jobs():  # the jobs run train.py on this host: see tests/helpers/job_lock
-            yield cluster
+        yield cluster
     finally:
         down = cluster.down()
         assert down.returncode == 0, down.stderr
@@ -196,7 +195,16 @@ def test_time_limit_checkpoint_resubmit_then_scancel(slurm, tmp_path, tiny_model
     _assert_no_leftovers(first)
 
     # The resubmit: the same command with trainer.resume=true. Once it has trained a step of its
-    # own and the next is under way, scancel.
+    # own and the next is under way, scancel. From here to the /dev/shm check below no other
+    # worker's test may SIGKILL a run (its vLLM segments would be left unmapped until its resume):
+    # the jobs' lock shared (tests/helpers/job_lock; the jobs' own sweeps cannot touch another
+    # test's run dirs, which carry this host's name, not n1's or n2's).
+    with shared_jobs():
+        _resubmit_then_scancel(slurm, jobs, run_dir, metrics, overrides, done)
+
+
+def _resubmit_then_scancel(slurm: LocalSlurm, jobs: Jobs, run_dir: Path, metrics: Path, overrides: tuple,
+                           done: int) -> None:
     shm_before = {p.name for p in Path("/dev/shm").iterdir()}
     second = jobs.submit(run_dir, overrides=(*overrides, "trainer.resume=true"))
     wait_for(lambda: len(_read_jsonl(metrics)) > done, 600, f"step {done}", alive=lambda: jobs.running(second))
