@@ -15,10 +15,19 @@ module waiting on a busy worker while the other worker runs out of work.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 DURATIONS = Path(__file__).resolve().parents[1] / "module_durations.json"
 """Seconds per test module (setup to teardown, summed) from a recorded run."""
+
+
+def run_sh_worker_options() -> list[str]:
+    """The ``workers=(...)`` array of tests/run.sh (its xdist options), with the default worker count."""
+    text = (Path(__file__).resolve().parents[1] / "run.sh").read_text()
+    match = re.search(r"^workers=\((.*)\)$", text, re.M)
+    assert match, "tests/run.sh has no `workers=(...)` line"
+    return match.group(1).replace('"${TEST_WORKERS:-2}"', "2").split()
 
 
 def load_durations(path: Path = DURATIONS) -> dict[str, float]:

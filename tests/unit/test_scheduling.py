@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.helpers import scheduling
-from tests.unit.test_suite_workers import run_sh_worker_options
+from tests.helpers.scheduling import run_sh_worker_options
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,20 +37,18 @@ def test_the_recorded_durations_name_existing_modules_with_seconds(tmp_path):
         scheduling.load_durations(bad)
 
 
-CONFTEST = f'''
-import sys
-sys.path.insert(0, {str(REPO)!r})
+CONFTEST = '''
 import pytest
 from tests.helpers import scheduling
 
-DURATIONS = {{"test_long.py": 100.0, "test_mid.py": 50.0}}
+DURATIONS = {"test_long.py": 100.0, "test_mid.py": 50.0}
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     return scheduling.make_scheduler(config, log)
 
 def pytest_collection_modifyitems(config, items):
-    items[:] = scheduling.longest_first(items, {{**DURATIONS, **{{m: 1.0 for m in ("test_a.py", "test_b.py")}}}})
+    items[:] = scheduling.longest_first(items, {**DURATIONS, **{m: 1.0 for m in ("test_a.py", "test_b.py")}})
 '''
 
 MODULE = '''
@@ -70,13 +68,17 @@ def _module(count: int, sleep_s: float) -> str:
 
 def test_two_workers_start_with_the_two_longest_modules(tmp_path):
     """Under xdist's own order the many-test modules would go first (it sorts by test count)."""
+    # Run from the repository's root (`python -m` puts it on the path: the generated conftest imports
+    # tests.helpers), on the generated modules only, with an empty ini of their own.
     (tmp_path / "conftest.py").write_text(CONFTEST)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
     (tmp_path / "test_long.py").write_text(_module(1, 1.0))
     (tmp_path / "test_mid.py").write_text(_module(2, 0.3))
     for name in ("test_a", "test_b"):
         (tmp_path / f"{name}.py").write_text(_module(8, 0.0))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
-                           *run_sh_worker_options()], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                           "-c", str(tmp_path / "pytest.ini"), *run_sh_worker_options(), str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = [line.split() for line in (tmp_path / "ran.txt").read_text().splitlines()]
     assert len(rows) == 1 + 2 + 16, rows

@@ -8,10 +8,11 @@ tests/run.sh passes, on two generated modules, and reads which worker ran each t
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.helpers.scheduling import run_sh_worker_options
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,14 +24,6 @@ def _record(name):
         f.write(f"{__name__} {name} {os.environ.get('PYTEST_XDIST_WORKER', 'none')}\\n")
 
 ''' + "".join(f"def test_{i}():\n    _record('test_{i}')\n\n" for i in range(6))
-
-
-def run_sh_worker_options() -> list[str]:
-    """The `workers=(...)` array of tests/run.sh, with the default worker count."""
-    text = (REPO / "tests" / "run.sh").read_text()
-    match = re.search(r"^workers=\((.*)\)$", text, re.M)
-    assert match, "tests/run.sh has no `workers=(...)` line"
-    return match.group(1).replace('"${TEST_WORKERS:-2}"', "2").split()
 
 
 def test_run_sh_keeps_each_module_on_one_worker(tmp_path: Path) -> None:
