@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +68,13 @@ def test_the_reward_kind_measures_both_decoders_in_fresh_interpreters():
     assert list(figures) == ["reward"]
     assert all(len(xs) == 1 and xs[0] > 0 for xs in figures["reward"].values()), figures
     assert set(figures["reward"]) == {"transformers", "tokenizers"}
+
+
+def test_the_bytecode_kind_measures_sources_and_compiled_then_leaves_the_project_compiled():
+    from importlib.util import cache_from_source
+
+    figures = benchmark_imports.run(1, ("bytecode",))
+    assert set(figures["bytecode"]) == {"sources", "compiled"}
+    assert all(len(xs) == 1 and xs[0] > 0 for xs in figures["bytecode"].values()), figures
+    train = benchmark_imports.PROJECT_DIRS[0] / "train.py"
+    assert train.is_file() and Path(cache_from_source(str(train))).is_file(), "the project was left uncompiled"
