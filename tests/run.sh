@@ -37,8 +37,8 @@ args=("$@")
 [ ${#args[@]} -gt 0 ] || args=(tests)
 # Two pytest-xdist workers (TEST_WORKERS=0: none): the real-stack tests leave a core idle while a
 # process starts, an engine core waits or a fault test sleeps out a timeout. Each module stays on
-# one worker (--dist loadfile: its engines and SPMD runs start once); whole training jobs run under
-# one lock between the workers (tests/helpers/job_lock.py, docs/tests.md).
+# one worker (--dist loadfile: its engines and SPMD runs start once), modules longest first
+# (tests/helpers/scheduling.py, docs/tests.md).
 workers=(-n "${TEST_WORKERS:-2}" --dist loadfile)
 [ "${TEST_WORKERS:-2}" != 0 ] || workers=()
 set +e

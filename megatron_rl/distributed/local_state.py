@@ -39,9 +39,18 @@ def fits_ray_sockets(temp_dir: str | Path) -> bool:
     return len(str(temp_dir).encode()) + RAY_SOCKET_DEPTH <= SOCKET_PATH_MAX
 
 
+HOST_TAG_ENV = "MEGATRON_RL_HOST_TAG"
+"""Overrides the host name that per-run dir names carry. Runs with different tags never take each
+other's dirs for their own leftovers: set one per container where containers with their own pid
+namespaces share /dev/shm (a run in one cannot see the other's pids, so a live run's dir would
+look dead), or per job where one job's start-up must be the one that sweeps another's dirs."""
+
+
 def host_tag() -> str:
-    """This machine's host name, reduced to characters that are safe in a file name."""
-    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+    """This machine's host name (or ``$MEGATRON_RL_HOST_TAG``), reduced to characters that are safe
+    in a file name."""
+    name = os.environ.get(HOST_TAG_ENV) or socket.gethostname()
+    return re.sub(r"[^A-Za-z0-9.]", "_", name) or "host"
 
 
 def run_dir_name(pid: int | None = None) -> str:

@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 import psutil
 import pytest
 
-from megatron_rl.distributed.local_state import mapped_segments
+from megatron_rl.distributed.local_state import HOST_TAG_ENV, mapped_segments
 from megatron_rl.fault_injection import FAULTS_DIR_ENV, FAULTS_ENV
 from tests.helpers.processes import describe, left_behind, run_processes
 from tests.helpers.train_runs import overrides, read_jsonl, run_train
@@ -48,18 +48,17 @@ class Attempt:
         faults: the ``MEGATRON_RL_FAULTS`` spec ('' arms nothing).
         processes: what counts as the run's processes (default: the driver's session and descendants;
             a run on an existing Ray cluster passes :func:`cluster_job_processes`).
-        job_lock: start it under the jobs' shared lock (``tests/helpers/job_lock``); false inside
-            the chain's quiet window (:meth:`Chain.quiet`), which holds the lock exclusively.
+        host_tag: the run's ``MEGATRON_RL_HOST_TAG`` (``train_runs.run_train``).
     """
 
     def __init__(self, name: str, args: list[str], tmp_path: Path, records: Path, faults: str = "",
-                 processes: Callable[[], dict[int, str]] | None = None, job_lock: bool = True) -> None:
+                 processes: Callable[[], dict[int, str]] | None = None, host_tag: str | None = None) -> None:
         self.name, self.log = name, tmp_path / f"{name}.log"
         with pytest.MonkeyPatch.context() as env:  # run_train copies os.environ at Popen time
             env.setenv(FAULTS_ENV, faults)
             env.setenv(FAULTS_DIR_ENV, str(records))
             self.started_at = time.time()
-            self.proc = run_train(args, self.log, job_lock=job_lock)
+            self.proc = run_train(args, self.log, host_tag=host_tag)
         self.records = records
         self._processes = processes or (lambda: run_processes(self.proc.pid))
         self.seen: dict[int, str] = {}
@@ -196,35 +195,21 @@ class Chain:
         self.passed: list[str] = []
         self.lingering: dict[int, str] = {}
         """Processes an attempt left that should be gone by a later check (pid -> name)."""
-        self._quiet: contextlib.ExitStack | None = None
-
-    def quiet(self) -> None:
-        """Hold the jobs' lock exclusively until :meth:`end_quiet`: no other test worker's job
-        starts or ends (and sweeps dead runs' /dev/shm dirs) while an attempt killed without its
-        teardown waits for the next attempt's start-up to sweep what it left. Attempts started
-        meanwhile pass ``job_lock=False``."""
-        from tests.helpers.job_lock import exclusive_jobs
-
-        if self._quiet is None:
-            self._quiet = contextlib.ExitStack()
-            self._quiet.enter_context(exclusive_jobs())
-
-    def end_quiet(self) -> None:
-        if self._quiet is not None:
-            self._quiet.close()
-            self._quiet = None
+        self.host_tag = f"chain-{os.getpid()}"
+        """Every attempt's ``MEGATRON_RL_HOST_TAG``: an attempt killed without its teardown leaves
+        /dev/shm dirs that the next attempt's start-up must sweep (and checks it did), which
+        another test's job, under the machine's own host name, then cannot sweep first."""
 
     def attempt(self, name: str, after: str | None, faults: str = "", extra: tuple[str, ...] = (),
                 **kwargs) -> Attempt:
         """Start attempt ``name`` (fresh when ``after`` is None, else resuming after attempt ``after``)."""
         if after is not None and after not in self.passed:
-            self.end_quiet()  # the window waited for this attempt; the other worker's jobs may go on
             pytest.fail(f"needs the chain's attempt '{after}', which did not pass")
         records = self.tmp / f"faults-{name}"
         records.mkdir()
         resume = ["trainer.resume=true"] if after is not None else []
         args = overrides(self.model_dir, self.run_dir, self.steps, [*self.extra, *resume, *extra])
-        return Attempt(name, args, self.tmp, records, faults, job_lock=self._quiet is None, **kwargs)
+        return Attempt(name, args, self.tmp, records, faults, host_tag=self.host_tag, **kwargs)
 
     def metrics(self) -> list[dict]:
         path = self.run_dir / "metrics.jsonl"
@@ -244,15 +229,18 @@ class Chain:
 
 # ---------------------------------------------------------------------- a two-node Ray cluster
 @contextlib.contextmanager
-def two_node_cluster(head_cpus: int, worker_cpus: int) -> Iterator[tuple]:
+def two_node_cluster(head_cpus: int, worker_cpus: int, host_tag: str | None = None) -> Iterator[tuple]:
     """(cluster, worker node) of a ``ray.cluster_utils.Cluster`` on this machine; the head notices
-    a lost node within about 3 s (health checks every 0.5 s, dead after 4 misses)."""
+    a lost node within about 3 s (health checks every 0.5 s, dead after 4 misses). ``host_tag``: the
+    ``MEGATRON_RL_HOST_TAG`` of its nodes' processes (a job's ranks and engines run there)."""
     from ray.cluster_utils import Cluster
 
     from tests.helpers.ray_dirs import short_ray_dir
 
     with short_ray_dir("c", room=4) as root, pytest.MonkeyPatch.context() as env:
         env.setenv("RAY_TMPDIR", str(root))  # Cluster writes <RAY_TMPDIR>/ray/ray_current_cluster
+        if host_tag is not None:
+            env.setenv(HOST_TAG_ENV, host_tag)  # the raylets pass it on to their workers
         (root / "ray").mkdir()
         cluster = Cluster(initialize_head=True, head_node_args={
             "num_cpus": head_cpus, "object_store_memory": 96 << 20, "temp_dir": str(root / "ray"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,3 +106,34 @@ def processes_naming(text: str) -> list[str]:
         if text in cmd and cmdline.parent.name != str(os.getpid()):
             found.append(f"{cmdline.parent.name} {cmd[:160]}")
     return found
+
+
+class JobSegments:
+    """The ``psm_*`` segments (vLLM's message queues) that a job's processes map, polled every
+    ``period`` s in a thread while the block runs: what the job would leave in /dev/shm if its
+    engine could not unlink them. (Segments that appear meanwhile may be another test's: their
+    names carry no owner, and a SIGKILLed run of another test worker leaves its own unmapped.)"""
+
+    def __init__(self, job_id: int, period: float = 1.0) -> None:
+        self.job_id, self.period = job_id, period
+        self.seen: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name=f"job-{job_id}-segments", daemon=True)
+
+    def _poll(self) -> None:
+        from megatron_rl.distributed.local_state import mapped_segments
+
+        self.seen |= mapped_segments([int(line.split()[0]) for line in job_processes(self.job_id)])
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.period):
+            self._poll()
+
+    def __enter__(self) -> JobSegments:
+        self._poll()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)

@@ -1,11 +1,10 @@
-"""A timeline of a test run: which test ran when on which xdist worker, and how long tests waited
-for the jobs' lock (``tests/helpers/job_lock``).
+"""A timeline of a test run: which test ran when on which xdist worker, and each worker's collection.
 
 Recorded only when ``TEST_TIMELINE`` names a file (``TEST_TIMELINE=/tmp/t.jsonl bash tests/run.sh``):
-one JSON line per test (setup to teardown) and per lock wait or exclusive hold, appended with one
+one JSON line per test (setup to teardown) and per worker's collection, appended with one
 ``write`` each so the two workers' lines never interleave. ``python -m tests.helpers.timeline FILE
 [--png OUT] [--durations OUT]`` prints where the wall time went (each worker's busy and idle spans,
-the modules that ran longest, the lock waits), draws the two workers' lanes and writes the
+the modules that ran longest), draws the two workers' lanes and writes the
 modules' seconds for ``tests/helpers/scheduling``.
 """
 from __future__ import annotations
@@ -19,8 +18,6 @@ from pathlib import Path
 
 ENV = "TEST_TIMELINE"
 """The variable that names the timeline file; unset: nothing is recorded."""
-MIN_WAIT_S = 0.5
-"""Lock waits shorter than this are not recorded."""
 
 
 def record(kind: str, start: float, end: float, **fields) -> None:
@@ -56,8 +53,8 @@ def load(path: str | Path) -> list[dict]:
 
 
 def summarize(rows: list[dict], gap_s: float = 2.0) -> dict:
-    """Per worker: span, busy (inside tests), idle gaps longer than ``gap_s``; per module: seconds;
-    per test: seconds waited for the jobs' lock."""
+    """Per worker: collection, span, busy (inside tests), idle gaps longer than ``gap_s``; per
+    module: seconds."""
     tests = [r for r in rows if r["kind"] == "test"]
     t0 = min(r["start"] for r in tests)
     end = max(r["end"] for r in tests)
@@ -77,17 +74,12 @@ def summarize(rows: list[dict], gap_s: float = 2.0) -> dict:
     modules: dict[str, float] = defaultdict(float)
     for r in tests:
         modules[r["nodeid"].split("::")[0]] += r["end"] - r["start"]
-    waits: dict[str, float] = defaultdict(float)
-    for r in rows:
-        if r["kind"] == "lock_wait":
-            waits[f"{r['test']} ({r['mode']})"] += r["end"] - r["start"]
     return {"wall_s": round(end - t0, 1), "workers": workers,
-            "modules": dict(sorted(((m, round(s, 1)) for m, s in modules.items()), key=lambda kv: -kv[1])),
-            "lock_waits": dict(sorted(((t, round(s, 1)) for t, s in waits.items()), key=lambda kv: -kv[1]))}
+            "modules": dict(sorted(((m, round(s, 1)) for m, s in modules.items()), key=lambda kv: -kv[1]))}
 
 
 def draw(rows: list[dict], png: Path, top: int = 12) -> None:
-    """One lane per worker: the longest ``top`` modules coloured and named, lock waits hatched."""
+    """One lane per worker: its collection, then its tests, the longest ``top`` modules coloured and named."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -108,12 +100,10 @@ def draw(rows: list[dict], png: Path, top: int = 12) -> None:
                 ax.barh(y, width, left=left, height=0.6, color=colour, edgecolor="none")
             elif r["kind"] == "collect":
                 ax.barh(y, width, left=left, height=0.6, color="black", edgecolor="none")
-            elif r["kind"] == "lock_wait":
-                ax.barh(y + 0.35, width, left=left, height=0.12, color="red", hatch="//", edgecolor="red")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colours(i)) for i in range(len(named))]
-    ax.legend(handles + [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("red", "black")],
-              [m.replace("tests/", "") for m in named] + ["waiting for the jobs' lock", "collection"],
-              fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    ax.legend(handles + [plt.Rectangle((0, 0), 1, 1, color="black")],
+              [m.replace("tests/", "") for m in named] + ["collection"],
+              fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.45))
     ax.set_yticks(range(len(lanes)), lanes)
     ax.set_xlabel("seconds since the first worker started collecting")
     ax.set_title("tests/run.sh: tests per xdist worker")
@@ -140,9 +130,6 @@ def main(argv: list[str] | None = None) -> int:
     print("longest modules (s):")
     for module, seconds in list(summary["modules"].items())[:args.modules]:
         print(f"  {seconds:7.1f}  {module}")
-    print("waits for the jobs' lock (s):" if summary["lock_waits"] else "no waits for the jobs' lock")
-    for test, seconds in summary["lock_waits"].items():
-        print(f"  {seconds:7.1f}  {test}")
     if args.durations:
         args.durations.write_text(json.dumps(summary["modules"], indent=1) + "\n")
         print(f"wrote {args.durations} ({len(summary['modules'])} modules)")

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers.job_lock import run_job
+from megatron_rl.distributed.local_state import HOST_TAG_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 P0, R0 = 4, 2
@@ -31,17 +31,19 @@ def overrides(model_dir: Path, run_dir: Path, steps: int, extra: list[str] = ())
     ]
 
 
-def run_train(args: list[str], log_file: Path, job_lock: bool = True, **popen) -> subprocess.Popen:
+def run_train(args: list[str], log_file: Path, host_tag: str | None = None, **popen) -> subprocess.Popen:
     """``python -m megatron_rl.train args`` in its own session (so a test can signal the whole
-    group), stdout and stderr to ``log_file``; under the jobs' shared lock (``tests/helpers/job_lock``)
-    unless ``job_lock`` is false (inside ``exclusive_jobs``)."""
+    group), stdout and stderr to ``log_file``.
+
+    ``host_tag`` (``MEGATRON_RL_HOST_TAG``) gives the run's /dev/shm dirs a host name of their own:
+    a test that kills a run and checks that its next attempt's start-up swept what it left passes
+    one tag to every attempt, so that no other test's job (two test workers) sweeps them first.
+    """
     env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
-
-    def start() -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "megatron_rl.train", *args], cwd=REPO, env=env,
-                                stdout=open(log_file, "w"), stderr=subprocess.STDOUT, start_new_session=True, **popen)
-
-    return run_job(start) if job_lock else start()
+    if host_tag is not None:
+        env[HOST_TAG_ENV] = host_tag
+    return subprocess.Popen([sys.executable, "-m", "megatron_rl.train", *args], cwd=REPO, env=env,
+                            stdout=open(log_file, "w"), stderr=subprocess.STDOUT, start_new_session=True, **popen)
 
 
 def read_jsonl(path: Path) -> list[dict]:

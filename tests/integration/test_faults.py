@@ -32,7 +32,6 @@ import os
 import re
 import signal
 import time
-from typing import Iterator
 
 import pytest
 
@@ -57,11 +56,10 @@ PUSH_TIMEOUT_S = 5.0
 
 
 @pytest.fixture(scope="module")
-def chain(tiny_model_dir, tmp_path_factory) -> Iterator[Chain]:
+def chain(tiny_model_dir, tmp_path_factory) -> Chain:
     chain = Chain(tiny_model_dir, tmp_path_factory.mktemp("chain"), STEPS,
                   ["trainer.save_every=1", "trainer.keep_checkpoints=10", "data.eval_every=2", "data.eval_num_prompts=4"])
-    yield chain
-    chain.end_quiet()
+    return chain
 
 
 def _stopped_cleanly(attempt: Attempt, rc: int, expect: list[str]) -> tuple[float, int]:
@@ -155,9 +153,8 @@ def test_a_rank_stalled_in_a_weight_push_is_an_error_within_the_push_timeout(cha
 def test_the_driver_killed_in_a_checkpoint_commit_leaves_the_last_checkpoint(chain) -> None:
     """Attempt 4: the driver is SIGKILLed inside the commit of checkpoint 3 (its manifest is
     written, the rename is not): every process of the run goes with it."""
-    # Quiet from here until attempt 5 has swept what this driver leaves in /dev/shm (attempt 5
-    # checks that its own start-up did; another worker's job would sweep it too).
-    chain.quiet()
+    # Attempt 5 checks that its own start-up swept what this driver leaves in /dev/shm: the chain's
+    # host tag (Chain.host_tag) keeps another test's jobs from sweeping it first.
     run = chain.attempt("4-commit", "3-push-stall", "point=checkpoint.commit,step=3,action=kill")
     try:
         rc, _ = run.wait_exit(600)
@@ -188,7 +185,7 @@ def test_the_engines_ray_node_lost_stops_the_run_naming_it(chain) -> None:
     """Attempt 5: on a two-node Ray cluster (``cluster.placement=split``: the trainer ranks on the
     head, the engine on the other node), the engine's node is lost (all its processes SIGKILLed)
     once checkpoint 3 is written: no node is left to replace the engine on."""
-    with two_node_cluster(head_cpus=3, worker_cpus=1) as (cluster, worker):
+    with two_node_cluster(head_cpus=3, worker_cpus=1, host_tag=chain.host_tag) as (cluster, worker):
         run = chain.attempt("5-node", "4-commit", extra=(f"cluster.ray_address={cluster.address}",
                                                           "cluster.num_nodes=2", "cluster.placement=split"),
                             processes=lambda: cluster_job_processes(cluster))
@@ -200,7 +197,6 @@ def test_the_engines_ray_node_lost_stops_the_run_naming_it(chain) -> None:
             noticed_at, checked = _stopped_cleanly(run, rc, [r"at step 3 ", r"node\(s\) lost: \w+"])
         finally:
             run.kill()
-            chain.end_quiet()
     assert re.search(r"removed /dev/shm/megatron_rl-\S+ .* left by a dead run", run.text()), \
         "the start-up did not sweep what the killed driver of attempt 4 left in /dev/shm"
     alive, _ = left_behind(list(chain.lingering), wait_s=30)

@@ -30,9 +30,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.data.cursor import PromptCursor
-from tests.helpers.job_lock import shared_jobs
-from tests.helpers.shm import mapped_segments
-from tests.helpers.slurm_local import NO_PACKAGES, LocalSlurm, job_processes, processes_naming, wait_for
+from tests.helpers.slurm_local import NO_PACKAGES, JobSegments, LocalSlurm, job_processes, processes_naming, wait_for
 from tests.helpers.train_runs import sync_dir_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.loop, pytest.mark.slow]
@@ -195,23 +193,15 @@ def test_time_limit_checkpoint_resubmit_then_scancel(slurm, tmp_path, tiny_model
     _assert_no_leftovers(first)
 
     # The resubmit: the same command with trainer.resume=true. Once it has trained a step of its
-    # own and the next is under way, scancel. From here to the /dev/shm check below no other
-    # worker's test may SIGKILL a run (its vLLM segments would be left unmapped until its resume):
-    # the jobs' lock shared (tests/helpers/job_lock; the jobs' own sweeps cannot touch another
-    # test's run dirs, which carry this host's name, not n1's or n2's).
-    with shared_jobs():
-        _resubmit_then_scancel(slurm, jobs, run_dir, metrics, overrides, done)
-
-
-def _resubmit_then_scancel(slurm: LocalSlurm, jobs: Jobs, run_dir: Path, metrics: Path, overrides: tuple,
-                           done: int) -> None:
+    # own and the next is under way, scancel.
     shm_before = {p.name for p in Path("/dev/shm").iterdir()}
     second = jobs.submit(run_dir, overrides=(*overrides, "trainer.resume=true"))
-    wait_for(lambda: len(_read_jsonl(metrics)) > done, 600, f"step {done}", alive=lambda: jobs.running(second))
-    time.sleep(1.0)
-    cancelled = slurm.run("scancel", str(second))
-    assert cancelled.returncode == 0, cancelled.stderr
-    info = slurm.wait_done(second, timeout=120)
+    with JobSegments(second) as job_segments:  # vLLM's psm_* queues its processes map
+        wait_for(lambda: len(_read_jsonl(metrics)) > done, 600, f"step {done}", alive=lambda: jobs.running(second))
+        time.sleep(1.0)
+        cancelled = slurm.run("scancel", str(second))
+        assert cancelled.returncode == 0, cancelled.stderr
+        info = slurm.wait_done(second, timeout=120)
     assert info["JobState"] == "CANCELLED", info
     log2 = jobs.trainer_log(second)
     assert re.search(rf"resumed from \S*step_{done:06d} at step {done}\b", log2), log2[-4000:]
@@ -240,8 +230,8 @@ def _resubmit_then_scancel(slurm: LocalSlurm, jobs: Jobs, run_dir: Path, metrics
     sync_dir = Path(sync_dir_of(log2))
     assert not sync_dir.parent.exists(), f"{sync_dir.parent} left in /dev/shm"
     new = {p.name for p in Path("/dev/shm").iterdir()} - shm_before
-    # The job's run dirs carry its nodes' names (megatron_rl-n1-..., -n2-...); vLLM's queues are
-    # psm_* segments: none may outlive the job (another test's live, mapped ones may appear).
-    leaked = sorted(n for n in new if n.startswith(("megatron_rl-n1-", "megatron_rl-n2-"))
-                    or (n.startswith("psm_") and n not in mapped_segments()))
+    # The job's run dirs carry its nodes' names (megatron_rl-n1-..., -n2-...), and none of the
+    # psm_* segments its processes mapped may outlive it (the other test worker's may come and go).
+    leaked = sorted(n for n in new if n.startswith(("megatron_rl-n1-", "megatron_rl-n2-")))
+    leaked += sorted(n for n in job_segments.seen if (Path("/dev/shm") / n).exists())
     assert not leaked, f"left in /dev/shm: {leaked}"

@@ -24,7 +24,6 @@ from megatron_rl.checkpoint import CheckpointManager
 from megatron_rl.data.cursor import PromptCursor
 from tests.helpers.fault_figures import record
 from tests.helpers.fault_runs import Attempt
-from tests.helpers.job_lock import exclusive_jobs
 from tests.helpers.processes import left_behind, run_processes
 from tests.helpers.train_runs import P0, R0, overrides, read_jsonl, run_train, sync_dir_of
 from tests.helpers.wandb_offline import offline_runs
@@ -111,36 +110,34 @@ def test_sigkill_then_sigterm_then_resume_at_another_layout(tiny_model_dir, tmp_
     for directory in records:
         directory.mkdir()
 
-    # Attempt 1 until attempt 2 has started up with no other test's job starting or ending
-    # meanwhile: job start-ups and teardowns sweep dead runs' dirs, and attempt 2's own start-up
-    # must be the one that sweeps attempt 1's (tests/helpers/job_lock; two test workers).
-    with exclusive_jobs():
-        # 1. The engine core dies in step 0's short round (the engine's weight version is the
-        # step); SIGKILL mid-step once checkpoint step_000002 exists (steps 0-1 committed).
-        first = Attempt("attempt1", args, tmp_path, records[0], "point=engine.submit,step=0,action=kill",
-                        job_lock=False)
-        proc = first.proc
-        _wait_for(proc, logs[0], lambda: (run_dir / "checkpoints" / "step_000002").is_dir(), "checkpoint step_000002")
-        time.sleep(0.3)  # step 2 has begun; a later kill may find it done (a tiny model's step takes ~1 s)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-        short_round = first.engine_replaced_once("engine.submit", 0)
-        before = read_jsonl(run_dir / "trained_prompts.jsonl")
-        assert len(before) >= 2
-        log1 = logs[0].read_text()
-        killed_sync_dir = Path(sync_dir_of(log1))
-        rings = re.search(r"weight push push1 set up: .*; rings (.+)$", log1, re.M).group(1).split()
-        assert len(rings) == 2
-        time.sleep(3)  # let the killed run's Ray processes notice their driver died
+    # Attempt 2 checks that its own start-up swept what attempt 1 could not remove: every attempt
+    # gets a host tag of its own (MEGATRON_RL_HOST_TAG), so no other test's job sweeps it first.
+    tag = f"resume-{os.getpid()}"
+    # 1. The engine core dies in step 0's short round (the engine's weight version is the
+    # step); SIGKILL mid-step once checkpoint step_000002 exists (steps 0-1 committed).
+    first = Attempt("attempt1", args, tmp_path, records[0], "point=engine.submit,step=0,action=kill", host_tag=tag)
+    proc = first.proc
+    _wait_for(proc, logs[0], lambda: (run_dir / "checkpoints" / "step_000002").is_dir(), "checkpoint step_000002")
+    time.sleep(0.3)  # step 2 has begun; a later kill may find it done (a tiny model's step takes ~1 s)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    short_round = first.engine_replaced_once("engine.submit", 0)
+    before = read_jsonl(run_dir / "trained_prompts.jsonl")
+    assert len(before) >= 2
+    log1 = logs[0].read_text()
+    killed_sync_dir = Path(sync_dir_of(log1))
+    rings = re.search(r"weight push push1 set up: .*; rings (.+)$", log1, re.M).group(1).split()
+    assert len(rings) == 2
+    time.sleep(3)  # let the killed run's Ray processes notice their driver died
 
-        # 2. Resume, then SIGTERM during the first step after the resume (the handler is installed by
-        # then): that step finishes, one checkpoint is written, and a step is left for attempt 3.
-        saved_before_term = _checkpoints(run_dir)
-        metrics_file = run_dir / "metrics.jsonl"
-        proc = run_train(args + ["trainer.resume=true", "trainer.save_every=0", *wandb], logs[1], job_lock=False)
-        _wait_for(proc, logs[1], lambda: re.search(r"resumed from \S+ at step \d+", logs[1].read_text()), "the resume")
-        resumed_at = int(re.search(r"resumed from \S+ at step (\d+)", logs[1].read_text()).group(1))
-        assert 2 <= resumed_at < steps - 1
+    # 2. Resume, then SIGTERM during the first step after the resume (the handler is installed by
+    # then): that step finishes, one checkpoint is written, and a step is left for attempt 3.
+    saved_before_term = _checkpoints(run_dir)
+    metrics_file = run_dir / "metrics.jsonl"
+    proc = run_train(args + ["trainer.resume=true", "trainer.save_every=0", *wandb], logs[1], host_tag=tag)
+    _wait_for(proc, logs[1], lambda: re.search(r"resumed from \S+ at step \d+", logs[1].read_text()), "the resume")
+    resumed_at = int(re.search(r"resumed from \S+ at step (\d+)", logs[1].read_text()).group(1))
+    assert 2 <= resumed_at < steps - 1
     running = run_processes(proc.pid)
     os.kill(proc.pid, signal.SIGTERM)
     rc = proc.wait(timeout=300)
@@ -164,7 +161,7 @@ def test_sigkill_then_sigterm_then_resume_at_another_layout(tiny_model_dir, tmp_
     # 3. Resume at TP1 to the end; the engine core dies in step 4's long round.
     last = Attempt("attempt3", args + ["trainer.resume=true", "trainer.save_every=0", *wandb,
                                        "parallel.tensor_model_parallel_size=1"],
-                   tmp_path, records[1], f"point=engine.submit,step={steps - 1},action=kill")
+                   tmp_path, records[1], f"point=engine.submit,step={steps - 1},action=kill", host_tag=tag)
     try:
         rc, _ = last.wait_exit(600)
     finally:

@@ -61,6 +61,19 @@ def test_host_names_with_dashes_parse_from_the_right(tmp_path, monkeypatch):
     assert dead_run_dirs(tmp_path) == [dead]
 
 
+def test_a_host_tag_from_the_environment_keeps_runs_apart(tmp_path, monkeypatch):
+    monkeypatch.delenv(local_state.HOST_TAG_ENV, raising=False)
+    machine = tmp_path / run_dir_name(_dead_pid())
+    machine.mkdir()
+    monkeypatch.setenv(local_state.HOST_TAG_ENV, "job-7/a")
+    assert host_tag() == "job_7_a" and run_dir_name(5).startswith(f"megatron_rl-job_7_a-{os.getuid()}-")
+    tagged = tmp_path / run_dir_name(_dead_pid())
+    tagged.mkdir()
+    assert dead_run_dirs(tmp_path) == [tagged]  # not the machine's own dead run
+    monkeypatch.delenv(local_state.HOST_TAG_ENV)
+    assert dead_run_dirs(tmp_path) == [machine]  # and the machine's runs not the tagged one
+
+
 def test_ray_temp_dir_follows_tmpdir_and_stays_short(tmp_path, monkeypatch):
     monkeypatch.delenv("RAY_TMPDIR", raising=False)
     name = f"ray_rl-{os.getuid()}"

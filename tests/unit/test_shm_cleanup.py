@@ -44,13 +44,14 @@ def test_only_new_dead_run_dirs_are_removed():
     done.wait()  # its pid is now dead: what a SIGKILLed trainer rank leaves behind
     dead, live = shm.SHM / run_dir_name(done.pid), shm.SHM / run_dir_name(os.getpid())
     old_dead = shm.SHM / run_dir_name(done.pid + 1_000_000)  # dead too, but not new this session
-    for path in (dead / "weights", live, old_dead):
+    tagged = shm.SHM / f"megatron_rl-resume-7-{os.getuid()}-{done.pid}"  # a run with a host tag of its own
+    for path in (dead / "weights", live, old_dead, tagged):
         path.mkdir(parents=True)
     try:
-        new = {dead.name, live.name}
+        new = {dead.name, live.name, tagged.name}
         assert new <= shm.run_dirs()
-        assert shm.remove_dead_run_dirs(new) == [dead.name]
-        assert not dead.exists() and live.is_dir() and old_dead.is_dir()
+        assert sorted(shm.remove_dead_run_dirs(new)) == sorted([dead.name, tagged.name])
+        assert not dead.exists() and not tagged.exists() and live.is_dir() and old_dead.is_dir()
     finally:
-        for path in (dead, live, old_dead):
+        for path in (dead, live, old_dead, tagged):
             shutil.rmtree(path, ignore_errors=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import configparser
+import re
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -124,11 +125,12 @@ JOB_STARTS = ("run_train(", '"megatron_rl.train"', "sbatch", "tests.helpers.faul
 """What a module that runs whole training jobs as subprocesses calls."""
 
 
-def test_modules_that_run_whole_jobs_are_marked_loop_and_hold_the_jobs_lock():
+def test_modules_that_run_whole_jobs_are_marked_loop_and_resume_tests_tag_their_runs():
     """tests/run.sh runs the suite on two xdist workers. A job's start-up and teardown sweep dead
-    runs' /dev/shm dirs, which a resume test checks its own start-up does: every job must run
-    under tests/helpers/job_lock (through train_runs.run_train, or inside shared_jobs / exclusive_jobs),
-    and its module carries the ``loop`` marker."""
+    runs' /dev/shm dirs of their host tag, and a resume test checks that its own start-up swept
+    the run it killed: a module that checks what a start-up removed gives its attempts a host tag
+    of their own (train_runs.run_train's ``host_tag``). Jobs start through run_train, and their
+    modules carry the ``loop`` marker."""
     ini = configparser.ConfigParser()
     ini.read(REPO / "pytest.ini")
     assert "loop" in {line.split(":")[0].strip() for line in ini["pytest"]["markers"].strip().splitlines()}
@@ -137,12 +139,16 @@ def test_modules_that_run_whole_jobs_are_marked_loop_and_hold_the_jobs_lock():
     assert {"test_train_loop.py", "test_slurm_cluster.py"} <= set(starts_jobs)  # the detector sees both kinds
     unmarked = sorted(name for name, text in starts_jobs.items() if "pytest.mark.loop" not in text)
     assert not unmarked, f"modules that start training jobs without the loop marker: {unmarked}"
-    unlocked = sorted(name for name, text in starts_jobs.items()
-                      if '"megatron_rl.train"' in text
-                      or not any(u in text for u in ("run_train(", "shared_jobs(", "tests.helpers.fault_runs")))
-    assert not unlocked, f"modules that start jobs outside tests/helpers/job_lock: {unlocked}"
+    direct = sorted(name for name, text in starts_jobs.items() if '"megatron_rl.train"' in text)
+    assert not direct, f"modules that start jobs outside train_runs.run_train: {direct}"
+    checks_sweeps = {name: text for name, text in starts_jobs.items() if re.search(r"removed [/{]", text)}
+    assert {"test_train_loop.py", "test_faults.py"} <= set(checks_sweeps)  # the detector sees both
+    untagged = sorted(name for name, text in checks_sweeps.items()
+                      if "host_tag=" not in text and "Chain(" not in text)
+    assert not untagged, f"modules that check a start-up's sweep with untagged runs: {untagged}"
     # The helpers that start jobs for a test module go through run_train too.
     helpers = {p.name: p.read_text() for p in (TESTS / "helpers").glob("*.py")}
     direct = sorted(n for n, text in helpers.items() if '"megatron_rl.train"' in text and n != "train_runs.py")
     assert not direct, f"helpers that start training jobs outside train_runs.run_train: {direct}"
     assert "run_train(" in helpers["fault_runs.py"]
+    assert "host_tag=self.host_tag" in helpers["fault_runs.py"], "the chain's attempts must carry its host tag"
