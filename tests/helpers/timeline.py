@@ -105,8 +105,7 @@ def draw(rows: list[dict], png: Path, top: int = 12) -> None:
               [m.replace("tests/", "") for m in named] + ["collection"],
               fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.45))
     ax.set_yticks(range(len(lanes)), lanes)
-    ax.set_xlabel("seconds since the first worker started collecting")
-    ax.set_title("tests/run.sh: tests per xdist worker")
+    ax.set_title("tests/run.sh: tests per xdist worker (seconds since the first worker started collecting)")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 
