@@ -85,12 +85,14 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def dead_run_dirs(root: str | Path) -> list[Path]:
-    """Per-run directories under ``root`` left by dead runs of this host and user."""
+def dead_run_dirs(root: str | Path, any_host: bool = False) -> list[Path]:
+    """Per-run directories under ``root`` left by dead runs of this host and user (``any_host``:
+    of any host tag, e.g. a test session's own clean-up of runs it tagged)."""
     root = Path(root)
     if not root.is_dir():
         return []
-    pattern = re.compile(rf"^{RUN_DIR_PREFIX}-{re.escape(host_tag())}-(\d+)-(\d+)$")
+    host = ".+" if any_host else re.escape(host_tag())  # a tag has no dashes (host_tag): parse from the right
+    pattern = re.compile(rf"^{RUN_DIR_PREFIX}-{host}-(\d+)-(\d+)$")
     found = []
     for entry in root.iterdir():
         match = pattern.match(entry.name)

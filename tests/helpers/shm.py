@@ -57,20 +57,13 @@ def remove_dead_run_dirs(new: set[str]) -> list[str]:
     (a trainer rank killed with SIGKILL, or a Ray actor killed at cluster teardown, cannot remove
     its own; the resume tests tag their runs, docs/tests.md); a start-up of the same tag would
     sweep them too, but the suite leaves nothing behind."""
-    import re
     import shutil
 
-    from megatron_rl.distributed.local_state import RUN_DIR_PREFIX, pid_alive
+    from megatron_rl.distributed.local_state import dead_run_dirs
 
-    pattern = re.compile(rf"^{RUN_DIR_PREFIX}-.+-(\d+)-(\d+)$")
     removed = []
-    for name in sorted(new):
-        match = pattern.match(name)
-        path = SHM / name
-        if match is None or not path.is_dir() or path.is_symlink():
-            continue
-        uid, pid = int(match.group(1)), int(match.group(2))
-        if uid == os.getuid() and pid != os.getpid() and not pid_alive(pid):
+    for path in dead_run_dirs(SHM, any_host=True):
+        if path.name in new:
             shutil.rmtree(path, ignore_errors=True)
-            removed.append(name)
+            removed.append(path.name)
     return removed
