@@ -14,12 +14,15 @@ What :meth:`TrainerOffload.offload` does, per rank:
   ``restore_from_cpu``: those move every optimizer parameter, including fp32 model parameters
   that the optimizer steps in place (``p.data`` swapped away from the DDP parameter buffer it
   is a view of), and restore every CPU tensor to the GPU, including torch Adam's CPU ``step``
-  counters. Here an optimizer tensor moves only when it owns its storage, and comes back to its
-  original device. On the CPU "host memory" is where the state already lives: nothing to do.
-* weights (GPU only): the DDP parameter buffers (distributed optimizer) or else each parameter's
-  data, and the frozen reference model's, go to pinned host memory and the device storage is
-  resized to 0 / dropped. On the CPU there is no device memory to free (and ``pin_memory``
-  needs CUDA), so the weights stay.
+  counters. On the CPU "host memory" is where the state already lives: nothing to do.
+* weights (GPU only): the parameters' storages (the DDP parameter buffer with the distributed
+  optimizer, else each parameter's own), and the frozen reference model's, go to pinned host
+  memory. On the CPU there is no device memory to free (and ``pin_memory`` needs CUDA), so the
+  weights stay.
+
+Every move is in place: the storage is copied to host bytes and resized to 0, and on reload
+resized back and refilled, so every tensor keeps its identity, device and autograd state (see
+:class:`TrainerOffload`).
 
 The GPU parts can be forced on a CPU (``move_optimizer`` / ``move_weights``, unpinned CPU to
 CPU copies) so that their bookkeeping is tested without a GPU.
@@ -52,14 +55,16 @@ def grad_buffer_bytes(model: Any) -> int:
     return sum(_nbytes(b.grad_data) for b in _ddp_buffers(model))
 
 
-def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
-    host = torch.empty(t.shape, dtype=t.dtype, device=_HOST, pin_memory=pin)
-    host.copy_(t)
-    return host
-
-
 class TrainerOffload:
-    """What :meth:`offload` moved away, so that :meth:`reload` puts back exactly that."""
+    """What :meth:`offload` moved away, so that :meth:`reload` puts back exactly that.
+
+    Everything moves storage by storage: a moved tensor keeps its identity and its device, and
+    only its storage is emptied (``resize_(0)``) and refilled. Replacing ``param.data`` with a
+    host tensor instead would drop the parameter's autograd grad accumulator (torch resets it when
+    the data changes device), and with it the hook Megatron's DDP registered there to add each
+    gradient into ``main_grad``: after such a round trip the next step's gradients never reach the
+    grad buffer (the first H200 check caught it: the plain optimizer's next step differed). A
+    storage shared by several tensors (the DDP parameter buffer and its views) moves once."""
 
     def __init__(self) -> None:
         on_gpu = torch.cuda.is_available()
@@ -69,9 +74,8 @@ class TrainerOffload:
         self.active = False
         self.auto_reloads = 0  # training calls that found the state offloaded (see with_training_state)
         self._model: Any = None
-        self._optimizer_tensors: list[tuple[Any, Any, torch.device]] = []  # (owner, key or None, device)
-        self._weight_buffers: list[tuple[Any, torch.Tensor, int]] = []  # (DDP buffer, host copy, bytes)
-        self._weight_params: list[tuple[torch.nn.Parameter, torch.device]] = []
+        self._moved: list[tuple[torch.UntypedStorage, torch.Tensor, str]] = []  # (emptied storage, host bytes, kind)
+        self._moved_ptrs: set[int] = set()
 
     def offload(self, model: Any, optimizer: Any, reference: Any = None) -> dict[str, int]:
         """Free ``model``'s grad buffers; move optimizer state and weights to the host when
@@ -87,9 +91,10 @@ class TrainerOffload:
         # Active from here: should a move below fail, reload still restores what was moved.
         self._model, self.active = model, True
         if self.move_optimizer:  # before the weights: aliasing is judged on live storages
-            stats["optimizer_to_host"] = self._offload_optimizer(model, optimizer)
+            stats["optimizer_to_host"] = self._move(_optimizer_tensors(model, optimizer), "optimizer")
         if self.move_weights:
-            stats["weights_to_host"] = self._offload_weights(model, reference)
+            params = list(model.parameters()) + (list(reference.parameters()) if reference is not None else [])
+            stats["weights_to_host"] = self._move(params, "weights")
         if on_gpu:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -101,72 +106,56 @@ class TrainerOffload:
         if not self.active:
             return {"grad_buffers": 0, "optimizer": 0, "weights": 0}
         stats = {"grad_buffers": 0, "optimizer": 0, "weights": 0}
-        for buffer, host, nbytes in self._weight_buffers:
-            buffer.param_data.untyped_storage().resize_(nbytes)
-            buffer.param_data.copy_(host, non_blocking=self.pin)
-            stats["weights"] += nbytes
-        for param, device in self._weight_params:
-            param.data = param.data.to(device, non_blocking=self.pin, copy=True)
-            stats["weights"] += _nbytes(param.data)
-        for owner, key, device in self._optimizer_tensors:
-            if key is None:
-                owner.data = owner.data.to(device, non_blocking=self.pin, copy=True)
-                stats["optimizer"] += _nbytes(owner.data)
-            else:
-                owner[key] = owner[key].to(device, non_blocking=self.pin, copy=True)
-                stats["optimizer"] += _nbytes(owner[key])
+        for storage, host, kind in self._moved:
+            storage.resize_(host.numel())
+            storage.copy_(host.untyped_storage(), non_blocking=self.pin)
+            stats[kind] += host.numel()
         self._model.restore_grad_buffers(synchronize=False)
         stats["grad_buffers"] = grad_buffer_bytes(self._model)
         if torch.cuda.is_available():
-            torch.cuda.synchronize()  # pinned copies are asynchronous
-        self._weight_buffers, self._weight_params, self._optimizer_tensors = [], [], []
+            torch.cuda.synchronize()  # pinned copies are asynchronous: the host bytes must outlive them
+        self._moved, self._moved_ptrs = [], set()
         self._model, self.active = None, False
         return stats
 
-    def _offload_optimizer(self, model: Any, optimizer: Any) -> int:
-        model_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    def _move(self, tensors: list[torch.Tensor], kind: str) -> int:
+        """Copy each not yet moved storage of ``tensors`` to (pinned) host bytes and empty it."""
         moved = 0
-        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-            inner = getattr(opt, "optimizer", None)
-            if inner is None or getattr(opt, "is_stub_optimizer", False):
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            nbytes, ptr = storage.nbytes(), storage.data_ptr()
+            if not nbytes or ptr in self._moved_ptrs:
                 continue
-            for group in inner.param_groups:
-                for p in group["params"]:
-                    # An fp32 model parameter (or a shard view of one) that the optimizer steps
-                    # in place belongs to the model: moving it would detach it from the model.
-                    if p.untyped_storage().data_ptr() in model_storages:
-                        continue
-                    self._optimizer_tensors.append((p, None, p.device))
-                    moved += _nbytes(p.data)
-                    p.data = _to_host(p.data, self.pin)
-            for state in inner.state.values():
-                for key, value in state.items():
-                    # torch Adam's scalar step counter stays where Adam expects it.
-                    if torch.is_tensor(value) and key != "step":
-                        self._optimizer_tensors.append((state, key, value.device))
-                        moved += _nbytes(value)
-                        state[key] = _to_host(value, self.pin)
+            if not storage.resizable():
+                raise RuntimeError(f"trainer.offload_during_rollout: a {kind} tensor {tuple(tensor.shape)} "
+                                   f"{tensor.dtype} lives in a storage that cannot be resized, so its memory "
+                                   "cannot be released in place")
+            host = torch.empty(nbytes, dtype=torch.uint8, device=_HOST, pin_memory=self.pin)
+            host.untyped_storage().copy_(storage)
+            self._moved.append((storage, host, kind))
+            self._moved_ptrs.add(ptr)
+            storage.resize_(0)
+            moved += nbytes
         return moved
 
-    def _offload_weights(self, model: Any, reference: Any) -> int:
-        moved = 0
-        in_buffers: set[int] = set()
-        for buffer in _ddp_buffers(model):
-            if buffer.param_data is None:  # no distributed optimizer: parameters own their storage
-                continue
-            nbytes = _nbytes(buffer.param_data)
-            self._weight_buffers.append((buffer, _to_host(buffer.param_data, self.pin), nbytes))
-            in_buffers.add(buffer.param_data.untyped_storage().data_ptr())
-            moved += nbytes
-        params = [p for p in model.parameters() if p.untyped_storage().data_ptr() not in in_buffers]
-        params += list(reference.parameters()) if reference is not None else []
-        for buffer, _, _ in self._weight_buffers:
-            buffer.param_data.untyped_storage().resize_(0)  # the parameters are views of it
-        for param in params:
-            self._weight_params.append((param, param.device))
-            moved += _nbytes(param.data)
-            param.data = _to_host(param.data, self.pin)
-        return moved
+
+def _optimizer_tensors(model: Any, optimizer: Any) -> list[torch.Tensor]:
+    """The optimizer's own tensors: its parameters that are not model parameters (fp32 master
+    copies) and its state (Adam's moments)."""
+    model_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    tensors: list[torch.Tensor] = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None or getattr(opt, "is_stub_optimizer", False):
+            continue
+        for group in inner.param_groups:
+            # An fp32 model parameter (or a shard view of one) that the optimizer steps in place
+            # belongs to the model: it moves (once) with the weights.
+            tensors += [p for p in group["params"] if p.untyped_storage().data_ptr() not in model_storages]
+        for state in inner.state.values():
+            # torch Adam's scalar step counter stays where Adam expects it.
+            tensors += [v for k, v in state.items() if torch.is_tensor(v) and k != "step"]
+    return tensors
 
 
 def with_training_state(fn: _F) -> _F:

@@ -136,6 +136,12 @@ def _rss_bytes() -> int:
         return int(handle.read().split()[1]) * 4096
 
 
+def _grad_accumulators(model) -> list[int]:
+    """The identity of each parameter's autograd grad accumulator: Megatron's DDP hooks it to add
+    every gradient into main_grad, so an offload must keep it."""
+    return [id(p.expand_as(p).grad_fn.next_functions[0][0]) for p in model.parameters() if p.requires_grad]
+
+
 def _offload_runs(rank, world, port, model_dir, samples) -> list:
     from megatron_rl.training.megatron_worker import MegatronWorker
     from megatron_rl.training.memory_offload import grad_buffer_bytes
@@ -159,12 +165,14 @@ def _offload_runs(rank, world, port, model_dir, samples) -> list:
             if forced:  # the GPU path's bookkeeping, as CPU-to-CPU copies
                 worker._offload.move_optimizer = worker._offload.move_weights = True
             worker.train_step(first, toy_loss)
+            param_ids, accumulators = [id(p) for p in worker.model.parameters()], _grad_accumulators(worker.model)
             grads_before = grad_buffer_bytes(worker.model)
             rss_before = _rss_bytes()
             stats = worker.offload_for_rollout()
             run = {"stats": stats, "grads_before": grads_before, "grads_offloaded": grad_buffer_bytes(worker.model),
                    "rss_freed": rss_before - _rss_bytes(), "again": worker.offload_for_rollout(),
-                   "param_bytes_offloaded": sum(p.untyped_storage().nbytes() for p in worker.model.parameters())}
+                   "param_bytes_offloaded": sum(p.untyped_storage().nbytes() for p in worker.model.parameters()),
+                   "same_params": [id(p) for p in worker.model.parameters()] == param_ids}
             if forced:  # no explicit reload: compute_logprobs must reload by itself
                 run["logprobs_equal"] = worker.compute_logprobs(second) == ref_logprobs
                 run["auto_reloads"] = worker._offload.auto_reloads
@@ -176,6 +184,7 @@ def _offload_runs(rank, world, port, model_dir, samples) -> list:
                 run["grad_buffers_zero"] = all(not bool(b.grad_data.any()) for b in worker.model.buffers)
                 run["logprobs_equal"] = worker.compute_logprobs(second) == ref_logprobs
             run["grads_reloaded"] = grad_buffer_bytes(worker.model)
+            run["same_accumulators"] = _grad_accumulators(worker.model) == accumulators
             worker.train_step(second, toy_loss)
             run["weights"] = worker.export_hf_state_dict()
             entry["forced" if forced else "plain"] = run
@@ -267,9 +276,12 @@ def test_forced_host_offload_of_optimizer_and_weights_round_trips(runs, layout):
     forced = r["forced"]
     print(f"{layout} forced: {forced['stats']}")
     assert forced["stats"]["optimizer_to_host"] > 0 and forced["stats"]["weights_to_host"] > 0
-    # Without the distributed optimizer the parameters own their storage: they were swapped for
-    # host copies (here new CPU tensors), and those came back.
-    assert forced["stats"]["weights_to_host"] >= forced["param_bytes_offloaded"] > 0
+    # The parameters' storages were emptied in place (the bytes went to host copies and came
+    # back): the same parameter objects with the same grad accumulators, which DDP's hooks sit on.
+    # (Swapping param.data for a host tensor kept them on this CPU box, but on a GPU the device
+    # change drops the accumulator and the next step's gradients never reach main_grad.)
+    assert forced["param_bytes_offloaded"] == 0 and forced["stats"]["weights_to_host"] > 0
+    assert forced["same_params"] and forced["same_accumulators"]
     assert forced["auto_reloads"] == 1 and forced["logprobs_equal"]
     assert forced.get("reference_equal", True) and ("reference_equal" in forced) == (layout == "tp2")
     assert forced["reload"] == {"grad_buffers": 0, "optimizer": 0, "weights": 0}

@@ -60,6 +60,7 @@ def offload(ctx: Context) -> dict[str, Any]:
         release(ctx)
         w = make_worker(ctx, cfg, model_dir, port)
         w.train_step(first, loss)
+        accumulators = _grad_accumulators(w.model)
         before = memory_allocated(ctx)
         moved, off_s = timed(ctx, w.offload_for_rollout)
         after = memory_allocated(ctx)
@@ -70,6 +71,7 @@ def offload(ctx: Context) -> dict[str, Any]:
         # allocator keeps it), the second reuses it, as every offload after a run's first does.
         _, off2_s = timed(ctx, w.offload_for_rollout)
         _, on2_s = timed(ctx, w.reload_for_training)
+        kept_accumulators = _grad_accumulators(w.model) == accumulators
         metrics = w.train_step(second, loss)
         same = identical(weights_of(w), ref_weights) and metrics["loss"] == ref_metrics["loss"]
         w.shutdown(destroy_world=dist == variants[-1])
@@ -80,9 +82,11 @@ def offload(ctx: Context) -> dict[str, Any]:
                "allocated_offloaded_gib": gib(after), "allocated_reloaded_gib": gib(reloaded),
                "offload_s": off_s, "reload_s": on_s, "host_gb_per_s": 2 * host / 1e9 / max(off_s + on_s, 1e-9),
                "second_offload_s": off2_s, "second_reload_s": on2_s,
-               "grad_buffer_bytes_left": grads_left, "next_step_identical": same}
+               "grad_buffer_bytes_left": grads_left, "next_step_identical": same,
+               "grad_accumulators_kept": kept_accumulators}
         figures[label] = fig
         checks[f"{label}: next step identical"] = same
+        checks[f"{label}: grad accumulators kept"] = kept_accumulators
         checks[f"{label}: grad buffers freed"] = grads_left == 0 and moved["grad_buffers_freed"] > 0
         if ctx.gpu:
             checks[f"{label}: memory freed"] = before - after >= 0.95 * sum(moved.values())
@@ -99,6 +103,13 @@ def offload(ctx: Context) -> dict[str, Any]:
     if not ctx.gpu:
         parts.append("CPU: only the grad buffers are freed; no allocator figures")
     return outcome(checks, "; ".join(parts), figures)
+
+
+def _grad_accumulators(model) -> list[int]:
+    """Each parameter's autograd grad accumulator, which Megatron's DDP hooks to add gradients into
+    main_grad: an offload that swapped ``param.data`` across devices would drop it (torch resets it
+    on a device change) and the next step's gradients would never reach the grad buffer."""
+    return [id(p.expand_as(p).grad_fn.next_functions[0][0]) for p in model.parameters() if p.requires_grad]
 
 
 def _unique_bytes(tensors) -> int:
