@@ -6,7 +6,7 @@
 #   bash tests/gpu/run_on_device.sh --cpu             # the same parts, tiny sizes, on this CPU box
 #
 # GPU mode installs the carried wheels into /tmp/gpu_check_site (--no-deps: the machine's torch,
-# transformers and numpy stay), then runs every part within about 7.5 minutes on one H200. Prints
+# transformers and numpy stay), then runs every part within about 8 minutes on one H200. Prints
 # one table and a last summary line; writes gpu_check.json, engine_constants.json,
 # train_calibration.json, gpu_check.log and part_logs.tar.gz into $OUT when it is set. Exit
 # status 1 when any part failed. Extra arguments go to `python -m tests.gpu.check`.

@@ -29,7 +29,9 @@ from pathlib import Path
 from tests.gpu.check.harness import FAILING, Runner, format_table, summary_line
 from tests.gpu.check.parts import SPECS
 
-DEADLINE_S = {"gpu": 450.0, "cpu": 420.0}
+DEADLINE_S = {"gpu": 480.0, "cpu": 420.0}
+"""No part starts later than this (s). On the GPU: the parts took 417 s before the simulator in the
+third H200 run; with pip's install and the machine's start the call stays within its 600 s."""
 
 
 def _version(name: str) -> str:
