@@ -41,6 +41,10 @@ weights, tagged): completions must carry it whichever engine produced them."""
 HERE = "tests/integration/test_faults_parts.py"
 
 
+DETECT_BOUND_S = 30.0
+"""An engine death must be noticed this soon (the health check polls every 1 s)."""
+
+
 def run(loop, coro, timeout: float = 400.0):
     return run_with_timeout(loop, coro, timeout)
 
@@ -126,7 +130,10 @@ def test_engine_core_killed_mid_round_is_replaced_and_the_round_completes(superv
     assert len(engine.restarts) == 1
     restart = engine.restarts[0]
     detect_s = restart.detected_at - killed_at
-    assert 0 <= detect_s < 5.0, f"death noticed after {detect_s:.1f} s"
+    # Noticed by the failed stream or the 1 s health check, not by the round waiting out a
+    # timeout: 1.7 s measured alone, 6.2 s once in CI under another test worker's load. The bound
+    # only has to separate those from a missed death (the round would hang to its 400 s limit).
+    assert 0 <= detect_s < DETECT_BOUND_S, f"death noticed after {detect_s:.1f} s"
     assert 1 <= restart.resubmitted <= len(long)  # a long one may have ended before the kill landed
     metrics = engine.step_metrics()
     assert metrics["fault/engine_restarts"] == 1.0 and metrics["fault/seconds_lost"] == pytest.approx(restart.restart_s)
