@@ -63,7 +63,7 @@ class TrainerOffload:
     host tensor instead would drop the parameter's autograd grad accumulator (torch resets it when
     the data changes device), and with it the hook Megatron's DDP registered there to add each
     gradient into ``main_grad``: after such a round trip the next step's gradients never reach the
-    grad buffer (the first H200 check caught it: the plain optimizer's next step differed). A
+    grad buffer (the H200 GPU check caught it: the plain optimizer's next step differed). A
     storage shared by several tensors (the DDP parameter buffer and its views) moves once."""
 
     def __init__(self) -> None:
