@@ -16,7 +16,7 @@ SCRIPT = ROOT / "launch" / "_ray_node.sh"
 
 FAKE_RAY = """#!/usr/bin/env bash
 n=$(( $(cat "{count}" 2>/dev/null || echo 0) + 1 ))
-echo "$n" > "{count}"
+echo "$n" > "{count}.tmp" && mv "{count}.tmp" "{count}"  # whole: the test polls the file
 echo "fake ray start $n: $*" >&2
 if [ "$n" -le "{fails}" ]; then exit 3; fi
 sleep 300 &
