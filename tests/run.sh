@@ -2,7 +2,7 @@
 # The test command: bootstraps .venv on a fresh machine, then runs the whole suite
 # (unit tests first, then the integration tests on the real Megatron-Core / vLLM / Ray stack).
 # Extra arguments go to pytest, e.g. `bash tests/run.sh tests/unit -k config`; TEST_WORKERS sets the
-# number of xdist workers (default 3, 0 for a plain single-process run).
+# number of xdist workers (default 2, 0 for a plain single-process run).
 #
 # Every run gets a fresh, empty temp root (TMPDIR, Ray's temp dir, vLLM's and the other caches,
 # W&B's dirs, pytest's tmp dirs all under it), removed afterwards: state left by earlier runs
@@ -35,13 +35,12 @@ mkdir -p "$RAY_TMPDIR/ray" "$XDG_CACHE_HOME" "$WANDB_DIR"
 
 args=("$@")
 [ ${#args[@]} -gt 0 ] || args=(tests)
-# Three pytest-xdist workers on the 2-core box (TEST_WORKERS=0: none): the real-stack tests leave a
-# core idle while a process starts, an engine core waits or a fault test sleeps out a timeout, and
-# two workers still left ~12 % of the two cores idle. Each module stays on
+# Two pytest-xdist workers (TEST_WORKERS=0: none): the real-stack tests leave a core idle while a
+# process starts, an engine core waits or a fault test sleeps out a timeout. Each module stays on
 # one worker (--dist loadfile: its engines and SPMD runs start once), modules longest first
 # (tests/helpers/scheduling.py, docs/tests.md).
-workers=(-n "${TEST_WORKERS:-3}" --dist loadfile)
-[ "${TEST_WORKERS:-3}" != 0 ] || workers=()
+workers=(-n "${TEST_WORKERS:-2}" --dist loadfile)
+[ "${TEST_WORKERS:-2}" != 0 ] || workers=()
 set +e
 "$ROOT/.venv/bin/python" -m pytest -q -rs --durations=40 --basetemp="$RUN_TMP/pt" "${workers[@]}" "${args[@]}"
 rc=$?

@@ -28,7 +28,7 @@ def _record(name):
 
 def test_run_sh_keeps_each_module_on_one_worker(tmp_path: Path) -> None:
     options = run_sh_worker_options()
-    assert options[:2] == ["-n", "3"], options
+    assert options[:2] == ["-n", "2"], options
     for name in ("test_first_module", "test_second_module"):
         (tmp_path / f"{name}.py").write_text(MODULE)
     proc = subprocess.run(
