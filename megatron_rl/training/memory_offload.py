@@ -55,6 +55,13 @@ def grad_buffer_bytes(model: Any) -> int:
     return sum(_nbytes(b.grad_data) for b in _ddp_buffers(model))
 
 
+def grad_accumulator_ids(model: Any) -> list[int]:
+    """The identity of each trainable parameter's autograd grad accumulator, which Megatron's DDP
+    hooks to add gradients into ``main_grad``: an offload must keep them (see TrainerOffload).
+    Call it with the state in place (an emptied storage cannot be expanded)."""
+    return [id(p.expand_as(p).grad_fn.next_functions[0][0]) for p in model.parameters() if p.requires_grad]
+
+
 class TrainerOffload:
     """What :meth:`offload` moved away, so that :meth:`reload` puts back exactly that.
 

@@ -136,15 +136,9 @@ def _rss_bytes() -> int:
         return int(handle.read().split()[1]) * 4096
 
 
-def _grad_accumulators(model) -> list[int]:
-    """The identity of each parameter's autograd grad accumulator: Megatron's DDP hooks it to add
-    every gradient into main_grad, so an offload must keep it."""
-    return [id(p.expand_as(p).grad_fn.next_functions[0][0]) for p in model.parameters() if p.requires_grad]
-
-
 def _offload_runs(rank, world, port, model_dir, samples) -> list:
     from megatron_rl.training.megatron_worker import MegatronWorker
-    from megatron_rl.training.memory_offload import grad_buffer_bytes
+    from megatron_rl.training.memory_offload import grad_accumulator_ids, grad_buffer_bytes
 
     results = []
     for name, tp in OFFLOAD_LAYOUTS:
@@ -165,7 +159,7 @@ def _offload_runs(rank, world, port, model_dir, samples) -> list:
             if forced:  # the GPU path's bookkeeping, as CPU-to-CPU copies
                 worker._offload.move_optimizer = worker._offload.move_weights = True
             worker.train_step(first, toy_loss)
-            param_ids, accumulators = [id(p) for p in worker.model.parameters()], _grad_accumulators(worker.model)
+            param_ids, accumulators = [id(p) for p in worker.model.parameters()], grad_accumulator_ids(worker.model)
             grads_before = grad_buffer_bytes(worker.model)
             rss_before = _rss_bytes()
             stats = worker.offload_for_rollout()
@@ -184,7 +178,7 @@ def _offload_runs(rank, world, port, model_dir, samples) -> list:
                 run["grad_buffers_zero"] = all(not bool(b.grad_data.any()) for b in worker.model.buffers)
                 run["logprobs_equal"] = worker.compute_logprobs(second) == ref_logprobs
             run["grads_reloaded"] = grad_buffer_bytes(worker.model)
-            run["same_accumulators"] = _grad_accumulators(worker.model) == accumulators
+            run["same_accumulators"] = grad_accumulator_ids(worker.model) == accumulators
             worker.train_step(second, toy_loss)
             run["weights"] = worker.export_hf_state_dict()
             entry["forced" if forced else "plain"] = run

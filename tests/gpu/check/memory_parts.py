@@ -36,7 +36,7 @@ def offload(ctx: Context) -> dict[str, Any]:
     the offload reports moving (grad buffers, optimizer state, weights) and comes back to within
     1 %. Plain and distributed optimizer (GPU only) each."""
     prepare_process(ctx, deterministic=True)
-    from megatron_rl.training.memory_offload import grad_buffer_bytes
+    from megatron_rl.training.memory_offload import grad_accumulator_ids, grad_buffer_bytes
 
     s = ctx.sizes
     model_dir = ctx.require_model()
@@ -60,7 +60,7 @@ def offload(ctx: Context) -> dict[str, Any]:
         release(ctx)
         w = make_worker(ctx, cfg, model_dir, port)
         w.train_step(first, loss)
-        accumulators = _grad_accumulators(w.model)
+        accumulators = grad_accumulator_ids(w.model)
         before = memory_allocated(ctx)
         moved, off_s = timed(ctx, w.offload_for_rollout)
         after = memory_allocated(ctx)
@@ -71,7 +71,7 @@ def offload(ctx: Context) -> dict[str, Any]:
         # allocator keeps it), the second reuses it, as every offload after a run's first does.
         _, off2_s = timed(ctx, w.offload_for_rollout)
         _, on2_s = timed(ctx, w.reload_for_training)
-        kept_accumulators = _grad_accumulators(w.model) == accumulators
+        kept_accumulators = grad_accumulator_ids(w.model) == accumulators
         metrics = w.train_step(second, loss)
         same = identical(weights_of(w), ref_weights) and metrics["loss"] == ref_metrics["loss"]
         w.shutdown(destroy_world=dist == variants[-1])
@@ -103,13 +103,6 @@ def offload(ctx: Context) -> dict[str, Any]:
     if not ctx.gpu:
         parts.append("CPU: only the grad buffers are freed; no allocator figures")
     return outcome(checks, "; ".join(parts), figures)
-
-
-def _grad_accumulators(model) -> list[int]:
-    """Each parameter's autograd grad accumulator, which Megatron's DDP hooks to add gradients into
-    main_grad: an offload that swapped ``param.data`` across devices would drop it (torch resets it
-    on a device change) and the next step's gradients would never reach the grad buffer."""
-    return [id(p.expand_as(p).grad_fn.next_functions[0][0]) for p in model.parameters() if p.requires_grad]
 
 
 def _unique_bytes(tensors) -> int:
