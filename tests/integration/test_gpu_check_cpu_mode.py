@@ -45,6 +45,8 @@ def test_exactly_the_cpu_parts_ran_and_passed(cpu_run):
     assert set(rows) == RAN_ON_CPU | SKIPPED_ON_CPU
     passed = {n for n, r in rows.items() if r["status"] == "pass"}
     assert passed == RAN_ON_CPU, {n: r["summary"] for n, r in rows.items()}
+    # Forked from the process that imported torch and megatron-core once (tests/gpu/check/forked.py).
+    assert {rows[n]["process"] for n in RAN_ON_CPU} == {"forked"}
     for name in SKIPPED_ON_CPU:
         assert rows[name]["status"] == "skip" and rows[name]["summary"].startswith("skipped on CPU ("), rows[name]
     last = proc.stdout.strip().splitlines()[-1]

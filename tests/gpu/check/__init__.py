@@ -6,6 +6,7 @@ reads. ``--cpu`` runs the same parts with tiny sizes on CPU, so the script is te
 runs (``tests/integration/test_gpu_check_cpu_mode.py``).
 
 Modules: ``harness`` (runner, table; torch-free), ``parts`` (the list), ``run_part`` (one part in
-one process), ``common`` (sizes, model, worker, comparisons), ``megatron_parts``,
+one process), ``forked`` (CPU mode: parts forked from one process that imported torch and
+megatron-core), ``common`` (sizes, model, worker, comparisons), ``megatron_parts``,
 ``memory_parts``, ``ipc_part``, ``perf_parts``.
 """

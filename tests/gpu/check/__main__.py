@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         env.update({"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
     start = time.monotonic()
     runner = Runner(specs, mode, workdir, args.deadline or DEADLINE_S[mode],
-                    jobs=args.jobs or (1 if mode == "gpu" else 2), budgets=budgets, env=env)
+                    jobs=args.jobs or (1 if mode == "gpu" else 2), budgets=budgets, env=env, fork_parts=mode == "cpu")
     rows = runner.run()
     seconds = time.monotonic() - start
     lines = []

@@ -3,7 +3,8 @@ part, one table, one summary line. Torch-free: the parent never touches CUDA, so
 crashes the GPU context, hangs in NCCL or runs out of memory takes only itself down.
 
 A part is a function ``fn(ctx) -> dict`` registered in :data:`PARTS` (see ``parts.py``); it runs
-as ``python -m tests.gpu.check.run_part NAME`` and writes its row as JSON. Row statuses:
+as ``python -m tests.gpu.check.run_part NAME`` (CPU mode: forked from one process that imported
+torch and megatron-core, ``forked.py``) and writes its row as JSON. Row statuses:
 
 * ``pass`` / ``fail``: the part ran and its checks held / did not (``fail`` names which);
 * ``skip``: the part cannot run in this mode (e.g. the distributed optimizer on CPU), with the
@@ -16,13 +17,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tests.gpu.check.forked import ForkedPart, PartForker, kill_session
 
 REPO = Path(__file__).resolve().parents[3]
 """The repository root: every part runs as ``python -m tests.gpu.check.run_part`` from here, and
@@ -62,10 +64,14 @@ class Row:
     """Every measured number, for the JSON."""
     log_tail: str = ""
     """The end of the part's output when it did not pass."""
+    process: str = ""
+    """How the part's process began: 'fresh' (its own interpreter) or 'forked' (from the process
+    that had imported torch and megatron-core, CPU mode); empty when the part never ran."""
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "Row":
-        known = {k: raw[k] for k in ("part", "status", "seconds", "summary", "figures", "log_tail") if k in raw}
+        known = {k: raw[k] for k in ("part", "status", "seconds", "summary", "figures", "log_tail", "process")
+                 if k in raw}
         return cls(**known)
 
 
@@ -77,19 +83,16 @@ def _tail(path: Path, chars: int = 1500) -> str:
     return text[-chars:]
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _kill_group(proc: subprocess.Popen | ForkedPart) -> None:
     """End the part and whatever it started (it leads its own process group)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    kill_session(proc.pid)
     proc.wait()
 
 
 @dataclass
 class _Running:
     spec: PartSpec
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedPart
     started: float
     budget: float
     result: Path
@@ -100,7 +103,8 @@ class Runner:
     """Schedules parts (at most ``jobs`` at a time, dependencies first) under one deadline."""
 
     def __init__(self, specs: list[PartSpec], mode: str, workdir: Path, deadline_s: float, jobs: int = 1,
-                 budgets: dict[str, float] | None = None, env: dict[str, str] | None = None) -> None:
+                 budgets: dict[str, float] | None = None, env: dict[str, str] | None = None,
+                 fork_parts: bool = False) -> None:
         self.specs = specs
         self.mode = mode
         self.workdir = workdir
@@ -109,6 +113,9 @@ class Runner:
         self.budgets = budgets or {}
         self.env = env or {}
         self.rows: dict[str, Row] = {}
+        self.forker = PartForker(self.env) if fork_parts else None
+        """With ``fork_parts``, parts are forked from one preloaded process (``forked.py``; CPU
+        mode) instead of started fresh."""
         (workdir / "logs").mkdir(parents=True, exist_ok=True)
         (workdir / "results").mkdir(parents=True, exist_ok=True)
 
@@ -119,15 +126,15 @@ class Runner:
         result = self.workdir / "results" / f"{spec.name}.json"
         log = self.workdir / "logs" / f"{spec.name}.log"
         result.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "tests.gpu.check.run_part", spec.name, "--mode", self.mode,
-               "--workdir", str(self.workdir), "--result", str(result)]
-        env = {**os.environ, **self.env}
-        handle = open(log, "w")
-        try:
-            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
-        finally:
-            handle.close()
+        argv = [spec.name, "--mode", self.mode, "--workdir", str(self.workdir), "--result", str(result)]
+        if self.forker is not None:
+            proc: subprocess.Popen | ForkedPart = self.forker.start(argv, log, REPO)
+        else:
+            env = {**os.environ, **self.env}
+            with open(log, "w") as handle:
+                proc = subprocess.Popen([sys.executable, "-m", "tests.gpu.check.run_part", *argv], cwd=REPO, env=env,
+                                        stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        start_new_session=True)
         print(f"[gpu_check] start {spec.name} (budget {budget:.0f} s)", flush=True)
         return _Running(spec, proc, time.monotonic(), budget, result, log)
 

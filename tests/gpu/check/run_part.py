@@ -20,7 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--result", required=True)
     args = ap.parse_args(argv)
     start = time.perf_counter()
-    row: dict = {"part": args.name}
+    # A part forked from the preloaded forkserver (CPU mode, forked.py) starts with megatron-core imported.
+    row: dict = {"part": args.name, "process": "forked" if "megatron.core" in sys.modules else "fresh"}
     try:
         from tests.gpu.check.common import Context, SkipPart
         from tests.gpu.check.parts import part_function
