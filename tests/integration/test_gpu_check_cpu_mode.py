@@ -100,10 +100,14 @@ def test_calibration_files_load_in_the_simulator(cpu_run):
 
 
 def test_a_part_over_its_budget_is_killed_and_the_rest_still_run(tmp_path):
-    proc = _run(tmp_path, "--parts", "cuda_ipc,distributed_optimizer,model_setup", "--budget", "cuda_ipc=1",
+    # Under a TMPDIR this deep the forkserver's socket would pass the Unix path limit (107 bytes);
+    # the parts must still start (tests/gpu/check/forked.py puts the socket elsewhere).
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    proc = _run(deep, "--parts", "cuda_ipc,distributed_optimizer,model_setup", "--budget", "cuda_ipc=1",
                 timeout=200)
     assert proc.returncode == 1, proc.stdout[-3000:]
-    rows = {r["part"]: r for r in json.loads((tmp_path / "out" / "gpu_check.json").read_text())["rows"]}
+    rows = {r["part"]: r for r in json.loads((deep / "out" / "gpu_check.json").read_text())["rows"]}
     assert rows["cuda_ipc"]["status"] == "timeout" and "1 s budget" in rows["cuda_ipc"]["summary"]
     assert rows["model_setup"]["status"] == "pass"
     assert rows["distributed_optimizer"]["status"] == "skip"

@@ -16,9 +16,11 @@ forking after them is safe.
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.util
 import os
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 PRELOAD = ["torch", "transformers", "transformers.models.qwen2.modeling_qwen2", "megatron.core",
@@ -53,6 +55,7 @@ class PartForker:
 
     def __init__(self, env: dict[str, str]) -> None:
         os.environ.update(env)  # see the module docstring: the forkserver started next inherits it
+        _socket_dir_within_the_path_limit()
         self._context = multiprocessing.get_context("forkserver")
         self._context.set_forkserver_preload(PRELOAD)
 
@@ -61,6 +64,25 @@ class PartForker:
         process = self._context.Process(target=_part_main, args=(argv, str(log), str(cwd)), name=f"part-{argv[0]}")
         process.start()
         return ForkedPart(process)
+
+
+UNIX_SOCKET_PATH_MAX = 107
+"""The longest path a Unix socket may be bound at on Linux (sun_path holds 108 bytes with the NUL)."""
+
+
+def _socket_dir_within_the_path_limit() -> None:
+    """multiprocessing binds the forkserver's socket at ``<TMPDIR>/pymp-XXXXXXXX/listener-XXXXXXXX``;
+    under a deep TMPDIR (a pytest test's own directory) that passes the limit and the server cannot
+    start ("AF_UNIX path too long"). Then multiprocessing's directory for this process is made in
+    /tmp instead (it removes the directory when the process exits)."""
+    if len(os.path.join(tempfile.gettempdir(), "pymp-XXXXXXXX", "listener-XXXXXXXX")) <= UNIX_SOCKET_PATH_MAX:
+        return
+    saved = tempfile.tempdir
+    tempfile.tempdir = "/tmp"
+    try:
+        multiprocessing.util.get_temp_dir()  # made now, and kept for this process's sockets
+    finally:
+        tempfile.tempdir = saved
 
 
 def kill_session(pid: int) -> None:

@@ -191,7 +191,11 @@ class Runner:
                                                f"run's {self.deadline_s:.0f} s deadline")
                     print(f"[gpu_check] deadline {spec.name}: not started", flush=True)
                     continue
-                running.append(self._start(spec, min(self._budget(spec), left)))
+                try:
+                    running.append(self._start(spec, min(self._budget(spec), left)))
+                except OSError as exc:  # no process to run it in (fork failed, no forkserver): a row, not a crash
+                    self.rows[spec.name] = Row(spec.name, "error", 0.0, f"could not start its process: {exc}")
+                    print(f"[gpu_check] error   {spec.name}: could not start its process: {exc}", flush=True)
             time.sleep(0.2)
         return [self.rows[s.name] for s in self.specs]
 
