@@ -199,7 +199,10 @@ def test_the_engines_ray_node_lost_stops_the_run_naming_it(chain) -> None:
             run.kill()
     assert re.search(r"removed /dev/shm/megatron_rl-\S+ .* left by a dead run", run.text()), \
         "the start-up did not sweep what the killed driver of attempt 4 left in /dev/shm"
-    alive, _ = left_behind(list(chain.lingering), wait_s=30)
+    # They exit once their last report to the dead GCS times out (~60 s); on the loaded 2-core box
+    # that once took longer than this attempt plus 30 s (>= 87 s, fresh-clone run of 48aaab3). The
+    # check is that they exit, not how soon: up to 150 s more (returns as soon as they are gone).
+    alive, _ = left_behind(list(chain.lingering), wait_s=150)
     assert not alive, f"Ray's agents of attempt 4 still running: {[(p, chain.lingering[p]) for p in alive]}"
     chain.assert_last_checkpoint(3)
     chain.passed.append("5-node")
