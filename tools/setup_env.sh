@@ -47,8 +47,9 @@ trap 'rm -f "$uv_req"' EXIT
 awk '/^[A-Za-z0-9]/ { take = ($0 ~ /^uv==/) } take && (/^uv==/ || /^ +--hash=/)' "$LOCK" > "$uv_req"
 grep -q '^uv==' "$uv_req" || { echo "[setup] $LOCK has no uv== entry (regenerate it: bash tools/lock_deps.sh)" >&2; exit 1; }
 UV="$VENV/bin/uv"
-if ! { [ -x "$UV" ] && [ "uv $(grep -oE '^uv==[^ ]+' "$uv_req" | cut -d= -f3)" = "$("$UV" --version | cut -d' ' -f1-2)" ]; }; then
-  phase "$(grep -oE '^uv==[^ ]+' "$uv_req") into the venv (pip, with the lock's hashes)"
+uv_pin="$(grep -oE '^uv==[^ ]+' "$uv_req")"  # uv==X.Y.Z
+if ! { [ -x "$UV" ] && [ "uv ${uv_pin#uv==}" = "$("$UV" --version | cut -d' ' -f1-2)" ]; }; then
+  phase "$uv_pin into the venv (pip, with the lock's hashes)"
   if ! "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --require-hashes -r "$uv_req" 2>&1 | quiet_pip \
       || [ ! -x "$UV" ]; then
     echo "[setup] pip could not install uv from the lock (is PyPI reachable?)" >&2

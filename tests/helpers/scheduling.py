@@ -27,7 +27,7 @@ def run_sh_worker_options() -> list[str]:
     text = (Path(__file__).resolve().parents[1] / "run.sh").read_text()
     match = re.search(r"^workers=\((.*)\)$", text, re.M)
     assert match, "tests/run.sh has no `workers=(...)` line"
-    return match.group(1).replace('"${TEST_WORKERS:-2}"', "2").split()
+    return re.sub(r'"\$\{TEST_WORKERS:-(\d+)\}"', r"\1", match.group(1)).split()  # the default, whatever it is
 
 
 def load_durations(path: Path = DURATIONS) -> dict[str, float]:
