@@ -17,6 +17,17 @@ Two parts:
 * :func:`cpu_device_mode` is a context manager (also usable as a decorator) that rewrites
   ``device="cuda"`` / ``.cuda()`` in factory calls to the CPU. torch function modes are
   thread-local, so enter it in every thread that runs Megatron code.
+
+Sequence parallelism on CPU: gloo has the reduce-scatter / all-gather Megatron's SP mappings
+use; the one obstacle is the norm. Without Transformer Engine or apex the local layer spec
+builds ``WrappedTorchNorm`` (megatron/core/transformer/torch_norm.py), which asserts
+``not config.sequence_parallel`` because it does not tag its weights: under SP each TP rank
+normalises only its slice of the sequence, so the norm weights' gradients are partial sums
+that ``finalize_model_grads`` must all-reduce over TP, and it picks exactly the parameters
+tagged ``sequence_parallel`` (``_allreduce_non_tensor_model_parallel_grads`` in
+megatron/core/distributed/finalize_model_grads.py; TE's and apex's norms tag theirs, see
+megatron/core/fusions/fused_layer_norm.py). :class:`SequenceParallelTorchNorm` is that tagged
+torch norm; model/qwen2.py puts it in the local spec only when the shim is needed.
 """
 from __future__ import annotations
 
@@ -223,6 +234,27 @@ def apply_cpu_shim() -> bool:
             _patch_megatron()
             _APPLIED = True
     return True
+
+
+class SequenceParallelTorchNorm:
+    """The local spec's torch RMSNorm with its weight tagged for Megatron's TP gradient all-reduce.
+
+    Built by Megatron's ``build_module(spec, config=..., hidden_size=..., eps=...)`` like
+    ``WrappedTorchNorm``; returns a plain ``torch.nn.RMSNorm`` (same parameters and state dict
+    keys), so checkpoints and weight conversion are unchanged. CPU-only by construction: refused
+    when a GPU is visible (there TE's norms handle sequence parallelism).
+    """
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_unused: Any) -> torch.nn.Module:
+        if not shim_needed():
+            raise RuntimeError("SequenceParallelTorchNorm is the CPU shim's norm; on GPUs use Transformer Engine's")
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"SequenceParallelTorchNorm builds RMSNorm only, got {config.normalization!r}")
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        for param in norm.parameters():
+            # The tag finalize_model_grads looks for (see the module docstring).
+            param.sequence_parallel = bool(config.sequence_parallel)
+        return norm
 
 
 def with_cpu_device_mode(fn: _F) -> _F:

@@ -77,8 +77,6 @@ def build_transformer_config(
     if dtype not in _DTYPES:
         raise ValueError(f"model.dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     on_cpu = not torch.cuda.is_available()
-    if on_cpu and sequence_parallel:
-        raise ValueError("parallel.sequence_parallel needs GPUs (torch norms reject it on CPU)")
     if recompute_granularity not in _RECOMPUTE:
         raise ValueError(f"parallel.recompute_granularity must be one of {sorted(_RECOMPUTE)}, "
                          f"got {recompute_granularity!r}")
@@ -141,6 +139,7 @@ def build_gpt_model(
     )
 
     check_parallel_fits(arch, tp_size, config.pipeline_model_parallel_size)
+    spec: Any
     if use_transformer_engine(transformer_impl):
         spec = get_gpt_layer_with_transformer_engine_spec()
     else:
@@ -149,6 +148,8 @@ def build_gpt_model(
             from megatron_rl.model.sdpa_attention import SDPADotProductAttention
 
             spec.submodules.self_attention.submodules.core_attention = SDPADotProductAttention
+        if config.sequence_parallel:
+            spec = _local_spec_with_sequence_parallel_norms(spec, config)
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -161,3 +162,23 @@ def build_gpt_model(
         position_embedding_type="rope",
         rotary_base=int(arch.rope_theta),
     )
+
+
+def _local_spec_with_sequence_parallel_norms(layer_spec: Any, config: Any) -> Any:
+    """The local spec's block with every norm (both per layer, and the final one) swapped for
+    the CPU shim's SP-tagged RMSNorm: Megatron's torch norm asserts ``not sequence_parallel``
+    (megatron/core/transformer/torch_norm.py). The final norm comes from the block's
+    submodules, so the block is spelled out the way ``_get_block_submodules``
+    (megatron/core/transformer/transformer_block.py) would build it for this PP stage.
+    """
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    from megatron_rl.distributed.cpu_shim import SequenceParallelTorchNorm, shim_needed
+
+    if not shim_needed():
+        raise ValueError("parallel.sequence_parallel with the local layer spec on GPUs: Megatron's torch norm rejects "
+                         "it; use model.transformer_impl 'auto' or 'transformer_engine' with Transformer Engine installed")
+    layer_spec.submodules.input_layernorm = SequenceParallelTorchNorm
+    layer_spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config),
+                                      layer_norm=SequenceParallelTorchNorm)

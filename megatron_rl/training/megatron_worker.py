@@ -47,6 +47,7 @@ from megatron_rl.training.packing import (
     build_microbatch,
     pack_microbatches,
     response_values,
+    sequence_multiple,
 )
 from megatron_rl.training.step_metrics import LOSS_METRICS, TOKEN_METRICS, combine, combine_over_ranks, parity_metrics
 from megatron_rl.training.weight_export import WeightExport
@@ -216,7 +217,9 @@ class MegatronWorker(WeightExport, WeightPush):
             mine = balance_across_ranks(lengths, self.dp_size)[self.dp_rank]
         else:  # a small stream chunk (or logprob call): some DP ranks get nothing and skip compute
             mine = [self.dp_rank] if self.dp_rank < len(lengths) else []
-        groups = pack_microbatches([lengths[i] for i in mine], self.cfg.optimizer.micro_batch_tokens)
+        # Under sequence parallelism every width must divide by TP (see packing.sequence_multiple).
+        multiple = sequence_multiple(self.layout.tensor_model_parallel_size, self.cfg.parallel.sequence_parallel)
+        groups = pack_microbatches([lengths[i] for i in mine], self.cfg.optimizer.micro_batch_tokens, multiple)
         token_fields: dict[str, list[list[float]] | None] = {}
         seq_fields: dict[str, list[float]] = {}
         if fields:
@@ -245,6 +248,7 @@ class MegatronWorker(WeightExport, WeightPush):
                 [(samples[i].prompt.token_ids, samples[i].response_ids) for i in idx], idx,
                 token_fields={k: [v[i] for i in idx] for k, v in token_fields.items() if v is not None},
                 seq_fields={k: [v[i] for i in idx] for k, v in seq_fields.items()},
+                width_multiple=multiple,
             ))
         return out
 

@@ -11,6 +11,13 @@ Token alignment: logits at position t predict token t+1, so for a sequence with 
 R response tokens the response logprobs come from positions P-1 .. P+R-2. Every per-token
 tensor built here (``labels``, ``loss_mask`` and the per-token fields) is laid out on those
 positions.
+
+Sequence parallelism: with ``parallel.sequence_parallel`` Megatron splits the sequence dimension
+of every microbatch over the TP ranks, and its scatter / reduce-scatter assert that the length
+divides by TP (``_split_along_first_dim`` and ``_reduce_scatter_along_first_dim`` in
+megatron/core/tensor_parallel/mappings.py). Microbatch widths are therefore rounded up to
+:func:`sequence_multiple`; the extra columns are padding like any other (masked out of the loss
+and of the returned logprobs) and count against the token budget.
 """
 from __future__ import annotations
 
@@ -43,20 +50,40 @@ def balance_across_ranks(lengths: Sequence[int], num_ranks: int) -> list[list[in
     return [sorted(p) for p in parts]
 
 
-def pack_microbatches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+def sequence_multiple(tp_size: int, sequence_parallel: bool) -> int:
+    """What every microbatch width must divide by: TP under sequence parallelism, else 1.
+
+    Megatron scatters the [S, B, H] embeddings along S over the TP group and reduce-scatters the
+    row-parallel outputs along S; both assert ``S % TP == 0`` (megatron/core/tensor_parallel/
+    mappings.py). Without sequence parallelism every TP rank holds the whole sequence.
+    """
+    if tp_size < 1:
+        raise ValueError(f"parallel.tensor_model_parallel_size must be >= 1, got {tp_size}")
+    return tp_size if sequence_parallel else 1
+
+
+def padded_width(longest: int, multiple: int = 1) -> int:
+    """Width of a microbatch whose longest sequence has ``longest`` tokens: rounded up to ``multiple``."""
+    if multiple < 1:
+        raise ValueError(f"width multiple must be >= 1, got {multiple}")
+    return -(-longest // multiple) * multiple
+
+
+def pack_microbatches(lengths: Sequence[int], token_budget: int, width_multiple: int = 1) -> list[list[int]]:
     """Group sequence indices into microbatches whose padded size fits ``token_budget``.
 
-    Padded size = number of sequences x longest sequence. First-fit decreasing: sequences are
-    visited longest first, so a microbatch's first member is its longest and adding one more
-    costs exactly ``(n + 1) * first_length``. A sequence longer than the budget gets a
-    microbatch of its own (sequences are never split). Deterministic.
+    Padded size = number of sequences x width, the width being the longest sequence rounded up
+    to ``width_multiple`` (:func:`padded_width`; see :func:`sequence_multiple`). First-fit
+    decreasing: sequences are visited longest first, so a microbatch's first member is its
+    longest and adding one more costs exactly ``(n + 1) * width``. A sequence whose width
+    exceeds the budget gets a microbatch of its own (sequences are never split). Deterministic.
     """
     if token_budget < 1:
         raise ValueError(f"optimizer.micro_batch_tokens must be >= 1, got {token_budget}")
     bins: list[list[int]] = []
     for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         for members in bins:
-            if (len(members) + 1) * lengths[members[0]] <= token_budget:
+            if (len(members) + 1) * padded_width(lengths[members[0]], width_multiple) <= token_budget:
                 members.append(index)
                 break
         else:
@@ -109,10 +136,12 @@ def build_microbatch(
     token_fields: dict[str, Sequence[Sequence[float]]] | None = None,
     seq_fields: dict[str, Sequence[float]] | None = None,
     pad_id: int = 0,
+    width_multiple: int = 1,
 ) -> Microbatch:
     """Build the padded tensors of one microbatch.
 
-    ``sequences[i]`` is ``(prompt_ids, response_ids)`` of sample ``sample_indices[i]``.
+    ``sequences[i]`` is ``(prompt_ids, response_ids)`` of sample ``sample_indices[i]``. The width
+    is the longest sequence rounded up to ``width_multiple`` (:func:`sequence_multiple`).
     ``token_fields[name][i]`` gives one value per response token (laid out on the label
     positions); ``seq_fields[name][i]`` one value per sequence, broadcast over its response tokens.
     Errors name the field and the sample index.
@@ -122,7 +151,7 @@ def build_microbatch(
     rows = len(sequences)
     if rows == 0:
         raise ValueError("a microbatch needs at least one sequence")
-    width = max(len(p) + len(r) for p, r in sequences)
+    width = padded_width(max(len(p) + len(r) for p, r in sequences), width_multiple)
     tokens = torch.full((rows, width), pad_id, dtype=torch.long)
     labels = torch.zeros((rows, width), dtype=torch.long)
     loss_mask = torch.zeros((rows, width), dtype=torch.float32)
