@@ -49,7 +49,9 @@ class ParallelConfig:
     data_parallel_size: int = 1
     """Data-parallel replicas of the trainer. World size = TP x PP x CP x DP."""
     sequence_parallel: bool = False
-    """Megatron sequence parallelism (GPU only; torch LayerNorm on CPU rejects it)."""
+    """Megatron sequence parallelism: activations outside the TP regions are split along the sequence
+    over the TP ranks, so microbatch widths are padded to a multiple of TP. Refused for CPU runs by
+    validation (the CPU shim can run it, for the tests); on GPUs it needs the Transformer Engine spec."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state across DP ranks (Megatron distributed optimizer). GPU only: refused on CPU."""
     recompute_granularity: str = "none"
@@ -398,7 +400,8 @@ class OptimizerConfig:
     """Global gradient-norm clip; 0 disables it."""
     micro_batch_tokens: int = 4096
     """Token budget of one training microbatch (dynamic batch size: sequences are packed
-    until the budget is reached)."""
+    until the budget is reached). It counts padding: rows x the longest sequence, rounded up to a
+    multiple of TP under sequence parallelism."""
 
 
 @dataclass
