@@ -23,7 +23,7 @@ def odd_width_samples(totals: list[tuple[int, int]], seed: int, vocab: int = 256
 
 
 def sp_scenario(rank: int, world: int, port: int, model_dir: str, layouts: list, samples, budget: int):
-    """For each (tp, sequence_parallel): the worker's microbatch widths (natural and built, every
+    """For each (tp, pp, sequence_parallel): the worker's microbatch widths (natural and built, every
     rank's), whether the built model runs SP with tagged norms, the logprobs, one train step's
     metrics and its HF-named gradient (gathered to full shape). Rank 0 returns the results."""
     from megatron.core.utils import get_model_config
@@ -33,9 +33,10 @@ def sp_scenario(rank: int, world: int, port: int, model_dir: str, layouts: list,
     from tests.helpers.megatron_cases import toy_loss
 
     results = []
-    for index, (tp, sp) in enumerate(layouts):
+    for index, (tp, pp, sp) in enumerate(layouts):
         cfg = RunConfig()
         cfg.parallel.tensor_model_parallel_size = tp
+        cfg.parallel.pipeline_model_parallel_size = pp
         cfg.parallel.sequence_parallel = sp
         cfg.optimizer.micro_batch_tokens = budget
         cfg.optimizer.grad_clip = 0.0  # the exported gradient is the raw one
@@ -49,7 +50,7 @@ def sp_scenario(rank: int, world: int, port: int, model_dir: str, layouts: list,
         torch.distributed.all_gather_object(widths, mine)
         norms = [p for n, p in worker.model.named_parameters() if "layernorm" in n]
         entry = {
-            "layout": (tp, sp),
+            "layout": (tp, pp, sp),
             "widths": [w for part in widths for w in part],
             "model_sp": bool(get_model_config(worker.model).sequence_parallel),
             "norms_tagged": bool(norms) and all(getattr(p, "sequence_parallel", False) for p in norms),

@@ -21,26 +21,27 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600
 # (prompt, response) lengths: every sequence is odd, so no natural width divides by 2 or 4.
 LENGTHS = [(4, 9), (3, 8), (5, 4), (6, 11), (2, 5), (7, 8), (3, 2), (4, 7)]
 BUDGET = 36  # tokens per microbatch: several microbatches per rank, some with several rows
-SP_LAYOUTS = [(2, True), (4, True)]  # TP2 x DP2 and TP4 x DP1 on 4 ranks
+# (TP, PP, SP) on 4 ranks: TP2 x DP2, TP4, and TP2 x PP2 (the pipeline sends SP-split activations).
+SP_LAYOUTS = [(2, 1, True), (4, 1, True), (2, 2, True)]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     from megatron_rl.model.tiny import build_tiny_qwen2
 
-    # 4 KV groups so TP 4 divides them; untied lm_head like the 7B-32B recipes' models.
+    # 4 KV groups so TP 4 divides them; untied lm_head like the 7B-32B recipes' models; 2 layers for PP 2.
     model = str(build_tiny_qwen2(tmp_path_factory.mktemp("sp_model"), seed=5, num_kv_heads=4,
                                  tie_word_embeddings=False))
     samples = odd_width_samples(LENGTHS, seed=11)
     ref_dir, sp_dir = tmp_path_factory.mktemp("sp_ref"), tmp_path_factory.mktemp("sp_runs")
-    ref = run_spmd(sp_scenario, 1, (model, [(1, False)], samples, BUDGET), ref_dir, timeout_s=300)[0][0]
+    ref = run_spmd(sp_scenario, 1, (model, [(1, 1, False)], samples, BUDGET), ref_dir, timeout_s=300)[0][0]
     split = run_spmd(sp_scenario, 4, (model, SP_LAYOUTS, samples, BUDGET), sp_dir, timeout_s=540)[0]
     return ref, {r["layout"]: r for r in split}
 
 
 def test_sp_runs_get_odd_natural_widths_padded_to_a_multiple_of_tp(runs):
     _, split = runs
-    for (tp, _), r in split.items():
+    for (tp, _, _), r in split.items():
         assert r["model_sp"] and r["norms_tagged"], (tp, "the model must run with sequence parallelism")
         natural = [n for n, _, _ in r["widths"]]
         assert natural and all(n % 2 for n in natural), natural  # the case the rule is about
