@@ -171,13 +171,14 @@ def _local_spec_with_sequence_parallel_norms(layer_spec: Any, config: Any) -> An
     submodules, so the block is spelled out the way ``_get_block_submodules``
     (megatron/core/transformer/transformer_block.py) would build it for this PP stage.
     """
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron_rl.distributed import cpu_shim
 
-    from megatron_rl.distributed.cpu_shim import SequenceParallelTorchNorm, shim_needed
-
-    if not shim_needed():
+    if not cpu_shim.shim_needed():
         raise ValueError("parallel.sequence_parallel with the local layer spec on GPUs: Megatron's torch norm rejects "
                          "it; use model.transformer_impl 'auto' or 'transformer_engine' with Transformer Engine installed")
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    SequenceParallelTorchNorm = cpu_shim.SequenceParallelTorchNorm
     layer_spec.submodules.input_layernorm = SequenceParallelTorchNorm
     layer_spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config),

@@ -118,3 +118,23 @@ def test_pack_counts_the_padded_width_against_the_budget():
         assert len(b) * padded_width(max(lengths[i] for i in b), 4) <= 128
     with pytest.raises(ValueError, match="tensor_model_parallel_size"):
         sequence_multiple(0, True)
+
+
+def test_the_shim_norm_tags_its_weight_for_the_tp_all_reduce_and_stays_cpu_only(monkeypatch):
+    """Megatron all-reduces over TP only the grads of parameters tagged ``sequence_parallel``
+    (finalize_model_grads); untagged, each TP rank would keep the norm gradient of its slice."""
+    from types import SimpleNamespace
+
+    from megatron_rl.distributed import cpu_shim
+    from megatron_rl.model import qwen2
+
+    norm = cpu_shim.SequenceParallelTorchNorm(SimpleNamespace(normalization="RMSNorm", sequence_parallel=True), 8, eps=1e-6)
+    assert isinstance(norm, torch.nn.RMSNorm) and norm.eps == 1e-6
+    assert [getattr(p, "sequence_parallel", None) for p in norm.parameters()] == [True]
+    with pytest.raises(ValueError, match="RMSNorm only"):
+        cpu_shim.SequenceParallelTorchNorm(SimpleNamespace(normalization="LayerNorm", sequence_parallel=True), 8)
+    monkeypatch.setattr(cpu_shim, "shim_needed", lambda: False)  # as on a GPU machine
+    with pytest.raises(RuntimeError, match="CPU shim"):
+        cpu_shim.SequenceParallelTorchNorm(SimpleNamespace(normalization="RMSNorm", sequence_parallel=True), 8)
+    with pytest.raises(ValueError, match="parallel.sequence_parallel with the local layer spec on GPUs"):
+        qwen2._local_spec_with_sequence_parallel_norms(None, None)
