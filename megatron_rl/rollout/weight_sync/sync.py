@@ -8,10 +8,12 @@ docstring lists them).
 
 A push is: the transport *stages* the weights (trainer memory -> files), on a multi-node run the
 directory is copied to the other nodes (``fan_out``, :mod:`~megatron_rl.rollout.weight_sync.fanout`),
-then device memory goes back to the rollout side (``Colocation.to_rollout``: trainer offloaded,
-engines woken) and the transport *loads* them into the engines, which tag later completions with
-the new version. A transport that streams straight from trainer memory into awake engines
-(``streams_from_trainer``) is loaded between waking the engines and offloading the trainer instead.
+then the trainer is offloaded, only the engines' weights are woken, the transport *loads* the new
+weights into them (the engines tag later completions with the new version) and only then their KV
+cache is woken. A transport that streams straight from trainer memory (``streams_from_trainer``)
+loads while the trainer is still resident: engine weights woken, load, trainer offloaded, KV cache
+woken. The engines' KV cache and the trainer's state are never on the GPU together with the push
+(the push moment of ``megatron_rl.planning.moments``).
 """
 from __future__ import annotations
 
@@ -51,13 +53,12 @@ class WeightSync:
         figures = dict(await self.transport.stage(version, tp))
         if self.transport.writes_directory:
             figures.update(await self._fan_out())
-        if self.transport.streams_from_trainer:
-            await self.colocation.wake_engines()
-            figures.update(await self.transport.load(self.engine, version))
+        if not self.transport.streams_from_trainer:
             await self.colocation.offload_trainer()
-        else:
-            await self.colocation.to_rollout()
-            figures.update(await self.transport.load(self.engine, version))
+        await self.colocation.wake_engine_weights()
+        figures.update(await self.transport.load(self.engine, version))
+        await self.colocation.offload_trainer()  # no-op when done above
+        await self.colocation.wake_engines()
         return {f"weight_sync/{key}": value for key, value in figures.items()}
 
     async def load_into(self, engine: RolloutEngine, version: int) -> dict[str, float]:
