@@ -22,7 +22,7 @@ from megatron_rl.planning.plan import make_plan
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted((REPO / "examples/qwen2.5").glob("qwen2.5_*b_*.yaml"))
 PAPER_SHAPE = {"7b": (2, 1, 1, 1, 2), "14b": (2, 2, 2, 2, 4), "32b": (4, 1, 4, 2, 8)}  # TP PP CP rTP nodes
-RECIPE_32B = REPO / "examples/qwen2.5/qwen2.5_32b_math_8x8_tp4cp4_rtp2.yaml"
+RECIPE_32B = REPO / "examples/qwen2.5/qwen2.5_32b_math_8x8_tp8_rtp2.yaml"
 
 
 def test_all_sizes_and_tasks_present():
@@ -137,7 +137,7 @@ def test_offload_lowers_the_rollout_peak_by_the_trainer_state():
 
 
 def test_placement_coordinates_and_node_boundaries():
-    cfg = load_config(REPO / "examples/qwen2.5/qwen2.5_14b_math_4x8_tp2pp2cp2_rtp2.yaml")
+    cfg = load_config(REPO / "examples/qwen2.5/qwen2.5_14b_math_4x8_tp4_rtp2.yaml")
     nodes = plan_placement(cfg, ["a", "b", "c", "d"])
     assert nodes[1].gpus[0].trainer_rank == 8 and nodes[1].gpus[0].coords == "tp0 cp0 dp2 pp0"
     assert nodes[2].gpus[0].coords == "tp0 cp0 dp0 pp1"

@@ -118,7 +118,7 @@ def test_lengths_from_metrics_and_file(tmp_path):
 
 
 def test_recipe_cluster_uses_its_layout():
-    cfg = load_config(REPO / "examples/qwen2.5/qwen2.5_14b_math_4x8_tp2pp2cp2_rtp2.yaml")
+    cfg = load_config(REPO / "examples/qwen2.5/qwen2.5_14b_math_4x8_tp4_rtp2.yaml")
     cl = build_cluster(cfg, BUILTIN_SHAPES["qwen2.5-14b"], GPUS["h800"], LogNormalLengths.paper_like(16384))
     assert (cl.rollout_gpus, cl.base_tp, cl.max_tp, cl.total_gpus) == (32, 2, 8, 32)
     assert cl.train.pp == 2 and cl.train.gpus == 32
@@ -155,7 +155,7 @@ def test_recipe_with_offload_gets_a_host_round_trip():
     from megatron_rl.planning.architectures import BUILTIN_SHAPES
     from megatron_rl.planning.memory import GPUS
 
-    cfg = load_config(REPO / "examples/qwen2.5/qwen2.5_32b_math_8x8_tp4cp4_rtp2.yaml")
+    cfg = load_config(REPO / "examples/qwen2.5/qwen2.5_32b_math_8x8_tp8_rtp2.yaml")
     shape = BUILTIN_SHAPES["qwen2.5-32b"]
     train = TrainModel.from_recipe(cfg, shape, GPUS["h800"])
     assert train.recompute == "full"
