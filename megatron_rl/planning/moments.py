@@ -10,8 +10,9 @@ phases (the weight push, an elastic-TP rebuild, the stream trainer's handoff) is
 3. train: plus activations and logits of one microbatch per pipeline stage in flight;
 4. push, in the order ``Colocation`` / ``WeightSync.push`` makes it: only the engine weights
    woken (vLLM ``wake_up(tags=["weights"])``, vllm/v1/worker/gpu_worker.py), the push staging
-   of both sides, the trainer resident for a tensor push (its weights are the source) or already
-   offloaded for a file push; then the trainer offloaded and only then the KV cache woken;
+   of both sides, the trainer resident for a tensor push (its weights are the source; with
+   ``trainer.offload_during_rollout`` its grad buffers are freed first) or already offloaded for a
+   file push; then the trainer offloaded and only then the KV cache woken;
 5. back to rollout (the first moment again);
 6. elastic TP switch (``planner.enabled``): the old engines shut down, the new ones start with
    their whole pool while the trainer is resident to push into them (``WeightSync.load_new_engines``);
@@ -114,11 +115,13 @@ def plan_moments(cfg: RunConfig, shape: ModelShape, est: MemoryEstimate,
                               {**overhead, **trainer, **eweights, **kv, **staging},
                               note="earlier order: every tag woken before the push, trainer offloaded after"))
     else:
-        push_trainer = trainer if (streams or not offloaded) else {}
+        # Colocation.free_trainer_grads: with the offload on, a tensor push frees the grad buffers first.
+        push_trainer = ({k: v for k, v in trainer.items() if k != "trainer gradients"} if streams and offloaded
+                        else trainer if streams or not offloaded else {})
         moments.append(Moment("push (engine weights woken)", {**overhead, **push_trainer, **eweights, **asleep_kv(kv, sleeps),
                                                               **staging},
-                              note=("trainer resident as the push source" if streams else
-                                    "trainer offloaded first" if offloaded else "trainer resident")
+                              note=("trainer resident as the push source" + ", grad buffers freed" * offloaded if streams
+                                    else "trainer offloaded first" if offloaded else "trainer resident")
                               + ", KV cache still asleep" * sleeps))
     moments.append(Moment("push done, KV cache woken", rollout,
                           note="trainer offloaded before the KV cache is woken" if offloaded else "trainer resident"))

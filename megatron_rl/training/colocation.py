@@ -41,6 +41,7 @@ from megatron_rl.rollout.engine import RolloutEngine
 class MovablePolicy(Protocol):
     """The trainer ranks as far as device memory goes (``PolicyGroup`` implements it)."""
 
+    async def free_grad_buffers(self) -> dict: ...
     async def offload_for_rollout(self) -> dict: ...
     async def reload_for_training(self) -> dict: ...
     async def set_num_threads(self, n: int) -> None: ...
@@ -60,6 +61,8 @@ class Colocation:
         self.clock = clock
         self.trainer_is_resident = not self.offload
         """train.py offloads the freshly loaded trainer when offload_during_rollout is set."""
+        self.trainer_grads_freed = False
+        """Only the trainer's grad buffers are off the GPU (:meth:`free_trainer_grads`)."""
         self.engines_awake = True
         self.engine_weights_awake = True
         """The engines' weights are on the device (also while their KV cache still sleeps)."""
@@ -87,6 +90,15 @@ class Colocation:
         """First half of :meth:`to_rollout`: move the trainer state out (when configured)."""
         if self.offload:
             await self._set_trainer(False)
+
+    async def free_trainer_grads(self) -> None:
+        """Before a push that reads the trainer's weights: free only its grad buffers (with
+        ``trainer.offload_during_rollout``: the reload before training restores them), so the
+        engines' woken weights and the push staging have their room."""
+        if self.offload and self.trainer_is_resident and not self.trainer_grads_freed:
+            self.log.append("trainer.free_grads")
+            await self.policy.free_grad_buffers()
+            self.trainer_grads_freed = True
 
     async def wake_engine_weights(self) -> None:
         """Only the engines' weights back (vLLM ``wake_up(tags=["weights"])``), for a weight push
@@ -178,7 +190,7 @@ class Colocation:
             self.engines_awake = self.engine_weights_awake = False
 
     async def _set_trainer(self, resident: bool) -> None:
-        if resident == self.trainer_is_resident:
+        if resident == self.trainer_is_resident and not (resident and self.trainer_grads_freed):
             return
         if resident:
             self.log.append("trainer.reload")
@@ -186,7 +198,7 @@ class Colocation:
         else:
             self.log.append("trainer.offload")
             await self.policy.offload_for_rollout()
-        self.trainer_is_resident = resident
+        self.trainer_is_resident, self.trainer_grads_freed = resident, False
 
     async def _timed(self, move: Callable[[], Awaitable[None]]) -> float:
         start = self.clock()

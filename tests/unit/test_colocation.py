@@ -20,6 +20,9 @@ class Moves:
         self.calls: list[str] = []
         self.active_engines = 2
 
+    async def free_grad_buffers(self):
+        self.calls.append("trainer.free_grads")
+
     async def offload_for_rollout(self):
         self.calls.append("trainer.offload")
 
@@ -160,8 +163,10 @@ class _RecordingTransport(WeightTransport):
     # megatron_rl.planning.moments: trainer state, engine weights and KV cache never all at once).
     (False, ["stage(v3,tp2)", "fan_out(/shm/w)", "trainer.offload", "engine.wake_up(weights)", "load(v3)",
              "engine.wake_up(kv_cache)"]),
-    # A tensor transport reads trainer memory while the engines receive: weights, load, offload, KV cache.
-    (True, ["stage(v3,tp2)", "engine.wake_up(weights)", "load(v3)", "trainer.offload", "engine.wake_up(kv_cache)"]),
+    # A tensor transport reads trainer memory while the engines receive: grads freed, weights, load,
+    # offload, KV cache.
+    (True, ["stage(v3,tp2)", "trainer.free_grads", "engine.wake_up(weights)", "load(v3)", "trainer.offload",
+            "engine.wake_up(kv_cache)"]),
 ])
 def test_weight_sync_orders_memory_around_its_transport(streams, expected):
     async def main():
@@ -199,3 +204,18 @@ def test_only_the_sleep_before_a_push_drops_the_weights():
 
     assert asyncio.run(main()) == ["engine.sleep(level 2)", "trainer.reload", "trainer.offload", "engine.wake_up",
                                    "engine.sleep", "trainer.reload", "save", "trainer.offload", "engine.wake_up"]
+
+
+def test_gradients_freed_before_a_push_come_back_before_training_even_if_the_push_failed():
+    async def main():
+        col, moves = colocation(offload=True, sleep=False)
+        await col.to_training()
+        await col.free_trainer_grads()
+        await col.free_trainer_grads()  # once
+        await col.to_training()  # the push failed before the offload: the grad buffers must come back
+        plain, kept = colocation(offload=False, sleep=True)
+        await plain.free_trainer_grads()  # without the offload nothing reloads them: never freed
+        return moves.calls, kept.calls
+
+    calls, kept = asyncio.run(main())
+    assert calls == ["trainer.reload", "trainer.free_grads", "trainer.reload"] and kept == []

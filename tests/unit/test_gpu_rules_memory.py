@@ -54,6 +54,8 @@ def test_the_old_push_order_exceeds_80_gb_on_32b_and_the_plan_refuses_it():
     assert [p.split(" needs")[0] for p in old.problems] == ["moment 'push (weights + KV woken, trainer resident)'"]
     _, _, new = _moments(RECIPES["32b_math_8x8_tp8_rtp2.yaml"])
     assert new.moments[3].total_gib < 80 < moment.total_gib
+    # With the offload on, the tensor push frees the trainer's grad buffers before the weights wake.
+    assert "trainer gradients" not in new.moments[3].parts and "trainer weights" in new.moments[3].parts
 
 
 def test_a_moment_over_the_budget_fails_the_plan_naming_it():

@@ -81,6 +81,10 @@ class Trainer:
     async def close_weight_push(self, key):
         self.calls.append(f"close({key})")
 
+    async def free_grad_buffers(self):
+        self.calls.append("free_grads")
+        return {}
+
     async def offload_for_rollout(self):
         self.calls.append("offload")
         return {}

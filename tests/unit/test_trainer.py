@@ -107,6 +107,10 @@ class FakePolicy:
         self.accumulated = []
         return {"loss": 0.25}
 
+    async def free_grad_buffers(self):
+        self.events.append("trainer.free_grads")
+        return {}
+
     async def offload_for_rollout(self):
         self.events.append("trainer.offload")
         return {}
@@ -308,15 +312,16 @@ def test_memory_moves_in_order_around_every_phase(tmp_path, tokenizer, tokenizer
                                   "trainer.save_every=1", "algorithm.recompute_old_logprobs=true",
                                   "rollout.sleep_level=2"])
     run(parts)
-    # The tensor push reads trainer memory: only the engines' weights wake (they slept at level 2:
-    # dropped, the push rewrites them), the push runs, the trainer leaves, and only then the KV
-    # cache wakes (the file syncs write first, offload, wake the weights, reload: the test below).
+    # The tensor push reads trainer memory: its grad buffers are freed, only the engines' weights
+    # wake (they slept at level 2: dropped, the push rewrites them), the push runs, the trainer
+    # leaves, and only then the KV cache wakes (the file syncs write first, offload, wake the
+    # weights, reload: the test below).
     # The checkpoint save's sleep is level 1: no push follows it.
     step = ["engine.sleep(level 2)", "trainer.reload", "policy.logprobs(policy)", "policy.train_step",
-            "engine.wake_up(weights)", "policy.push(v{v})", "engine.receive(v{v})", "trainer.offload",
-            "engine.wake_up(kv_cache)"]
+            "trainer.free_grads", "engine.wake_up(weights)", "policy.push(v{v})", "engine.receive(v{v})",
+            "trainer.offload", "engine.wake_up(kv_cache)"]
     save = ["engine.sleep", "trainer.reload", "policy.save", "trainer.offload", "engine.wake_up"]
-    expected = ([e.format(v=1) for e in step[:5]] + ["policy.open_push(tp1)"] + [e.format(v=1) for e in step[5:]]
+    expected = ([e.format(v=1) for e in step[:6]] + ["policy.open_push(tp1)"] + [e.format(v=1) for e in step[6:]]
                 + save + [e.format(v=2) for e in step] + save)
     assert events == expected
 

@@ -11,8 +11,8 @@ directory is copied to the other nodes (``fan_out``, :mod:`~megatron_rl.rollout.
 then the trainer is offloaded, only the engines' weights are woken, the transport *loads* the new
 weights into them (the engines tag later completions with the new version) and only then their KV
 cache is woken. A transport that streams straight from trainer memory (``streams_from_trainer``)
-loads while the trainer is still resident: engine weights woken, load, trainer offloaded, KV cache
-woken. The engines' KV cache and the trainer's state are never on the GPU together with the push
+loads while the trainer is still resident: its grad buffers freed, engine weights woken, load,
+trainer offloaded, KV cache woken. The engines' KV cache and the trainer's state are never on the GPU together with the push
 (the push moment of ``megatron_rl.planning.moments``).
 """
 from __future__ import annotations
@@ -53,7 +53,9 @@ class WeightSync:
         figures = dict(await self.transport.stage(version, tp))
         if self.transport.writes_directory:
             figures.update(await self._fan_out())
-        if not self.transport.streams_from_trainer:
+        if self.transport.streams_from_trainer:
+            await self.colocation.free_trainer_grads()  # the weights are the source; the gradients are spent
+        else:
             await self.colocation.offload_trainer()
         await self.colocation.wake_engine_weights()
         figures.update(await self.transport.load(self.engine, version))
