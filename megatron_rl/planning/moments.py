@@ -15,7 +15,7 @@ phases (the weight push, an elastic-TP rebuild, the stream trainer's handoff) is
    file push; then the trainer offloaded and only then the KV cache woken;
 5. back to rollout (the first moment again);
 6. elastic TP switch (``planner.enabled``): the old engines shut down, the new ones start with
-   their whole pool while the trainer is resident to push into them (``WeightSync.load_new_engines``);
+   their whole pool, then sleep and take a push like (4) (``WeightSync.load_new_engines``);
 7. stream trainer handoff (``stream.enabled``): the trainer resident and training on every GPU
    while the engines not released still generate on theirs.
 
@@ -115,9 +115,7 @@ def plan_moments(cfg: RunConfig, shape: ModelShape, est: MemoryEstimate,
                               {**overhead, **trainer, **eweights, **kv, **staging},
                               note="earlier order: every tag woken before the push, trainer offloaded after"))
     else:
-        # Colocation.free_trainer_grads: with the offload on, a tensor push frees the grad buffers first.
-        push_trainer = ({k: v for k, v in trainer.items() if k != "trainer gradients"} if streams and offloaded
-                        else trainer if streams or not offloaded else {})
+        push_trainer = push_trainer_of(trainer, streams, offloaded)
         moments.append(Moment("push (engine weights woken)", {**overhead, **push_trainer, **eweights, **asleep_kv(kv, sleeps),
                                                               **staging},
                               note=("trainer resident as the push source" + ", grad buffers freed" * offloaded if streams
@@ -125,9 +123,7 @@ def plan_moments(cfg: RunConfig, shape: ModelShape, est: MemoryEstimate,
                               + ", KV cache still asleep" * sleeps))
     moments.append(Moment("push done, KV cache woken", rollout,
                           note="trainer offloaded before the KV cache is woken" if offloaded else "trainer resident"))
-    elastic = bool(_section(cfg, "planner", "enabled", False))
-    moments.append(Moment("elastic TP switch (new engines pushed to)", {**overhead, **trainer, **eweights, **kv, **staging},
-                          checked=elastic, note="" if elastic else "planner.enabled is false: not used"))
+    moments += _elastic_moments(cfg, shape, est, overhead, trainer, push_trainer_of(trainer, streams, offloaded), staging)
     stream = bool(_section(cfg, "stream", "enabled", False))
     moments.append(Moment("stream handoff (trainer trains, engine generates)", {**overhead, **trainer, **work, **eweights, **kv},
                           checked=stream, note="" if stream else "stream.enabled is false: not used"))
@@ -137,6 +133,40 @@ def plan_moments(cfg: RunConfig, shape: ModelShape, est: MemoryEstimate,
             plan.problems.append(f"moment '{m.name}' needs {m.total_gib:.1f} GiB per GPU > {est.capacity_gib:.0f} GiB: "
                                  + ", ".join(f"{k} {v:.1f}" for k, v in m.parts.items()))
     return plan
+
+
+def push_trainer_of(trainer: dict[str, float], streams: bool, offloaded: bool) -> dict[str, float]:
+    """The trainer state resident during a push: a tensor push reads the weights, and with the offload
+    on the grad buffers are freed first (``Colocation.free_trainer_grads``); a file push runs after
+    the offload."""
+    if streams and offloaded:
+        return {k: v for k, v in trainer.items() if k != "trainer gradients"}
+    return trainer if streams or not offloaded else {}
+
+
+def _elastic_moments(cfg: RunConfig, shape: ModelShape, est: MemoryEstimate, overhead: dict[str, float],
+                     trainer: dict[str, float], push_trainer: dict[str, float],
+                     staging: dict[str, float]) -> list[Moment]:
+    """An elastic-TP switch (``rollpacker/elastic_tp.py``): the old engines shut down, the new ones
+    start with their whole pool, then take the weights (``WeightSync.load_new_engines``). Their
+    weight shard is sized at the smallest TP the planner may pick (``planner.min_tp``, else
+    ``rollout.tensor_parallel_size``), where it is largest; the pool is the same fraction of the GPU."""
+    on = bool(_section(cfg, "planner", "enabled", False))
+    note = "" if on else "planner.enabled is false: not used"
+    tp = int(_section(cfg, "planner", "min_tp", 0)) or cfg.rollout.tensor_parallel_size
+    weights = {"engine weights": shape.total_params * 2 / tp / GIB}
+    kv = {"engine KV cache + reserve": est.engine["pool"] - weights["engine weights"]}
+    resident = {} if est.trainer_offload else trainer
+    out = [Moment("elastic TP switch: new engines start", {**overhead, **resident, **weights, **kv}, on, note)]
+    if cfg.rollout.weight_sync_format != "tensor":  # rank files written with the old engines already gone
+        out.append(Moment("elastic TP switch: rank files written", {**overhead, **trainer}, on, note))
+    elif cfg.rollout.sleep_during_train:  # new engines asleep, only their weights woken for the push
+        out.append(Moment("elastic TP switch: push into new engines", {**overhead, **push_trainer, **weights, **staging},
+                          on, note))
+    else:
+        out.append(Moment("elastic TP switch: push into new engines", {**overhead, **trainer, **weights, **kv,
+                                                                         **staging}, on, note))
+    return out
 
 
 def asleep_kv(kv: dict[str, float], sleeps: bool) -> dict[str, float]:

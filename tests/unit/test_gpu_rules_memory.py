@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPES = {size: REPO / f"examples/qwen2.5/qwen2.5_{size}" for size in (
     "7b_math_2x8_tp2_rtp1.yaml", "14b_math_4x8_tp4_rtp2.yaml", "32b_math_8x8_tp8_rtp2.yaml")}
 STEP = ["rollout", "to training", "train", "push (engine weights woken)", "push done, KV cache woken",
-        "elastic TP switch (new engines pushed to)", "stream handoff (trainer trains, engine generates)"]
+        "elastic TP switch: new engines start", "elastic TP switch: push into new engines",
+        "stream handoff (trainer trains, engine generates)"]
 
 
 def _moments(recipe: Path, overrides=(), push_order="ordered"):
@@ -71,11 +72,18 @@ def test_a_moment_over_the_budget_fails_the_plan_naming_it():
 def test_feature_moments_are_checked_only_when_the_recipe_turns_the_feature_on():
     recipe = RECIPES["32b_math_8x8_tp8_rtp2.yaml"]
     _, _, plan = _moments(recipe)
-    assert [m.checked for m in plan.moments[-2:]] == [False, False] and not plan.problems
+    assert [m.checked for m in plan.moments[-3:]] == [False, False, False] and not plan.problems
+    # The stream trainer's handoff holds a generating engine's pool and a training trainer on one GPU.
     _, _, plan = _moments(recipe, ["stream.enabled=true"])
-    assert plan.moments[-1].checked and any("stream handoff" in p for p in plan.problems)
+    assert plan.moments[-1].checked and [p.split(" needs")[0] for p in plan.problems] == [
+        "moment 'stream handoff (trainer trains, engine generates)'"]
+    # An elastic switch fits in the push's order (new engines asleep, weights woken alone) ...
     _, _, plan = _moments(recipe, ["planner.enabled=true"])
-    assert plan.moments[-2].checked and any("elastic TP switch" in p for p in plan.problems)
+    assert all(m.checked for m in plan.moments[5:7]) and not plan.problems
+    assert plan.moments[6].total_gib == pytest.approx(plan.moments[3].total_gib)
+    # ... but not with engines that keep their pool (no sleep through training): weights, KV cache and trainer.
+    _, _, plan = _moments(recipe, ["planner.enabled=true", "rollout.sleep_during_train=false"])
+    assert any(p.startswith("moment 'elastic TP switch: push into new engines'") for p in plan.problems)
 
 
 def test_push_staging_is_bounded_by_the_bucket_config():

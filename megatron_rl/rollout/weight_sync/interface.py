@@ -35,6 +35,9 @@ class WeightWriter(Protocol):
 class SyncColocation(Protocol):
     """The device-memory transitions a sync needs (``training.colocation.Colocation``)."""
 
+    sleep: bool
+    """The engines sleep through training (``rollout.sleep_during_train``)."""
+
     async def to_rollout(self) -> None: ...
     async def offload_trainer(self) -> None: ...
     async def wake_engines(self) -> None: ...

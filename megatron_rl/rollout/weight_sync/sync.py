@@ -95,11 +95,25 @@ class WeightSync:
     async def load_new_engines(self, engine: RolloutEngine, version: int) -> dict[str, float]:
         """Elastic switch, after the new engines started from :meth:`write_for_new_engines`: push
         the current weights into them when they started without (the trainer resident for it);
-        nothing when they started from rank files. Returns the transport's figures."""
+        nothing when they started from rank files. Returns the transport's figures.
+
+        With ``rollout.sleep_during_train`` the memory moves as in :meth:`push`: the new engines
+        (dummy weights, empty KV cache: nothing to keep) sleep at level 2 before the trainer comes
+        back, its grad buffers are freed, only their weights wake for the push, and their KV cache
+        wakes once the trainer is offloaded again (the elastic moment of ``planning.moments``)."""
         if not self.transport.starts_engines_empty:
             return {}
+        ordered = self.colocation.sleep
+        if ordered:
+            await engine.sleep(2)
         async with self.colocation.trainer_resident():
-            return await self.transport.load(engine, version)
+            await self.colocation.free_trainer_grads()
+            if ordered:
+                await engine.wake_up(["weights"])
+            figures = await self.transport.load(engine, version)
+        if ordered:
+            await engine.wake_up(["kv_cache"])
+        return figures
 
     async def _fan_out(self) -> dict[str, float]:
         return await self.fan_out(self.directory) if self.fan_out is not None else {}
