@@ -12,13 +12,13 @@
 #     bash launch/qwen2.5_32b_h800.sh [section.key=value ...]   # submits itself with sbatch
 #   sbatch launch/qwen2.5_32b_h800.sh                  # or submit directly (run from the repo root)
 #
-# Recipe: RECIPE (default examples/qwen2.5/qwen2.5_32b_math_8x8_tp4cp4_rtp2.yaml;
+# Recipe: RECIPE (default examples/qwen2.5/qwen2.5_32b_math_8x8_tp8_rtp2.yaml;
 # the *_code_* recipe next to it trains on KodCode). Other variables: see launch/_slurm_common.sh.
 set -euo pipefail
 ROOT="${ROLLPACKER_ROOT:-${SLURM_SUBMIT_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}}"
 JOB_NAME="rl-qwen2.5-32b"
 NODES_DEFAULT=8
-RECIPE_DEFAULT="examples/qwen2.5/qwen2.5_32b_math_8x8_tp4cp4_rtp2.yaml"
+RECIPE_DEFAULT="examples/qwen2.5/qwen2.5_32b_math_8x8_tp8_rtp2.yaml"
 SCRIPT_PATH="$ROOT/launch/qwen2.5_32b_h800.sh"
 export JOB_NAME NODES_DEFAULT RECIPE_DEFAULT SCRIPT_PATH
 # shellcheck source=launch/_slurm_common.sh

@@ -44,8 +44,7 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     """Megatron pipeline-parallel size (must divide the number of layers)."""
     context_parallel_size: int = 1
-    """Megatron context-parallel size. Values > 1 need Transformer Engine on GPUs and are
-    refused on CPU with a clear message."""
+    """Megatron context-parallel size: only 1; values > 1 are refused (TE's CP attention and the CP split are not wired)."""
     data_parallel_size: int = 1
     """Data-parallel replicas of the trainer. World size = TP x PP x CP x DP."""
     sequence_parallel: bool = False
@@ -202,9 +201,12 @@ class RolloutConfig:
     engine_health_timeout_s: float = 10.0
     """Longest wait for an engine's health answer before it counts as dead."""
     sleep_during_train: bool = False
-    """Colocated GPUs: put the engines to sleep (vLLM sleep mode level 1: weights to host memory,
-    KV cache freed) once a step's rollout is done, so training can use that memory; they wake
-    before the weight sync. On CPU it runs but vLLM frees nothing."""
+    """Colocated GPUs: the engines sleep (vLLM sleep mode at ``sleep_level``, KV cache freed) once a step's
+    rollout is done, so training can use that memory; the weight sync wakes them. On CPU vLLM frees nothing."""
+    sleep_level: int = 1
+    """vLLM sleep level through training: 1 copies the weights to host memory and back; 2 drops
+    them, as the push right after training rewrites every one (requests are refused until it has).
+    Other sleeps (a checkpoint save, engines lent to the stream trainer) are always level 1."""
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     """Speculative decoding (``rollout.speculative.*``): drafted tokens verified by the engine."""
     # -- low-precision rollout (megatron_rl.quantization) --

@@ -230,6 +230,9 @@ def validate(cfg: RunConfig, arch: dict | None = None, device: str | None = None
     if cfg.rollout.weight_push_bucket_mb <= 0 or cfg.rollout.weight_push_timeout_s <= 0:
         raise ConfigError("rollout.weight_push_bucket_mb and rollout.weight_push_timeout_s must be > 0")
     _positive(cfg.rollout.weight_push_buffers, "rollout.weight_push_buffers")
+    if cfg.rollout.sleep_level not in (1, 2):
+        raise ConfigError(f"rollout.sleep_level: must be 1 (weights to host) or 2 (weights discarded), "
+                          f"got {cfg.rollout.sleep_level}")
     _validate_speculative(cfg)
     _choice(cfg.algorithm.advantage, ("grpo", "drgrpo"), "algorithm.advantage")
     _choice(cfg.algorithm.loss_agg, ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"), "algorithm.loss_agg")
@@ -242,6 +245,14 @@ def validate(cfg: RunConfig, arch: dict | None = None, device: str | None = None
         raise ConfigError("data.prompt_key and data.answer_key are required when data.format is 'custom'")
     for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "data_parallel_size"):
         _positive(getattr(cfg.parallel, key), f"parallel.{key}")
+    if cfg.parallel.context_parallel_size > 1:
+        # Megatron-Core CP needs TE's CP attention (ring/all-to-all over cp_group), each sequence cut into
+        # 2 x CP load-balanced chunks per rank and CP-aware DP sample division and grad reduction; none is wired.
+        raise ConfigError(
+            f"parallel.context_parallel_size={cfg.parallel.context_parallel_size}: context parallelism is not "
+            "supported (Megatron-Core CP needs Transformer Engine's context-parallel attention, the load-balanced "
+            "2 x CP split of every sequence and CP-aware sample division, none of which this trainer wires; CP ranks "
+            "would train on duplicate data). Set it to 1 and use tensor/pipeline parallelism instead")
     _choice(cfg.parallel.recompute_granularity, RECOMPUTE_GRANULARITIES, "parallel.recompute_granularity")
     for key in ("tensor_parallel_size", "num_engines", "max_new_tokens", "max_num_seqs"):
         _positive(getattr(cfg.rollout, key), f"rollout.{key}")
@@ -286,9 +297,6 @@ def validate(cfg: RunConfig, arch: dict | None = None, device: str | None = None
     device = device or resolve_device(cfg)
     par = cfg.parallel
     if device == "cpu":
-        if par.context_parallel_size > 1:
-            raise ConfigError("parallel.context_parallel_size > 1 needs Transformer Engine attention on GPUs; "
-                              "it cannot run on CPU (set it to 1 for CPU runs)")
         if par.sequence_parallel:
             raise ConfigError("parallel.sequence_parallel does not work on CPU (torch LayerNorm rejects it)")
         if par.use_distributed_optimizer:

@@ -26,7 +26,9 @@ gradients and optimizer state are off the GPU while the engines generate
 rollout phase holds only the engine pool and the per-process overheads.
 
 The assumptions that are not visible in the recipe are explicit in :class:`MemoryAssumptions`
-and printed with the estimate.
+and printed with the estimate. The two phase peaks here are what the recipe's switches allow;
+``megatron_rl.planning.moments`` walks every transition of a step (the push, an elastic-TP
+switch, the stream trainer's handoff) with the recipe's actual sleep / offload settings.
 """
 from __future__ import annotations
 
@@ -70,8 +72,8 @@ class MemoryAssumptions:
     """Hybrid-engine behaviour and fixed overheads the estimate relies on."""
 
     engine_sleeps_during_training: bool = True
-    """vLLM sleep mode (level 1) while the trainer trains: engine weights go to host memory and
-    the KV cache is dropped, so training activations can use that memory."""
+    """vLLM sleep mode while the trainer trains: engine weights go to host memory (level 1) or
+    are dropped (level 2) and the KV cache is dropped, so training activations can use that memory."""
     trainer_offload_during_rollout: bool = False
     """What-if override: estimate as if ``trainer.offload_during_rollout`` were on (trainer
     weights, grads and optimizer state off the GPU during rollout). The recipe's field drives the

@@ -17,6 +17,7 @@ from megatron_rl.planning.memory import (
     format_memory,
     max_model_len,
 )
+from megatron_rl.planning.moments import MomentPlan, format_moments, plan_moments
 from megatron_rl.planning.placement import NodePlan, format_placement, plan_placement
 
 
@@ -28,6 +29,7 @@ class ClusterPlan:
     memory: MemoryEstimate
     assume: MemoryAssumptions
     gpu_name: str
+    moments: MomentPlan
 
     def lines(self) -> list[str]:
         c, p, r, a = self.cfg, self.cfg.parallel, self.cfg.rollout, self.shape.arch
@@ -48,6 +50,7 @@ class ClusterPlan:
         ]
         out += format_placement(self.nodes)
         out += format_memory(self.memory, self.assume)
+        out += format_moments(self.moments)
         return out
 
 
@@ -60,9 +63,10 @@ def make_plan(cfg: RunConfig, hostnames: list[str] | None = None, gpu: str = "h8
     validate(cfg, shape.as_hf_dict(), device="cuda")
     nodes = plan_placement(cfg, hostnames)
     memory = estimate_memory(cfg, shape, GPUS[gpu], assume)
-    plan = ClusterPlan(cfg, shape, nodes, memory, assume, GPUS[gpu].name)
-    if not memory.fits:
-        detail = "\n  - ".join(memory.problems)
+    moments = plan_moments(cfg, shape, memory)
+    plan = ClusterPlan(cfg, shape, nodes, memory, assume, GPUS[gpu].name, moments)
+    if not memory.fits or moments.problems:
+        detail = "\n  - ".join(memory.problems + moments.problems)
         raise PlanError(f"the recipe does not fit a {GPUS[gpu].memory_gib:.0f} GiB {GPUS[gpu].name}:\n  - {detail}\n"
-                        + "\n".join(format_memory(memory, assume)))
+                        + "\n".join(format_memory(memory, assume) + format_moments(moments)))
     return plan

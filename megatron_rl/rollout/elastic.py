@@ -114,11 +114,11 @@ class ElasticRollout(ForwardsWeightUpdates, RolloutEngine):
     async def restore_engines(self) -> dict[str, float]:
         return await self._engine.restore_engines()
 
-    async def sleep(self) -> None:
-        await self._engine.sleep()
+    async def sleep(self, level: int = 1) -> None:
+        await self._engine.sleep(level)
 
-    async def wake_up(self) -> None:
-        await self._engine.wake_up()
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._engine.wake_up(tags)
 
     async def shutdown(self) -> None:
         if self._pump is not None:

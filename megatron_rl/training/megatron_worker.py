@@ -417,6 +417,13 @@ class MegatronWorker(WeightExport, WeightPush):
         self._accumulated = None
 
     @with_cpu_device_mode
+    def free_grad_buffers(self) -> dict[str, int]:
+        """:meth:`offload_for_rollout`'s first part alone (before a push reading the weights): the grad buffers."""
+        if self._accumulated is not None:
+            raise RuntimeError("free_grad_buffers: gradients from accumulate_gradients are pending; discard them first")
+        return {"grad_buffers_freed": self._offload.free_grad_buffers(self.model)}
+
+    @with_cpu_device_mode
     def offload_for_rollout(self) -> dict[str, int]:
         """``trainer.offload_during_rollout``, after the weight sync: free the grad buffers (the last
         step's gradients are dropped) and, on GPUs, move optimizer state and weights to the host

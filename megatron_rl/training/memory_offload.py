@@ -79,24 +79,45 @@ class TrainerOffload:
         self.move_weights = on_gpu
         self.pin = on_gpu
         self.active = False
+        self.grads_only = False
+        """Only the grad buffers are freed (:meth:`free_grad_buffers`); :meth:`offload` moves the rest."""
         self.auto_reloads = 0  # training calls that found the state offloaded (see with_training_state)
         self._model: Any = None
         self._moved: list[tuple[torch.UntypedStorage, torch.Tensor, str]] = []  # (emptied storage, host bytes, kind)
         self._moved_ptrs: set[int] = set()
 
+    def free_grad_buffers(self, model: Any) -> int:
+        """The first part of :meth:`offload` alone: free ``model``'s grad buffers (the last step's
+        gradients are spent) while the weights stay, e.g. as the source of a weight push that
+        then has their room. :meth:`offload` moves the rest, :meth:`reload` brings them back.
+        Returns the bytes freed (0 when already offloaded)."""
+        if self.active:
+            return 0
+        on_gpu = torch.cuda.is_available()
+        if on_gpu:
+            torch.cuda.synchronize()  # the last step's kernels may still read these buffers
+        freed = grad_buffer_bytes(model)
+        model.offload_grad_buffers(synchronize=False, empty_cache=False)
+        self._model, self.active, self.grads_only = model, True, True
+        if on_gpu:
+            torch.cuda.empty_cache()
+        return freed
+
     def offload(self, model: Any, optimizer: Any, reference: Any = None) -> dict[str, int]:
         """Free ``model``'s grad buffers; move optimizer state and weights to the host when
         enabled. Returns the bytes freed or moved per kind (0 for a kind left in place)."""
-        if self.active:
+        if self.active and not self.grads_only:
             return {"grad_buffers_freed": 0, "optimizer_to_host": 0, "weights_to_host": 0}
         on_gpu = torch.cuda.is_available()
         if on_gpu:
             torch.cuda.synchronize()  # the last step's kernels may still read these buffers
-        stats = {"grad_buffers_freed": grad_buffer_bytes(model), "optimizer_to_host": 0, "weights_to_host": 0}
-        # synchronize/empty_cache call torch.cuda, which a CPU-only torch rejects without the shim.
-        model.offload_grad_buffers(synchronize=False, empty_cache=False)
+        stats = {"grad_buffers_freed": 0 if self.active else grad_buffer_bytes(model), "optimizer_to_host": 0,
+                 "weights_to_host": 0}
+        if not self.active:
+            # synchronize/empty_cache call torch.cuda, which a CPU-only torch rejects without the shim.
+            model.offload_grad_buffers(synchronize=False, empty_cache=False)
         # Active from here: should a move below fail, reload still restores what was moved.
-        self._model, self.active = model, True
+        self._model, self.active, self.grads_only = model, True, False
         if self.move_optimizer:  # before the weights: aliasing is judged on live storages
             stats["optimizer_to_host"] = self._move(_optimizer_tensors(model, optimizer), "optimizer")
         if self.move_weights:
@@ -122,7 +143,7 @@ class TrainerOffload:
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # pinned copies are asynchronous: the host bytes must outlive them
         self._moved, self._moved_ptrs = [], set()
-        self._model, self.active = None, False
+        self._model, self.active, self.grads_only = None, False, False
         return stats
 
     def _move(self, tensors: list[torch.Tensor], kind: str) -> int:

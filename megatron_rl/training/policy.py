@@ -34,6 +34,10 @@ class Policy(Protocol):
         """The single optimizer step over everything accumulated, normalised by these totals."""
         ...
 
+    async def free_grad_buffers(self) -> dict:
+        """Free only the gradient buffers (the first part of :meth:`offload_for_rollout`)."""
+        ...
+
     async def offload_for_rollout(self) -> dict:
         """Move the trainer state out of device memory (``trainer.offload_during_rollout``)."""
         ...

@@ -243,6 +243,11 @@ class PolicyGroup:
         response tokens and sequences; metrics as :meth:`train_step` returns them."""
         return await self._first("apply_accumulated_gradients", num_tokens_total, num_seqs_total)
 
+    async def free_grad_buffers(self) -> dict:
+        """Every rank frees only its grad buffers (the first part of :meth:`offload_for_rollout`,
+        before a push that reads the weights); returns rank 0's bytes. Only ``Colocation`` calls this."""
+        return await self._first("free_grad_buffers")
+
     async def offload_for_rollout(self) -> dict:
         """Every rank frees its grad buffers and (GPU) moves optimizer state and weights to host
         memory; returns rank 0's bytes freed/moved per kind. Only ``Colocation`` calls this."""

@@ -1,7 +1,7 @@
 """Print the resolved plan of a GPU recipe without launching anything: parallel layout, what runs
 on each node and GPU, and a per-GPU memory estimate; exit code 2 when it does not fit.
 
-    rollpacker-plan-cluster --config examples/qwen2.5/qwen2.5_14b_math_4x8_tp2pp2cp2_rtp2.yaml \
+    rollpacker-plan-cluster --config examples/qwen2.5/qwen2.5_14b_math_4x8_tp4_rtp2.yaml \
         [--hosts n1,n2,n3,n4] [--gpu h800] [section.key=value ...]
 
 Needs neither torch nor a GPU, so it runs on a login node (the Slurm scripts' --dry-run uses it).

@@ -1,7 +1,7 @@
 """Cluster what-if simulator: baseline (veRL-style) vs RollPacker for a recipe, mechanism by
 mechanism, with an eta_P x eta_R sweep and the paper's figures side by side.
 
-    rollpacker-simulate --recipe examples/qwen2.5/qwen2.5_14b_math_4x8_tp2pp2cp2_rtp2.yaml
+    rollpacker-simulate --recipe examples/qwen2.5/qwen2.5_14b_math_4x8_tp4_rtp2.yaml
     rollpacker-simulate --recipe R.yaml --metrics runs/x/metrics.jsonl      # replay a run's lengths
     rollpacker-simulate --recipe R.yaml --lengths lengths.jsonl            # {"prompt_id","length"} rows
     rollpacker-simulate --recipe examples/qwen2.5/tiny_cpu.yaml --engine-constants cpu.json \

@@ -29,6 +29,10 @@ class FakeEngine(RolloutEngine):
         self.submitted: list[GenerationRequest] = []
         self.aborted: list[str] = []
         self.asleep = False
+        """Requests refused (the KV cache sleeps)."""
+        self.weights_asleep = False
+        """Pushes and reloads refused (the weights sleep; a wake_up(["weights"]) brings them)."""
+        self.sleep_levels: list[int] = []
         self.sleep_calls = 0
         self.wake_calls = 0
         self._task: asyncio.Task | None = None
@@ -85,7 +89,7 @@ class FakeEngine(RolloutEngine):
     async def reload_weights(self, weights_dir: str, version: int) -> None:
         if self.running or self.waiting:
             raise RuntimeError("reload with requests in flight")
-        if self.asleep:
+        if self.weights_asleep:
             raise RuntimeError("FakeEngine is asleep: reload refused; wake_up() first")
         self.version = version
 
@@ -100,21 +104,25 @@ class FakeEngine(RolloutEngine):
     async def receive_weights(self, sync_id: int, version: int) -> list[dict[str, float]]:
         if self.running or self.waiting:
             raise RuntimeError("receive_weights with requests in flight")
-        if self.asleep:
+        if self.weights_asleep:
             raise RuntimeError("FakeEngine is asleep: push refused; wake_up() first")
         if getattr(self, "push_init", None) is None:
             raise RuntimeError("receive_weights before open_weight_receiver")
         self.version = version
         return [{"bytes": 1e6, "seconds": 0.01, "load_s": 0.004, "transport_s": 0.006}]
 
-    async def sleep(self) -> None:
+    async def sleep(self, level: int = 1) -> None:
         if self.running or self.waiting:
             raise RuntimeError(f"FakeEngine sleep refused: {len(self.running) + len(self.waiting)} request(s) in flight")
-        self.asleep = True
+        self.asleep = self.weights_asleep = True
+        self.sleep_levels.append(level)
         self.sleep_calls += 1
 
-    async def wake_up(self) -> None:
-        self.asleep = False
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        if tags is None or "weights" in tags:
+            self.weights_asleep = False
+        if tags is None or "kv_cache" in tags:
+            self.asleep = False
         self.wake_calls += 1
 
     async def stats(self) -> EngineStats:

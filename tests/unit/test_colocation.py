@@ -20,6 +20,9 @@ class Moves:
         self.calls: list[str] = []
         self.active_engines = 2
 
+    async def free_grad_buffers(self):
+        self.calls.append("trainer.free_grads")
+
     async def offload_for_rollout(self):
         self.calls.append("trainer.offload")
 
@@ -29,11 +32,11 @@ class Moves:
     async def set_num_threads(self, n):
         self.calls.append(f"trainer.threads({n})")
 
-    async def sleep(self):
-        self.calls.append("engine.sleep")
+    async def sleep(self, level=1):
+        self.calls.append("engine.sleep" if level == 1 else f"engine.sleep(level {level})")
 
-    async def wake_up(self):
-        self.calls.append("engine.wake_up")
+    async def wake_up(self, tags=None):
+        self.calls.append("engine.wake_up" if tags is None else f"engine.wake_up({','.join(tags)})")
 
     async def release_engines(self, count):
         self.calls.append(f"engine.release({count})")
@@ -44,9 +47,10 @@ class Moves:
         return {}
 
 
-def colocation(offload: bool, sleep: bool, on_cpu: bool = True) -> tuple[Colocation, Moves]:
+def colocation(offload: bool, sleep: bool, on_cpu: bool = True, level: int = 1) -> tuple[Colocation, Moves]:
     cfg = RunConfig()
     cfg.trainer.offload_during_rollout, cfg.rollout.sleep_during_train = offload, sleep
+    cfg.rollout.sleep_level = level
     moves = Moves()
     return Colocation(cfg, moves, moves, on_cpu=on_cpu), moves
 
@@ -155,9 +159,14 @@ class _RecordingTransport(WeightTransport):
 
 
 @pytest.mark.parametrize("streams, expected", [
-    (False, ["stage(v3,tp2)", "fan_out(/shm/w)", "trainer.offload", "engine.wake_up", "load(v3)"]),
-    # A tensor transport reads trainer memory while the engines receive: wake, load, then offload.
-    (True, ["stage(v3,tp2)", "engine.wake_up", "load(v3)", "trainer.offload"]),
+    # Only the engines' weights are woken for the load; their KV cache after it (the push moment of
+    # megatron_rl.planning.moments: trainer state, engine weights and KV cache never all at once).
+    (False, ["stage(v3,tp2)", "fan_out(/shm/w)", "trainer.offload", "engine.wake_up(weights)", "load(v3)",
+             "engine.wake_up(kv_cache)"]),
+    # A tensor transport reads trainer memory while the engines receive: grads freed, weights, load,
+    # offload, KV cache.
+    (True, ["stage(v3,tp2)", "trainer.free_grads", "engine.wake_up(weights)", "load(v3)", "trainer.offload",
+            "engine.wake_up(kv_cache)"]),
 ])
 def test_weight_sync_orders_memory_around_its_transport(streams, expected):
     async def main():
@@ -180,3 +189,33 @@ def test_weight_sync_orders_memory_around_its_transport(streams, expected):
     assert calls == expected
     assert metrics["weight_sync/staged"] == 1.0 and metrics["weight_sync/loaded"] == 1.0
     assert ("weight_sync/fanout_mb" in metrics) == (not streams)
+
+
+def test_only_the_sleep_before_a_push_drops_the_weights():
+    """rollout.sleep_level=2 applies to the sleep through training (a push follows and rewrites the
+    weights); a checkpoint save's sleep is level 1, since the engines wake without a push."""
+    async def main():
+        col, moves = colocation(offload=True, sleep=True, level=2)
+        await col.to_training()
+        await col.to_rollout()
+        async with col.training_side():
+            moves.calls.append("save")
+        return moves.calls
+
+    assert asyncio.run(main()) == ["engine.sleep(level 2)", "trainer.reload", "trainer.offload", "engine.wake_up",
+                                   "engine.sleep", "trainer.reload", "save", "trainer.offload", "engine.wake_up"]
+
+
+def test_gradients_freed_before_a_push_come_back_before_training_even_if_the_push_failed():
+    async def main():
+        col, moves = colocation(offload=True, sleep=False)
+        await col.to_training()
+        await col.free_trainer_grads()
+        await col.free_trainer_grads()  # once
+        await col.to_training()  # the push failed before the offload: the grad buffers must come back
+        plain, kept = colocation(offload=False, sleep=True)
+        await plain.free_trainer_grads()  # without the offload nothing reloads them: never freed
+        return moves.calls, kept.calls
+
+    calls, kept = asyncio.run(main())
+    assert calls == ["trainer.reload", "trainer.free_grads", "trainer.reload"] and kept == []

@@ -115,9 +115,13 @@ def test_split_placement_needs_two_nodes_and_room_for_the_ranks():
     validate(load_config("examples/qwen2.5/tiny_cpu_2node.yaml", []), device="cpu")
 
 
-def test_cp_accepted_on_gpu_config():
+def test_context_parallelism_is_refused_on_gpus_too_naming_the_key_and_why():
     cfg = load_config(None, ["parallel.context_parallel_size=2", "parallel.tensor_model_parallel_size=2"])
-    validate(cfg, device="cuda")
+    with pytest.raises(ConfigError, match=r"parallel.context_parallel_size=2: context parallelism is not supported "
+                                          r"\(Megatron-Core CP needs Transformer Engine's context-parallel attention"):
+        validate(cfg, device="cuda")
+    with pytest.raises(ConfigError, match="rollout.sleep_level"):
+        validate(load_config(None, ["rollout.sleep_level=3"]), device="cuda")
 
 
 def test_every_field_has_a_docstring():

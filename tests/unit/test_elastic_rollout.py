@@ -70,6 +70,10 @@ class FakeTrainer:
         self.calls.append(tp)
         return {"bytes_sent": 3e6, "bytes_local": 1e6, "seconds": 0.5, "rounds": 2.0}
 
+    async def free_grad_buffers(self) -> dict:
+        self.calls.append("free_grads")
+        return {}
+
     async def offload_for_rollout(self) -> dict:
         self.calls.append("offload")
         return {}

@@ -74,20 +74,25 @@ class FakeEngine(RolloutEngine):
         self.pending_aborts = []
 
     async def reload_weights(self, weights_dir, version):
-        if self.asleep:
+        if getattr(self, "weights_asleep", self.asleep):
             raise RuntimeError("reload while asleep")
         self.reloads.append((weights_dir, version))
         self.version = version
 
-    async def sleep(self):
+    async def sleep(self, level=1):
         if self.requests:
             raise RuntimeError(f"sleep with {len(self.requests)} in flight")
-        self.asleep = True
+        self.asleep = self.weights_asleep = True
         self.sleeps += 1
+        self.moves = getattr(self, "moves", []) + [f"sleep({level})"]
 
-    async def wake_up(self):
-        self.asleep = False
-        self.wakes += 1
+    async def wake_up(self, tags=None):
+        self.moves = getattr(self, "moves", []) + [f"wake({','.join(tags) if tags else 'all'})"]
+        if tags is None or "weights" in tags:
+            self.weights_asleep = False
+        if tags is None or "kv_cache" in tags:
+            self.asleep = False
+            self.wakes += 1
 
     async def stats(self):
         return self._stats
@@ -505,5 +510,23 @@ def test_random_release_keeps_one_completion_per_request_within_budget():
             assert len(c.token_ids) == min(target, r.max_tokens) == len(c.logprobs)
             assert c.finish_reason == ("length" if target >= r.max_tokens else "stop")
         await pool.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_push_into_a_sleeping_pool_wakes_only_the_weights_and_routes_after_the_kv_cache():
+    """The weight sync's order (planning.moments' push moment): pool asleep at level 2, the
+    weights of every engine (a released one too) woken, the reload, then the KV caches."""
+    async def scenario():
+        a, b, pool, stream = await released_then_drained()
+        await pool.sleep(level=2)
+        await pool.wake_up(["weights"])
+        await pool.reload_weights("/dev/shm/w", 4)  # no full wake-up on the way
+        assert a.asleep and b.asleep and pool.active_engines == 0
+        assert a.moves == ["sleep(2)", "wake(weights)"] and b.moves == ["sleep(1)", "wake(weights)"]
+        await pool.wake_up(["kv_cache"])
+        assert a.moves[-1] == b.moves[-1] == "wake(all)" and pool.active_engines == 2
+        assert a.reloads == b.reloads == [("/dev/shm/w", 4)]
+        await routed_to_both(a, b, pool, stream)
 
     asyncio.run(scenario())

@@ -21,8 +21,10 @@ from megatron_rl.planning.plan import make_plan
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted((REPO / "examples/qwen2.5").glob("qwen2.5_*b_*.yaml"))
-PAPER_SHAPE = {"7b": (2, 1, 1, 1, 2), "14b": (2, 2, 2, 2, 4), "32b": (4, 1, 4, 2, 8)}  # TP PP CP rTP nodes
-RECIPE_32B = REPO / "examples/qwen2.5/qwen2.5_32b_math_8x8_tp4cp4_rtp2.yaml"
+# TP PP CP rTP nodes. No context parallelism (refused): the paper's 14B (2,2,2) and 32B (4,1,4) trainer layouts
+# became TP4 and TP8 on the same GPUs (the memory moments of tests/unit/test_gpu_rules_memory.py fit 80 GB).
+LAYOUT = {"7b": (2, 1, 1, 1, 2), "14b": (4, 1, 1, 2, 4), "32b": (8, 1, 1, 2, 8)}
+RECIPE_32B = REPO / "examples/qwen2.5/qwen2.5_32b_math_8x8_tp8_rtp2.yaml"
 
 
 def test_all_sizes_and_tasks_present():
@@ -35,7 +37,7 @@ def test_recipe_validates_and_fits_an_h800(recipe):
     cfg = load_config(recipe)
     plan = make_plan(cfg)
     size = recipe.name.split("_")[1]
-    tp, pp, cp, rtp, nodes = PAPER_SHAPE[size]
+    tp, pp, cp, rtp, nodes = LAYOUT[size]
     p = cfg.parallel
     assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size) == (tp, pp, cp)
     assert cfg.rollout.tensor_parallel_size == rtp and cfg.cluster.num_nodes == nodes
@@ -49,7 +51,7 @@ def test_recipe_validates_and_fits_an_h800(recipe):
     assert cfg.reward.kind == {"code": "code", "math": "math", "mixed": "mixed"}[task]
     assert cfg.data.format == {"code": "kodcode", "math": "deepmath", "mixed": "auto"}[task]
     assert cfg.scheduler.name == "tail_batching"  # RollPacker recipes; scheduler.name=baseline for veRL-style
-    if size == "32b":  # the paper's layout fits only with both memory features
+    if size == "32b":  # fits only with both memory features
         assert cfg.parallel.recompute_granularity == "full" and cfg.trainer.offload_during_rollout
         assert plan.memory.trainer_offload == "trainer.offload_during_rollout"
 
@@ -75,9 +77,8 @@ def test_memory_hand_computed_7b():
     assert est.kv_tokens_per_engine == int(kv * GIB / (2 * 28 * 4 * 128 * 2))
 
 
-def test_paper_32b_layout_without_recompute_and_offload_is_refused_with_the_reason():
-    cfg = load_config(RECIPE_32B, ["parallel.recompute_granularity=none", "trainer.offload_during_rollout=false",
-                                   "rollout.gpu_memory_utilization=0.5"])
+def test_32b_layout_without_recompute_and_offload_is_refused_with_the_reason():
+    cfg = load_config(RECIPE_32B, ["parallel.recompute_granularity=none", "trainer.offload_during_rollout=false"])
     with pytest.raises(PlanError, match=r"rollout phase needs 9\d\.\d GiB per GPU > 80 GiB") as info:
         make_plan(cfg)
     message = str(info.value)
@@ -89,7 +90,7 @@ def test_paper_32b_layout_without_recompute_and_offload_is_refused_with_the_reas
 def test_recompute_lowers_activations_as_computed_by_hand():
     shape = BUILTIN_SHAPES["qwen2.5-32b"]
     h, ffn, kv, heads, layers = 5120, 27648, 8 * 128, 40, 64
-    tp, tokens = 4, 33792 / 4  # TP4, CP4 splits the microbatch, sequence parallel on
+    tp, tokens = 8, 33792  # TP8, no CP: the whole microbatch on every rank, sequence parallel on
     # bf16 q/k/v, attention out, fc1 (gate+up), SwiGLU out split by TP; fp32 log-sum-exp per head
     # (flash attention's only internal state); six hidden-size tensors split by SP.
     per_layer = 2 * ((h + 2 * kv) + h + 2 * ffn + ffn) / tp + 4 * heads / tp + 2 * 6 * h / tp
@@ -104,9 +105,9 @@ def test_recompute_lowers_activations_as_computed_by_hand():
         est = estimate_memory(cfg, shape, GPUS["h800"])
         assert est.trainer["activations"] == pytest.approx(value / GIB, rel=1e-12), granularity
         assert est.recompute == granularity
-    assert expected["full"] / GIB == pytest.approx(1.79, abs=0.01)
-    assert expected["none"] / GIB == pytest.approx(31.7, abs=0.05)
-    assert expected["none"] - expected["selective"] == tokens * layers * 40  # 40 B/token/layer: ~0.06 %
+    assert expected["full"] / GIB == pytest.approx(3.57, abs=0.01)
+    assert expected["none"] / GIB == pytest.approx(63.46, abs=0.05)
+    assert expected["none"] - expected["selective"] == tokens * layers * 20  # 20 B/token/layer: ~0.06 %
     # Without sequence parallelism the stored layer inputs are full-size on every TP rank.
     no_sp = tokens * (layers * 2 * h + per_layer + 2 * 6 * h * (1 - 1 / tp))
     cfg = load_config(RECIPE_32B, ["parallel.sequence_parallel=false"])
@@ -119,7 +120,7 @@ def test_offload_lowers_the_rollout_peak_by_the_trainer_state():
     off = estimate_memory(load_config(RECIPE_32B), shape, GPUS["h800"])
     t = kept.trainer
     assert kept.rollout_peak_gib - off.rollout_peak_gib == pytest.approx(t["weights"] + t["gradients"] + t["optimizer"])
-    assert off.rollout_trainer_gib == 0.0 and kept.rollout_trainer_gib == pytest.approx(51.5, abs=0.05)
+    assert off.rollout_trainer_gib == 0.0 and kept.rollout_trainer_gib == pytest.approx(28.6, abs=0.05)
     assert off.train_peak_gib == kept.train_peak_gib  # everything is back for training
     # A reference model's weights leave the GPU too.
     ref_kept, ref_off = (estimate_memory(load_config(RECIPE_32B, [f"trainer.offload_during_rollout={flag}",
@@ -137,11 +138,11 @@ def test_offload_lowers_the_rollout_peak_by_the_trainer_state():
 
 
 def test_placement_coordinates_and_node_boundaries():
-    cfg = load_config(REPO / "examples/qwen2.5/qwen2.5_14b_math_4x8_tp2pp2cp2_rtp2.yaml")
+    cfg = load_config(REPO / "examples/qwen2.5/qwen2.5_14b_math_4x8_tp4_rtp2.yaml")
     nodes = plan_placement(cfg, ["a", "b", "c", "d"])
     assert nodes[1].gpus[0].trainer_rank == 8 and nodes[1].gpus[0].coords == "tp0 cp0 dp2 pp0"
-    assert nodes[2].gpus[0].coords == "tp0 cp0 dp0 pp1"
-    assert nodes[0].gpus[3].coords == "tp1 cp1 dp0 pp0"
+    assert nodes[2].gpus[0].coords == "tp0 cp0 dp4 pp0"
+    assert nodes[0].gpus[3].coords == "tp3 cp0 dp0 pp0"
     assert [s.engine for s in nodes[3].gpus] == [12, 12, 13, 13, 14, 14, 15, 15]
     assert sum(len(n.reward_workers) for n in nodes) == cfg.reward.num_workers
     cfg.rollout.tensor_parallel_size = 3

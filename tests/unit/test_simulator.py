@@ -118,10 +118,10 @@ def test_lengths_from_metrics_and_file(tmp_path):
 
 
 def test_recipe_cluster_uses_its_layout():
-    cfg = load_config(REPO / "examples/qwen2.5/qwen2.5_14b_math_4x8_tp2pp2cp2_rtp2.yaml")
+    cfg = load_config(REPO / "examples/qwen2.5/qwen2.5_14b_math_4x8_tp4_rtp2.yaml")
     cl = build_cluster(cfg, BUILTIN_SHAPES["qwen2.5-14b"], GPUS["h800"], LogNormalLengths.paper_like(16384))
     assert (cl.rollout_gpus, cl.base_tp, cl.max_tp, cl.total_gpus) == (32, 2, 8, 32)
-    assert cl.train.pp == 2 and cl.train.gpus == 32
+    assert cl.train.pp == 1 and cl.train.gpus == 32
 
 
 def test_cli_with_measured_constants_prints_speedup(tmp_path, capsys, tiny_model_dir):
@@ -155,10 +155,10 @@ def test_recipe_with_offload_gets_a_host_round_trip():
     from megatron_rl.planning.architectures import BUILTIN_SHAPES
     from megatron_rl.planning.memory import GPUS
 
-    cfg = load_config(REPO / "examples/qwen2.5/qwen2.5_32b_math_8x8_tp4cp4_rtp2.yaml")
+    cfg = load_config(REPO / "examples/qwen2.5/qwen2.5_32b_math_8x8_tp8_rtp2.yaml")
     shape = BUILTIN_SHAPES["qwen2.5-32b"]
     train = TrainModel.from_recipe(cfg, shape, GPUS["h800"])
     assert train.recompute == "full"
-    # 32B / TP4 bf16 weights + 12 B/param Adam state over DP4 x CP4, out and back at 25 GB/s.
-    expected = 2 * shape.total_params / 4 * (2 + 12 / 16) / 25e9
+    # 32B / TP8 bf16 weights + 12 B/param Adam state over DP8, out and back at 25 GB/s.
+    expected = 2 * shape.total_params / 8 * (2 + 12 / 8) / 25e9
     assert train.offload_s == pytest.approx(expected)

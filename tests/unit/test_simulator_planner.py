@@ -22,7 +22,7 @@ from rollpacker.simulator.policies import Features, PolicyState, simulate_step
 from rollpacker.simulator.runner import build_cluster
 
 REPO = Path(__file__).resolve().parents[2]
-RECIPE = REPO / "examples/qwen2.5/qwen2.5_14b_math_4x8_tp2pp2cp2_rtp2.yaml"
+RECIPE = REPO / "examples/qwen2.5/qwen2.5_14b_math_4x8_tp4_rtp2.yaml"
 # Small batches and short responses keep each simulated round cheap; the layout stays the
 # recipe's (32 rollout GPUs as 16 engines x TP2, 8 GPUs a node: legal TPs 1/2/4/8).
 # planner.min_tp=1 lets the rule go below the recipe's TP 2 (the default floor is the smallest

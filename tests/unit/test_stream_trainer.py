@@ -54,6 +54,9 @@ class Recorder:
     async def set_num_threads(self, n: int) -> None:
         self.threads.append(n)
 
+    async def free_grad_buffers(self) -> dict:
+        return {}
+
     async def offload_for_rollout(self) -> dict:
         return {}
 

@@ -81,6 +81,10 @@ class Trainer:
     async def close_weight_push(self, key):
         self.calls.append(f"close({key})")
 
+    async def free_grad_buffers(self):
+        self.calls.append("free_grads")
+        return {}
+
     async def offload_for_rollout(self):
         self.calls.append("offload")
         return {}
@@ -205,7 +209,8 @@ def test_an_engine_that_dies_mid_push_fails_it_at_its_next_health_check(tmp_path
     assert trainer.calls[-1] == "close(push1)"
 
 
-def test_elastic_switch_starts_engines_from_config_and_pushes_into_them(tmp_path):
+@pytest.mark.parametrize("sleep", [False, True])
+def test_elastic_switch_starts_engines_from_config_and_pushes_into_them(tmp_path, sleep):
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
@@ -213,10 +218,20 @@ def test_elastic_switch_starts_engines_from_config_and_pushes_into_them(tmp_path
     (hf / "model.safetensors").write_bytes(b"weights")
     cfg = RunConfig()
     cfg.trainer.offload_during_rollout = True
+    cfg.rollout.sleep_during_train = sleep
     trainer, built = Trainer(), []
 
+    class NewEngine(Engine):  # records its memory moves among the trainer's calls
+        async def sleep(self, level=1):
+            trainer.calls.append(f"engine.sleep({level})")
+            await super().sleep(level)
+
+        async def wake_up(self, tags=None):
+            trainer.calls.append(f"engine.wake_up({','.join(tags or ['all'])})")
+            await super().wake_up(tags)
+
     async def factory(tp, model_dir):
-        engine = Engine(tp=tp)
+        engine = NewEngine(tp=tp)
         engine.model_dir = model_dir
         built.append(engine)
         return engine
@@ -241,7 +256,13 @@ def test_elastic_switch_starts_engines_from_config_and_pushes_into_them(tmp_path
     assert read_push_manifest(start_dir) == {"format": "megatron_rl.tensor_push/1", "tensor_parallel_size": 2,
                                              "version": 7, "hf_path": str(hf)}
     assert sorted(p.name for p in start_dir.iterdir()) == sorted(["config.json", "tokenizer.json", PUSH_MANIFEST])
-    assert trainer.calls == ["reload", "open(push1,tp2)", "push(push1,1,v7)", "offload"]
+    # The new engines' whole pool is never on the GPU with the resident trainer (planning.moments'
+    # elastic moment): they sleep first, only their weights wake for the push, the KV cache after it.
+    moves = ["reload", "free_grads", "open(push1,tp2)", "push(push1,1,v7)", "offload"]
+    if sleep:
+        moves = (["engine.sleep(2)"] + moves[:2] + ["engine.wake_up(weights)"] + moves[2:]
+                 + ["engine.wake_up(kv_cache)"])
+    assert trainer.calls == moves
     assert built[0].version == 7 and figures["push_mb"] == 4.0 and figures["new_tp"] == 2.0
 
 

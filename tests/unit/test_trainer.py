@@ -50,13 +50,13 @@ class AnsweringEngine(FakeEngine):
         self.queue.put_nowait(Completion(req.request_id, ids, [-0.5] * len(ids), reason, self.version, t0,
                                          time.monotonic()))
 
-    async def sleep(self) -> None:
-        self.events.append("engine.sleep")
-        await super().sleep()
+    async def sleep(self, level: int = 1) -> None:
+        self.events.append("engine.sleep" if level == 1 else f"engine.sleep(level {level})")
+        await super().sleep(level)
 
-    async def wake_up(self) -> None:
-        self.events.append("engine.wake_up")
-        await super().wake_up()
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        self.events.append("engine.wake_up" if tags is None else f"engine.wake_up({','.join(tags)})")
+        await super().wake_up(tags)
 
     async def reload_weights(self, weights_dir: str, version: int) -> None:
         self.events.append(f"engine.reload(v{version})")
@@ -106,6 +106,10 @@ class FakePolicy:
         self.trained.append(list(self.accumulated))
         self.accumulated = []
         return {"loss": 0.25}
+
+    async def free_grad_buffers(self):
+        self.events.append("trainer.free_grads")
+        return {}
 
     async def offload_for_rollout(self):
         self.events.append("trainer.offload")
@@ -305,14 +309,19 @@ def test_memory_moves_in_order_around_every_phase(tmp_path, tokenizer, tokenizer
     events = []
     parts = make_parts(tmp_path, tokenizer, tokenizer_dir, events, steps=2,
                        overrides=["trainer.offload_during_rollout=true", "rollout.sleep_during_train=true",
-                                  "trainer.save_every=1", "algorithm.recompute_old_logprobs=true"])
+                                  "trainer.save_every=1", "algorithm.recompute_old_logprobs=true",
+                                  "rollout.sleep_level=2"])
     run(parts)
-    # The tensor push reads trainer memory: the engines wake, the push runs, then the trainer
-    # leaves (the file syncs write first, offload, wake and then reload: the test below).
-    step = ["engine.sleep", "trainer.reload", "policy.logprobs(policy)", "policy.train_step",
-            "engine.wake_up", "policy.push(v{v})", "engine.receive(v{v})", "trainer.offload"]
+    # The tensor push reads trainer memory: its grad buffers are freed, only the engines' weights
+    # wake (they slept at level 2: dropped, the push rewrites them), the push runs, the trainer
+    # leaves, and only then the KV cache wakes (the file syncs write first, offload, wake the
+    # weights, reload: the test below).
+    # The checkpoint save's sleep is level 1: no push follows it.
+    step = ["engine.sleep(level 2)", "trainer.reload", "policy.logprobs(policy)", "policy.train_step",
+            "trainer.free_grads", "engine.wake_up(weights)", "policy.push(v{v})", "engine.receive(v{v})",
+            "trainer.offload", "engine.wake_up(kv_cache)"]
     save = ["engine.sleep", "trainer.reload", "policy.save", "trainer.offload", "engine.wake_up"]
-    expected = ([e.format(v=1) for e in step[:5]] + ["policy.open_push(tp1)"] + [e.format(v=1) for e in step[5:]]
+    expected = ([e.format(v=1) for e in step[:6]] + ["policy.open_push(tp1)"] + [e.format(v=1) for e in step[6:]]
                 + save + [e.format(v=2) for e in step] + save)
     assert events == expected
 
@@ -325,7 +334,8 @@ def test_file_syncs_write_before_the_memory_moves(tmp_path, tokenizer, tokenizer
                                   "algorithm.recompute_old_logprobs=true"])
     run(parts)
     step = ["engine.sleep", "trainer.reload", "policy.logprobs(policy)", "policy.train_step",
-            "policy.write_shards(tp1,v{v})", "trainer.offload", "engine.wake_up", "engine.reload(v{v})"]
+            "policy.write_shards(tp1,v{v})", "trainer.offload", "engine.wake_up(weights)", "engine.reload(v{v})",
+            "engine.wake_up(kv_cache)"]
     save = ["engine.sleep", "trainer.reload", "policy.save", "trainer.offload", "engine.wake_up"]
     assert events == [e.format(v=1) for e in step] + save + [e.format(v=2) for e in step] + save
 

@@ -14,7 +14,7 @@ from megatron_rl.planning.architectures import resolve_shape
 from megatron_rl.planning.weight_sync_cost import SyncAssumptions, sync_seconds
 
 REPO = Path(__file__).resolve().parents[2]
-RECIPE = REPO / "examples/qwen2.5/qwen2.5_32b_math_8x8_tp4cp4_rtp2.yaml"
+RECIPE = REPO / "examples/qwen2.5/qwen2.5_32b_math_8x8_tp8_rtp2.yaml"
 
 
 @pytest.fixture(scope="module")

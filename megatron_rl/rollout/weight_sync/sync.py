@@ -8,10 +8,12 @@ docstring lists them).
 
 A push is: the transport *stages* the weights (trainer memory -> files), on a multi-node run the
 directory is copied to the other nodes (``fan_out``, :mod:`~megatron_rl.rollout.weight_sync.fanout`),
-then device memory goes back to the rollout side (``Colocation.to_rollout``: trainer offloaded,
-engines woken) and the transport *loads* them into the engines, which tag later completions with
-the new version. A transport that streams straight from trainer memory into awake engines
-(``streams_from_trainer``) is loaded between waking the engines and offloading the trainer instead.
+then the trainer is offloaded, only the engines' weights are woken, the transport *loads* the new
+weights into them (the engines tag later completions with the new version) and only then their KV
+cache is woken. A transport that streams straight from trainer memory (``streams_from_trainer``)
+loads while the trainer is still resident: its grad buffers freed, engine weights woken, load,
+trainer offloaded, KV cache woken. The engines' KV cache and the trainer's state are never on the GPU together with the push
+(the push moment of ``megatron_rl.planning.moments``).
 """
 from __future__ import annotations
 
@@ -52,12 +54,13 @@ class WeightSync:
         if self.transport.writes_directory:
             figures.update(await self._fan_out())
         if self.transport.streams_from_trainer:
-            await self.colocation.wake_engines()
-            figures.update(await self.transport.load(self.engine, version))
-            await self.colocation.offload_trainer()
+            await self.colocation.free_trainer_grads()  # the weights are the source; the gradients are spent
         else:
-            await self.colocation.to_rollout()
-            figures.update(await self.transport.load(self.engine, version))
+            await self.colocation.offload_trainer()
+        await self.colocation.wake_engine_weights()
+        figures.update(await self.transport.load(self.engine, version))
+        await self.colocation.offload_trainer()  # no-op when done above
+        await self.colocation.wake_engines()
         return {f"weight_sync/{key}": value for key, value in figures.items()}
 
     async def load_into(self, engine: RolloutEngine, version: int) -> dict[str, float]:
@@ -92,11 +95,25 @@ class WeightSync:
     async def load_new_engines(self, engine: RolloutEngine, version: int) -> dict[str, float]:
         """Elastic switch, after the new engines started from :meth:`write_for_new_engines`: push
         the current weights into them when they started without (the trainer resident for it);
-        nothing when they started from rank files. Returns the transport's figures."""
+        nothing when they started from rank files. Returns the transport's figures.
+
+        With ``rollout.sleep_during_train`` the memory moves as in :meth:`push`: the new engines
+        (dummy weights, empty KV cache: nothing to keep) sleep at level 2 before the trainer comes
+        back, its grad buffers are freed, only their weights wake for the push, and their KV cache
+        wakes once the trainer is offloaded again (the elastic moment of ``planning.moments``)."""
         if not self.transport.starts_engines_empty:
             return {}
+        ordered = self.colocation.sleep
+        if ordered:
+            await engine.sleep(2)
         async with self.colocation.trainer_resident():
-            return await self.transport.load(engine, version)
+            await self.colocation.free_trainer_grads()
+            if ordered:
+                await engine.wake_up(["weights"])
+            figures = await self.transport.load(engine, version)
+        if ordered:
+            await engine.wake_up(["kv_cache"])
+        return figures
 
     async def _fan_out(self) -> dict[str, float]:
         return await self.fan_out(self.directory) if self.fan_out is not None else {}
