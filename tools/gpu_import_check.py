@@ -8,17 +8,28 @@
    the paths a run selects at run time, the GPU ones among them (the NCCL/IPC weight push,
    the TE layer spec, vLLM's worker hooks), which step 3 alone never imports.
 
-Anything that needs transformer-engine-torch, which step 2 of the install compiles with nvcc and
-this check does not build, is reported as SKIP with the reason, only when that package is absent
-and the error is TE's own "could not find the torch extension". Everything else that fails is a
-FAIL, and the exit status is 1.
+Transformer Engine's PyTorch extension (transformer-engine-torch) is compiled with nvcc by step 2
+of the install. Where it is absent (tools/check_gpu_install.sh does not build it), importing
+``transformer_engine.pytorch`` raises FileNotFoundError, which Megatron-Core does not catch
+(megatron/core/tensor_parallel/random.py catches only ModuleNotFoundError), so no module that
+imports megatron.core could be checked. The core library is then checked in a child process, and
+this process hides ``transformer_engine`` (ModuleNotFoundError, as if TE were not installed,
+which Megatron-Core supports: its HAVE_TE flags) so that Megatron-Core and the project are
+checked without TE's layers; the imports of TE itself are reported as SKIP with the reason.
+Where the extension is installed (a full GPU install) nothing is hidden. Every other failure is a
+FAIL, and the exit status is 1. Modules run as scripts with their own directory on sys.path
+(the reward sandbox's confined helpers, which import their sibling files by bare name) are
+SKIP: they are not importable as modules by design, and the CPU test suite runs them.
 """
 from __future__ import annotations
 
 import ast
 import importlib
+import importlib.abc
 import importlib.metadata
+import importlib.util
 import pkgutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,11 +50,25 @@ def _installed(dist: str) -> bool:
     return True
 
 
-def _needs_te_torch(exc: BaseException) -> bool:
+HIDDEN = "hidden by tools/gpu_import_check.py: transformer-engine-torch is not installed"
+
+
+class HideTransformerEngine(importlib.abc.MetaPathFinder):
+    """Makes ``transformer_engine*`` unimportable (ModuleNotFoundError), as without TE installed."""
+
+    def find_spec(self, name, path=None, target=None):  # noqa: ANN001, ANN201 -- the finder protocol
+        if name.split(".")[0] in ("transformer_engine", "transformer_engine_torch"):
+            raise ModuleNotFoundError(f"{name} {HIDDEN}", name=name)
+        return None
+
+
+def _needs_te_torch(exc: BaseException | None) -> bool:
     """True when ``exc`` (or what caused it) is TE's missing PyTorch extension (transformer_engine/
-    common/__init__.py, _get_shared_object_file('torch')) while transformer-engine-torch is absent."""
+    common/__init__.py, _get_shared_object_file('torch')) or our hiding of TE, with
+    transformer-engine-torch absent."""
     while exc is not None:
-        if "shared object file for Transformer Engine torch lib" in str(exc) and not _installed(TE_TORCH):
+        if ("shared object file for Transformer Engine torch lib" in str(exc) or HIDDEN in str(exc)) \
+                and not _installed(TE_TORCH):
             return True
         exc = exc.__cause__ or exc.__context__
     return False
@@ -79,20 +104,82 @@ def import_names(module: str, names: tuple[str, ...] = ()) -> str:
     return ""
 
 
+# Files that two wheels both ship with different contents, known to be harmless: an in-tree PEP 517
+# backend that flashinfer-python and torch_c_dlpack_ext leave at the top of site-packages (nothing
+# imports it at run time).
+CLASH_ALLOWED = {"build_backend.py"}
+
+
+def check_file_clashes() -> str:
+    """No file installed by two distributions with different contents (per their RECORD hashes):
+    the one installed last silently wins (TE's cu12 core over cu13, cuda-python 12's
+    cuda/bindings over cuda-bindings 13's)."""
+    owners: dict[str, dict[str, str | None]] = {}
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata["Name"]
+        for file in dist.files or []:
+            path = str(file)
+            if "__pycache__" not in path and ".dist-info/" not in path:
+                owners.setdefault(path, {})[name] = file.hash.value if file.hash else None
+    clashes: dict[tuple[str, ...], list[str]] = {}
+    for path, by_dist in owners.items():
+        if len(set(by_dist.values())) > 1 and path not in CLASH_ALLOWED:
+            clashes.setdefault(tuple(sorted(by_dist)), []).append(path)
+    if clashes:
+        raise RuntimeError("; ".join(f"{' and '.join(d)} both install {len(p)} files, e.g. {p[0]}"
+                                     for d, p in clashes.items()))
+    return f"{len(owners)} files checked"
+
+
 def torch_info() -> str:
     import torch
 
     return f"torch {torch.__version__}, CUDA {torch.version.cuda} build, GPU visible: {torch.cuda.is_available()}"
 
 
-def check_te_core() -> str:
-    """transformer_engine.common: loads cuDNN, NVRTC, cuRAND, cuBLAS and the CUDA runtime (from the
-    system or the nvidia-* wheels), then the core library (libtransformer_engine.so)."""
-    import transformer_engine.common as te_common
+# Run in a child process: importing transformer_engine.common loads cuDNN, NVRTC, cuRAND, cuBLAS
+# and the CUDA runtime (from the system or the nvidia-* wheels), then the core library
+# (transformer_engine/common/__init__.py, _load_core_library). The child then lists what the
+# process mapped: the core's CUDA libraries, and whether the driver's libcuda was needed (the core
+# library does not link it; it opens libcuda.so with dlopen when it first calls the driver API).
+_TE_CORE_CHILD = """
+import transformer_engine.common as c
+core = c._get_shared_object_file("core")
+maps = {line.split()[-1] for line in open("/proc/self/maps") if len(line.split()) == 6}
+needed = ("libcudart.so", "libcublas.so", "libcublasLt.so", "libcudnn.so")  # the core's CUDA NEEDED entries
+found = sorted({m.split("site-packages/")[-1] for m in maps if m.rsplit("/", 1)[-1].startswith(needed)})
+driver = sorted(m for m in maps if m.rsplit("/", 1)[-1].startswith("libcuda.so"))
+print(f"{c.get_te_core_package_info()[1]} {core.parent.name}/{core.name} loaded with {', '.join(found)}; "
+      f"the driver's libcuda loaded: {driver or 'no'}")
+"""
 
-    core = te_common._get_shared_object_file("core")
-    package = te_common.get_te_core_package_info()[1]
-    return f"{package}: {core.relative_to(core.parents[2])}"
+
+def check_te_core() -> str:
+    proc = subprocess.run([sys.executable, "-c", _TE_CORE_CHILD], capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise RuntimeError((proc.stderr.strip().splitlines() or ["no output"])[-1])
+    return proc.stdout.strip()
+
+
+def check_te_pytorch() -> str:
+    """transformer_engine.pytorch in a child: SKIP (its message) when the extension is absent."""
+    proc = subprocess.run([sys.executable, "-c", "import transformer_engine.pytorch"], capture_output=True,
+                          text=True, timeout=300)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise (FileNotFoundError if "FileNotFoundError" in last else RuntimeError)(last)
+    return ""
+
+
+def script_style(module: str) -> bool:
+    """A file that imports a sibling file by bare name at module level (run as a script)."""
+    path = Path(importlib.util.find_spec(module).origin)
+    for node in ast.parse(path.read_text()).body:
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module else []
+        if any((path.parent / f"{n.split('.')[0]}.py").is_file() for n in names):
+            return True
+    return False
 
 
 def project_modules() -> list[str]:
@@ -131,16 +218,24 @@ def deferred_imports() -> dict[tuple[str, tuple[str, ...]], list[str]]:
 def main() -> int:
     t0 = time.perf_counter()
     print(f"[imports] Python {sys.version.split()[0]} at {sys.executable}")
+    check("no file installed by two distributions with different contents", check_file_clashes)
     print("[imports] libraries")
     check("torch", torch_info)
-    check("transformer_engine.common (Transformer Engine's core library)", check_te_core)
+    check("transformer_engine.common: Transformer Engine's core library (child process)", check_te_core)
+    check("transformer_engine.pytorch (child process)", check_te_pytorch)
+    if not _installed(TE_TORCH):
+        sys.meta_path.insert(0, HideTransformerEngine())
+        print(f"[imports] {TE_TORCH} is not installed (install step 2): transformer_engine is hidden from now on, "
+              "Megatron-Core runs without TE (HAVE_TE=False)")
     for name in LIBRARIES[1:]:
         check(name, lambda name=name: import_names(name))
-    check("transformer_engine.pytorch", lambda: import_names("transformer_engine.pytorch"))
     modules = project_modules()
     print(f"[imports] the project's {len(modules)} modules")
     for name in modules:
-        check(name, lambda name=name: import_names(name))
+        if script_style(name):
+            report("SKIP", name, 0.0, "a script: imports its sibling files by bare name (run with its own sys.path)")
+        else:
+            check(name, lambda name=name: import_names(name))
     deferred = deferred_imports()
     print(f"[imports] the {len(deferred)} imports the project makes inside functions (run-time paths)")
     for (module, names), files in sorted(deferred.items()):

@@ -139,6 +139,13 @@ def test_gpu_lock_holds_one_transformer_engine_core_of_torchs_cuda():
     assert cores == [f"transformer-engine-cu{cuda_major}"], (cores, f"torch's CUDA runtime is {cuda_major}")
 
 
+def test_gpu_lock_cuda_python_is_the_metapackage_of_its_cuda_bindings():
+    """cuda-python 12.6 and older is a whole wheel whose cuda/bindings files overwrite cuda-bindings'
+    (13, torch's): `import megatron.core` then fails (flashinfer -> CUTLASS DSL: no cudaLibrary_t)."""
+    python, bindings = GPU["cuda-python"][0], GPU["cuda-bindings"][0]
+    assert python.split(".")[0] == bindings.split(".")[0], (f"cuda-python {python}", f"cuda-bindings {bindings}")
+
+
 def test_locks_match_pyprojects_exact_pins():
     """A pin changed in pyproject.toml without `bash tools/lock_deps.sh` fails here."""
     project = PYPROJECT["project"]
