@@ -9,7 +9,7 @@
 # 2. transformer-engine-torch (a source distribution compiled against torch with nvcc) and
 #    NVIDIA apex (tools/build_apex.sh) are NOT built here: they need nvcc and a CUDA machine;
 # 3. this project, editable, with no dependencies;
-# then tools/gpu_import_check.py imports the libraries, Transformer Engine's core and every
+# then tools/check_gpu_install_imports.py imports the libraries, Transformer Engine's core and every
 # module of the project, plus every import the project makes only inside a function (the GPU
 # paths: NCCL/IPC weight push, the TE layer spec, vLLM's worker hooks).
 #
@@ -71,9 +71,9 @@ else
   # installs exactly the file's packages and checks every hash.
   awk '/^[A-Za-z0-9]/ { skip = ($0 ~ /^transformer-engine-torch==/) } !skip' "$LOCK" > "$work/gpu-rest.lock"
   phase "step 1: uv pip sync of requirements/gpu.lock without transformer-engine-torch ($((total - 1)) packages)"
-  # uv lists every package it adds; the log keeps its summary lines.
+  # uv lists every package it downloads and adds; the log keeps its summary lines.
   if ! "$VENV/bin/uv" pip sync --python "$VENV/bin/python" --require-hashes "$work/gpu-rest.lock" 2>&1 \
-      | { grep -vE '^ [-+~] ' || true; }; then
+      | { grep -vE '^ [-+~] |^ ?Download(ing|ed) ' || true; }; then
     echo "[gpu-install] uv pip sync failed on the GPU lock (see above)" >&2
     exit 1
   fi
@@ -99,15 +99,16 @@ else
   "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" --no-deps --no-build-isolation -e "$ROOT"
 fi
 
-phase "imports (tools/gpu_import_check.py)"
+phase "imports (tools/check_gpu_install_imports.py)"
 t0=$SECONDS
 # The import check writes bytecode (a warm run then imports faster); it runs from / so that the
 # checkout is imported through the editable install, as a user's process would.
 rc=0
-(cd / && env -u PYTHONDONTWRITEBYTECODE PYTHONWARNINGS=ignore "$VENV/bin/python" "$ROOT/tools/gpu_import_check.py") || rc=$?
+(cd / && env -u PYTHONDONTWRITEBYTECODE PYTHONWARNINGS=ignore "$VENV/bin/python" "$ROOT/tools/check_gpu_install_imports.py") || rc=$?
 import_s=$((SECONDS - t0))
-sizes="$(du -sch "$VENV" "$UV_CACHE_DIR" 2> /dev/null | awk '{printf "%s %s; ", $1, $2}')"
-summary="total ${SECONDS}s = install ${install_s}s (0: reused) + imports ${import_s}s; disk (du, hard links once): ${sizes% ; }"
+# du counts a file hard-linked from uv's cache into the venv once, under the venv.
+sizes="$(du -sch "$VENV" "$UV_CACHE_DIR" 2> /dev/null | awk '{printf "%s%s %s", NR > 1 ? ", " : "", $1, $2}')"
+summary="total ${SECONDS}s = install ${install_s}s (0: reused) + imports ${import_s}s; disk (du): $sizes"
 phase "$summary"
 if [ -n "$RECORD" ]; then
   mkdir -p "$(dirname "$RECORD")"
@@ -116,7 +117,8 @@ if [ -n "$RECORD" ]; then
   gpu="$( (nvidia-smi -L 2> /dev/null || true) | head -1)"
   {
     echo "- $(date -u +%Y-%m-%dT%H:%MZ) commit $commit, exit $rc: \`bash tools/check_gpu_install.sh\`"
-    echo "  on $(nproc) cores ($cpu), $(awk '/MemTotal/ {printf "%d GiB", $2 / 1048576}' /proc/meminfo), GPU: ${gpu:-none}"
+    echo "  on $(nproc) cores ($cpu), $(awk '/MemTotal/ {printf "%d GiB", $2 / 1048576}' /proc/meminfo), GPU: ${gpu:-none};" \
+      "load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)"
     echo "  $summary"
   } >> "$RECORD"
   phase "appended to $RECORD"

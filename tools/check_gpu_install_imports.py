@@ -50,7 +50,7 @@ def _installed(dist: str) -> bool:
     return True
 
 
-HIDDEN = "hidden by tools/gpu_import_check.py: transformer-engine-torch is not installed"
+HIDDEN = "hidden by tools/check_gpu_install_imports.py: transformer-engine-torch is not installed"
 
 
 class HideTransformerEngine(importlib.abc.MetaPathFinder):
@@ -166,8 +166,8 @@ def check_te_pytorch() -> str:
     proc = subprocess.run([sys.executable, "-c", "import transformer_engine.pytorch"], capture_output=True,
                           text=True, timeout=300)
     if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise (FileNotFoundError if "FileNotFoundError" in last else RuntimeError)(last)
+        kind, _, message = (proc.stderr.strip().splitlines() or ["no output"])[-1].partition(": ")
+        raise (FileNotFoundError if kind == "FileNotFoundError" else RuntimeError)(message or kind)
     return ""
 
 
