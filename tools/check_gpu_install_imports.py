@@ -1,12 +1,15 @@
 """What the GPU install must import, checked in the GPU venv on a machine with or without a GPU
 (tools/check_gpu_install.sh runs it there; it is not meant for the CPU venv).
 
+0. no file is installed by two wheels with different contents (``check_file_clashes``);
 1. the libraries: torch, vLLM, Ray, modelopt, Megatron-Core;
 2. Transformer Engine's core (the transformer-engine-cu13 library, see ``check_te_core``);
 3. every module of megatron_rl and rollpacker;
 4. every import the project makes inside a function or class (found in the sources with ``ast``):
    the paths a run selects at run time, the GPU ones among them (the NCCL/IPC weight push,
-   the TE layer spec, vLLM's worker hooks), which step 3 alone never imports.
+   the TE layer spec, vLLM's worker hooks), which step 3 alone never imports;
+5. the library modules and attributes the project names in strings (``importlib.import_module``
+   lists, patch targets).
 
 Transformer Engine's PyTorch extension (transformer-engine-torch) is compiled with nvcc by step 2
 of the install. Where it is absent (tools/check_gpu_install.sh does not build it), importing
@@ -29,6 +32,7 @@ import importlib.abc
 import importlib.metadata
 import importlib.util
 import pkgutil
+import re
 import subprocess
 import sys
 import time
@@ -215,6 +219,35 @@ def deferred_imports() -> dict[tuple[str, tuple[str, ...]], list[str]]:
     return found
 
 
+# Dotted names of these libraries in the project's string literals: modules it imports by name
+# (importlib.import_module, patch targets) and the functions and classes it names that way.
+_LIBRARY_NAME = re.compile(r"^(vllm|megatron|torch|ray|transformer_engine|modelopt|flashinfer)(\.[A-Za-z_]\w*)+$")
+
+
+def named_in_strings() -> dict[str, list[str]]:
+    """{dotted name: [files]} of the library names the project writes as strings."""
+    found: dict[str, list[str]] = {}
+    for top in PROJECT:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) and _LIBRARY_NAME.match(node.value):
+                    found.setdefault(node.value, []).append(str(path.relative_to(ROOT)))
+    return found
+
+
+def import_dotted(name: str) -> str:
+    """``name`` as a module, else as ``module.attribute``."""
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name != name:
+            raise
+        module, _, attr = name.rpartition(".")
+        if not hasattr(importlib.import_module(module), attr):
+            raise AttributeError(f"{module} has no {attr}") from None
+    return ""
+
+
 def main() -> int:
     t0 = time.perf_counter()
     print(f"[imports] Python {sys.version.split()[0]} at {sys.executable}")
@@ -242,6 +275,11 @@ def main() -> int:
         what = f"from {module} import {', '.join(names)}" if names else f"import {module}"
         check(f"{what}  ({files[0]}{f' +{len(files) - 1}' if len(files) > 1 else ''})",
               lambda module=module, names=names: import_names(module, names))
+    named = named_in_strings()
+    print(f"[imports] the {len(named)} library names the project writes as strings (imported by name, patched)")
+    for name, files in sorted(named.items()):
+        check(f"{name}  ({files[0]}{f' +{len(files) - 1}' if len(files) > 1 else ''})",
+              lambda name=name: import_dotted(name))
     print(f"[imports] {counts['ok']} ok, {counts['SKIP']} skipped, {counts['FAIL']} failed "
           f"in {time.perf_counter() - t0:.0f}s")
     return 1 if counts["FAIL"] else 0
