@@ -107,7 +107,7 @@ rc=0
 (cd / && env -u PYTHONDONTWRITEBYTECODE PYTHONWARNINGS=ignore "$VENV/bin/python" "$ROOT/tools/check_gpu_install_imports.py") || rc=$?
 import_s=$((SECONDS - t0))
 # du counts a file hard-linked from uv's cache into the venv once, under the venv.
-sizes="$(du -sch "$VENV" "$UV_CACHE_DIR" 2> /dev/null | awk '{printf "%s%s %s", NR > 1 ? ", " : "", $1, $2}')"
+sizes="$( (du -sch "$VENV" "$UV_CACHE_DIR" 2> /dev/null || true) | awk '{printf "%s%s %s", (NR > 1 ? ", " : ""), $1, $2}')"
 summary="total ${SECONDS}s = install ${install_s}s (0: reused) + imports ${import_s}s; disk (du): $sizes"
 phase "$summary"
 if [ -n "$RECORD" ]; then
