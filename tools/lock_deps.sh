@@ -15,7 +15,11 @@
 #   gpu.lock  = dependencies + [gpu] + [dev]: vllm 0.32.0 with PyPI's torch 2.13.0 (a CUDA 13
 #               build) and Transformer Engine in the range megatron-core 0.16.1 asks for. Resolved
 #               from the wheels' metadata only (nothing is built or installed here); NVIDIA apex is
-#               not on PyPI and not in it (tools/build_apex.sh).
+#               not on PyPI and not in it (tools/build_apex.sh). transformer-engine-cu12 is
+#               excluded: transformer-engine-torch's sdist states a static `transformer_engine_cu12`
+#               requirement, while its setup.py, when built, asks for the core of torch's CUDA
+#               major (cu13 here). Both cores install the same transformer_engine/ files, so with
+#               both the cu12 library can win and `import megatron.core` fails on libcublas.so.12.
 # uv comes with the dev extra (.venv/bin/uv after tools/setup_env.sh); UV=... picks another.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -39,7 +43,8 @@ echo "[lock] requirements/cpu.lock (dependencies + cpu + dev; torch CPU wheel vi
   --no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec --no-emit-package triton \
   -o requirements/cpu.lock
 echo "[lock] requirements/gpu.lock (dependencies + gpu + dev; PyPI only)"
-"$UV" pip compile pyproject.toml --extra gpu --extra dev "${common[@]}" -o requirements/gpu.lock
+"$UV" pip compile pyproject.toml --extra gpu --extra dev "${common[@]}" \
+  --excludes <(echo transformer-engine-cu12) -o requirements/gpu.lock
 for lock in requirements/cpu.lock requirements/gpu.lock; do
   echo "[lock] $lock: $(grep -cE '^[A-Za-z0-9]' "$lock") packages, $(grep -oE '^torch==[^ ]+' "$lock")"
 done

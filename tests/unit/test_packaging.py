@@ -131,6 +131,21 @@ def test_locks_pin_what_the_code_relies_on():
     assert (2, 9) <= te < (2, 12) and "transformer-engine-torch" in GPU
 
 
+def test_gpu_lock_holds_one_transformer_engine_core_of_torchs_cuda():
+    """Both TE cores write the same transformer_engine/ files: with cu12 beside torch's CUDA 13 libraries
+    the cu12 library can win, and `import megatron.core` (which imports TE) fails on libcublas.so.12."""
+    cuda_major = GPU["nvidia-cuda-runtime"][0].split(".")[0]  # the CUDA runtime wheel that PyPI's torch pulls in
+    cores = sorted(n for n in GPU if re.fullmatch(r"transformer-engine-cu\d+", n))
+    assert cores == [f"transformer-engine-cu{cuda_major}"], (cores, f"torch's CUDA runtime is {cuda_major}")
+
+
+def test_gpu_lock_cuda_python_is_the_metapackage_of_its_cuda_bindings():
+    """cuda-python 12.6 and older is a whole wheel whose cuda/bindings files overwrite cuda-bindings'
+    (13, torch's): `import megatron.core` then fails (flashinfer -> CUTLASS DSL: no cudaLibrary_t)."""
+    python, bindings = GPU["cuda-python"][0], GPU["cuda-bindings"][0]
+    assert python.split(".")[0] == bindings.split(".")[0], (f"cuda-python {python}", f"cuda-bindings {bindings}")
+
+
 def test_locks_match_pyprojects_exact_pins():
     """A pin changed in pyproject.toml without `bash tools/lock_deps.sh` fails here."""
     project = PYPROJECT["project"]
