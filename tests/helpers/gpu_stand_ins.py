@@ -10,7 +10,7 @@ engine actor: the placement group is the actor's own (``vllm/engine/arg_utils.py
 ``num_cpus=0``, ``num_gpus=VLLM_RAY_PER_WORKER_GPUS`` in its bundle, with Ray's setting of
 ``CUDA_VISIBLE_DEVICES`` turned off; vLLM then ranks the workers per node and gives local rank ``i``
 the node's ``i``-th smallest GPU id of the engine's workers (``vllm/v1/executor/ray_executor.py``,
-``_init_workers_ray``).
+``_init_workers_ray``). Outside a placement group it reports what vLLM's mp executor would use.
 """
 from __future__ import annotations
 
@@ -57,8 +57,16 @@ class StandInEngine:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         pg = ray.util.get_current_placement_group()
+        self.mp_gpus: list[int] = []
         if pg is None:
-            raise RuntimeError("a TP > 1 engine on GPUs must run inside the run's placement group")
+            # No placement group: vLLM picks its mp executor (vllm/config/parallel.py) and worker i takes
+            # cuda:i of what the actor sees (vllm/v1/executor/multiproc_executor.py); an actor holding no
+            # GPU sees every GPU of its node.
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            node = next(n for n in ray.nodes() if n["NodeID"] == ray.get_runtime_context().get_node_id())
+            ids = [int(g) for g in visible.split(",")] if visible else list(range(int(node["Resources"].get("GPU", 0))))
+            self.mp_gpus = ids[:self.tp]
+            return
         per_worker = float(os.environ.get("VLLM_RAY_PER_WORKER_GPUS", "1.0"))
         if os.environ.get("VLLM_RAY_BUNDLE_INDICES"):
             bundles = [int(b) for b in os.environ["VLLM_RAY_BUNDLE_INDICES"].split(",")]
@@ -82,6 +90,8 @@ class StandInEngine:
         me = _here()
         if self.tp == 1:
             return {**me, "ranks": [(me["node"], g) for g in me["gpus"]]}
+        if not self.workers:
+            return {**me, "ranks": [(me["node"], g) for g in self.mp_gpus]}
         seen = await asyncio.gather(*(w.get_node_and_gpu_ids.remote() for w in self.workers))
         # vLLM sorts workers driver-node first and groups them by node (adjusted ranks); on one node the
         # order is unchanged, and local rank i takes the i-th smallest GPU id of the node's workers.
