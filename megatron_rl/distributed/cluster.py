@@ -27,6 +27,7 @@ from typing import Any
 import ray
 
 from megatron_rl.config import RunConfig
+from megatron_rl.distributed.gpu_bundles import NODE_ID_LABEL, reserve_gpus
 from megatron_rl.distributed.gpu_layout import GpuLayout, run_layout, world_size
 from megatron_rl.distributed.local_state import ray_temp_dir
 from megatron_rl.distributed.ray_start import init_local_ray
@@ -86,10 +87,6 @@ def describe_placement(rank_nodes: list[tuple[str, str]], engine_nodes: list[str
                          for node, idx in by_node.items())
 
     return f"{on_nodes('trainer ranks', [n for n, _ in rank_nodes])}; {on_nodes('engine replicas', engine_nodes)}"
-
-
-NODE_ID_LABEL = "ray.io/node-id"
-"""The label every Ray node carries with its own id (what node-label strategies match on)."""
 
 
 def _split_strategy(role: str) -> dict:
@@ -229,8 +226,6 @@ def place_run(cfg: RunConfig, device: str) -> RunPlacement:
     anything starts); on CPU, nothing to reserve."""
     if device == "cpu":
         return RunPlacement(cfg, device)
-    from megatron_rl.distributed.gpu_bundles import reserve_gpus
-
     layout = run_layout(cfg)
     bundles = reserve_gpus(layout.num_nodes * layout.gpus_per_node, TRAINER_CPUS + ENGINE_CPUS)
     return RunPlacement(cfg, device, bundles)

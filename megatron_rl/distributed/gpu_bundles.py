@@ -25,7 +25,7 @@ import ray
 log = logging.getLogger(__name__)
 
 NODE_ID_LABEL = "ray.io/node-id"
-"""The label every Ray node carries with its own id."""
+"""The label every Ray node carries with its own id (what node-label strategies and bundle label selectors match)."""
 PROBE_GPUS = 0.01
 """GPU share of a probe task: any share of a one-GPU bundle runs on that bundle's GPU."""
 
