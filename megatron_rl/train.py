@@ -46,38 +46,37 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     return load_config(args.config, args.overrides)
 
 
-def _engine_factory(cfg: RunConfig, device: str):
+def _engine_factory(cfg: RunConfig, placement):
     """``factory(tp, weights_dir)``: the run's engines rebuilt at rollout TP ``tp`` on the same
-    rollout devices (``devices // tp`` engines), for plug-ins such as RollPacker's elastic TP."""
-    from megatron_rl.distributed.cluster import engine_actor_options
+    rollout devices (``devices // tp`` engines, engine e on GPUs e*tp..e*tp+tp-1 of the run's layout,
+    ``megatron_rl.distributed.gpu_layout``), for plug-ins such as RollPacker's elastic TP."""
+    from megatron_rl.distributed.cluster import at_rollout_tp
     from megatron_rl.rollout.ray_engine import create_engine_client
 
-    devices = cfg.rollout.tensor_parallel_size * cfg.rollout.num_engines
-
     async def factory(tp: int, model_dir: str):
-        at_tp = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, tensor_parallel_size=tp,
-                                                                     num_engines=devices // tp))
+        at_tp = at_rollout_tp(cfg, tp)
         # Engine start-up blocks on ray.get: keep the event loop (reward tasks) running meanwhile.
-        return await asyncio.to_thread(create_engine_client, at_tp, model_dir, engine_actor_options(at_tp, device))
+        return await asyncio.to_thread(create_engine_client, at_tp, model_dir, placement.engine_options(at_tp))
 
     return factory
 
 
-def _restarting_engines(cfg: RunConfig, engine_start: str, device: str) -> RolloutEngine:
+def _restarting_engines(cfg: RunConfig, engine_start: str, placement) -> RolloutEngine:
     """The run's engines under a supervisor that replaces them when they die
     (``rollout.max_engine_restarts``): replacements start like the first ones, from
-    ``engine_start`` on the same placement, and the loop pushes the current weights into them."""
-    from megatron_rl.distributed.cluster import check_engine_nodes, engine_actor_options
+    ``engine_start`` on the same placement (the same GPU bundles), and the loop pushes the current
+    weights into them."""
+    from megatron_rl.distributed.cluster import check_engine_nodes
     from megatron_rl.rollout.engine_restart import RestartingEngine
     from megatron_rl.rollout.ray_engine import create_engine_client, start_engine_client
 
     async def restart() -> RolloutEngine:
         # Awaited (the event loop keeps scoring meanwhile); a lost engine node with nowhere else
         # to place the replacement stops the run, naming the node, instead of waiting forever.
-        return await start_engine_client(cfg, engine_start, engine_actor_options(cfg, device),
+        return await start_engine_client(cfg, engine_start, placement.engine_options(),
                                          check=lambda: check_engine_nodes(cfg))
 
-    return RestartingEngine(create_engine_client(cfg, engine_start, engine_actor_options(cfg, device)), restart,
+    return RestartingEngine(create_engine_client(cfg, engine_start, placement.engine_options()), restart,
                             max_restarts=cfg.rollout.max_engine_restarts,
                             health_check_s=cfg.rollout.engine_health_check_s)
 
@@ -135,7 +134,7 @@ def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict
     from transformers import AutoTokenizer
 
     from megatron_rl.data.datasets import load_prompts
-    from megatron_rl.distributed.cluster import start_ray, trainer_actor_options
+    from megatron_rl.distributed.cluster import place_run, start_ray
     from megatron_rl.distributed.ports import free_port
     from megatron_rl.reward.pool.reward_pool import RewardPool
     from megatron_rl.rollout.weight_sync.sync_dir import default_sync_dir, sweep_dead_sync_dirs
@@ -157,15 +156,17 @@ def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict
     fanout_source = ""
     try:
         port = cfg.cluster.master_port or free_port()
-        policy = PolicyGroup(cfg, device, trainer_actor_options(cfg, device), port)
+        placement = place_run(cfg, device)  # GPUs: one bundle per GPU, who goes where (gpu_layout)
+        log.info("placement: %s", placement.describe())
+        policy = PolicyGroup(cfg, device, placement.all_trainer_options(), port, master_addr=placement.master_addr())
         if cfg.trainer.offload_during_rollout:
             # Load the trainer before vLLM claims its share of the GPU, then move it out of the way.
             asyncio.run(policy.load_hf(cfg.model.hf_path))
             asyncio.run(policy.offload_for_rollout())
         engine_start = _quantized_start(cfg, run_dir, sync_dir, device) if cfg.rollout.quantization != "none" \
             else cfg.model.hf_path
-        engine = restarting = _restarting_engines(cfg, engine_start, device)
-        engine, plugins = build_plugins(PluginSetup(cfg, device, engine, _engine_factory(cfg, device)))
+        engine = restarting = _restarting_engines(cfg, engine_start, placement)
+        engine, plugins = build_plugins(PluginSetup(cfg, device, engine, _engine_factory(cfg, placement)))
         rewards = RewardPool.from_run_config(cfg)
         if not cfg.trainer.offload_during_rollout:
             asyncio.run(policy.load_hf(cfg.model.hf_path))

@@ -1,15 +1,18 @@
 """Where every process of a run goes: trainer ranks (with their TP/CP/DP/PP coordinates),
 rollout engines (TP groups that never cross a node) and reward workers, node by node.
 
-Mirrors ``megatron_rl.distributed.cluster``: trainer ranks are packed per node in Megatron's
-rank order (TP fastest, then CP, DP, PP), engines are colocated on the same GPUs in order, and
-reward workers are CPU actors spread round-robin over the nodes.
+The GPUs come from :func:`megatron_rl.distributed.gpu_layout.run_layout`, the rule the Ray placing
+code follows too (``megatron_rl.distributed.cluster.RunPlacement``), so the dry run prints where the
+run puts each process: node 0 is the driver's, ``gpu<g>`` the node's g-th GPU by CUDA id. Trainer
+ranks go in Megatron's rank order (TP fastest, then CP, DP, PP); reward workers are CPU actors
+spread round-robin over the nodes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from megatron_rl.config import RunConfig
+from megatron_rl.distributed.gpu_layout import LayoutError, run_layout
 from megatron_rl.planning.memory import PlanError
 
 
@@ -45,30 +48,24 @@ def trainer_coords(rank: int, cfg: RunConfig) -> tuple[int, int, int, int]:
 def plan_placement(cfg: RunConfig, hostnames: list[str] | None = None) -> list[NodePlan]:
     """Per-node placement; PlanError when a group would cross nodes or GPUs are missing."""
     c, p = cfg.cluster, cfg.parallel
-    gpn, rtp = c.gpus_per_node, cfg.rollout.tensor_parallel_size
     hosts = hostnames or [f"node{i}" for i in range(c.num_nodes)]
     if len(hosts) != c.num_nodes:
         raise PlanError(f"cluster.num_nodes={c.num_nodes} but the allocation lists {len(hosts)} hosts ({', '.join(hosts)})")
-    if gpn % rtp:
-        raise PlanError(f"rollout.tensor_parallel_size={rtp} does not divide cluster.gpus_per_node={gpn}: "
-                        "an engine's TP group must not cross a node")
-    if p.tensor_model_parallel_size > gpn:
+    if p.tensor_model_parallel_size > c.gpus_per_node:
         raise PlanError(f"parallel.tensor_model_parallel_size={p.tensor_model_parallel_size} exceeds "
-                        f"cluster.gpus_per_node={gpn}: TP all-reduces would cross the inter-node network")
-    world = p.tensor_model_parallel_size * p.context_parallel_size * p.data_parallel_size * p.pipeline_model_parallel_size
-    total = c.num_nodes * gpn
-    if world > total or rtp * cfg.rollout.num_engines > total:
-        raise PlanError(f"{total} GPUs cannot hold {world} trainer ranks and {cfg.rollout.num_engines} engines x "
-                        f"TP {rtp}")
-    nodes = [NodePlan(i, h, [GpuSlot() for _ in range(gpn)], driver=(i == 0)) for i, h in enumerate(hosts)]
-    for rank in range(world):
+                        f"cluster.gpus_per_node={c.gpus_per_node}: TP all-reduces would cross the inter-node network")
+    try:
+        layout = run_layout(cfg)
+    except LayoutError as exc:
+        raise PlanError(str(exc)) from None
+    nodes = [NodePlan(i, h, [GpuSlot() for _ in range(c.gpus_per_node)], driver=(i == 0)) for i, h in enumerate(hosts)]
+    for rank, gpu in enumerate(layout.trainer_gpus):
         tp, cp, dp, pp = trainer_coords(rank, cfg)
-        slot = nodes[rank // gpn].gpus[rank % gpn]
+        slot = nodes[layout.node_of(gpu)].gpus[layout.local_gpu(gpu)]
         slot.trainer_rank, slot.coords = rank, f"tp{tp} cp{cp} dp{dp} pp{pp}"
-    for engine in range(cfg.rollout.num_engines):
-        for r in range(rtp):
-            gpu = engine * rtp + r
-            slot = nodes[gpu // gpn].gpus[gpu % gpn]
+    for engine, gpus in enumerate(layout.engine_gpus):
+        for r, gpu in enumerate(gpus):
+            slot = nodes[layout.node_of(gpu)].gpus[layout.local_gpu(gpu)]
             slot.engine, slot.engine_rank = engine, r
     for w in range(cfg.reward.num_workers):
         nodes[w % c.num_nodes].reward_workers.append(w)
@@ -77,7 +74,9 @@ def plan_placement(cfg: RunConfig, hostnames: list[str] | None = None) -> list[N
 
 def format_placement(nodes: list[NodePlan]) -> list[str]:
     """One block per node: GPU -> trainer rank (coordinates) + engine rank; reward workers."""
-    lines = ["placement (colocated: each GPU hosts a trainer rank and an engine rank):"]
+    colocated = any(s.trainer_rank is not None and s.engine is not None for n in nodes for s in n.gpus)
+    lines = ["placement (colocated: each GPU hosts a trainer rank and an engine rank):" if colocated else
+             "placement (split: trainer ranks on the driver's node, engines on the others):"]
     for node in nodes:
         extra = " [driver, Ray head]" if node.driver else ""
         lines.append(f"  node {node.index} ({node.hostname}){extra}: reward workers "

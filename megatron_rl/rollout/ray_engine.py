@@ -328,13 +328,15 @@ def create_ray_engines(
     seed: int,
     max_model_len: int,
     *,
-    actor_options: dict[str, Any] | None = None,
+    actor_options: dict[str, Any] | list[dict[str, Any]] | None = None,
     start_timeout_s: float = 600.0,
 ) -> RolloutEngine:
     """Start ``cfg.num_engines`` engine actors in parallel; one is returned as is, more as a pool.
 
     Engines get distinct seeds (seed, seed+1, ...); sampling itself is driven by per-request
-    seeds, so routing does not change the tokens a request produces.
+    seeds, so routing does not change the tokens a request produces. ``actor_options``: one dict
+    for every engine actor, or one per engine (GPU runs put each engine into its own bundles:
+    ``megatron_rl.distributed.cluster.RunPlacement.engine_options``).
     """
     import ray
 
@@ -344,14 +346,18 @@ def create_ray_engines(
 
 
 def _start_actors(model_path: str, cfg: RolloutConfig, seed: int, max_model_len: int,
-                  actor_options: dict[str, Any] | None) -> list[RayEngineClient]:
+                  actor_options: dict[str, Any] | list[dict[str, Any]] | None) -> list[RayEngineClient]:
     if cfg.num_engines < 1:
         raise ValueError(f"rollout.num_engines must be >= 1, got {cfg.num_engines}")
-    return [RayEngineClient.create(model_path, cfg, seed + i, max_model_len, actor_options=actor_options,
+    per_engine = actor_options if isinstance(actor_options, list) else [actor_options] * cfg.num_engines
+    if len(per_engine) != cfg.num_engines:
+        raise ValueError(f"{len(per_engine)} engine actor option sets for rollout.num_engines={cfg.num_engines}")
+    return [RayEngineClient.create(model_path, cfg, seed + i, max_model_len, actor_options=per_engine[i],
                                    start_timeout_s=None) for i in range(cfg.num_engines)]
 
 
-async def start_engine_client(run_cfg: RunConfig, model_path: str, actor_options: dict[str, Any] | None,
+async def start_engine_client(run_cfg: RunConfig, model_path: str,
+                              actor_options: dict[str, Any] | list[dict[str, Any]] | None,
                               check: Callable[[], None], start_timeout_s: float = 600.0) -> RolloutEngine:
     """:func:`create_engine_client` without blocking the event loop, for replacement engines:
     while the new actors start (or wait for a placement), ``check()`` runs every second and may
@@ -382,7 +388,7 @@ async def start_engine_client(run_cfg: RunConfig, model_path: str, actor_options
 
 
 def create_engine_client(
-    run_cfg: RunConfig, model_path: str, actor_options: dict[str, Any] | None = None
+    run_cfg: RunConfig, model_path: str, actor_options: dict[str, Any] | list[dict[str, Any]] | None = None
 ) -> RolloutEngine:
     """The run's rollout engine(s) from the full run config.
 

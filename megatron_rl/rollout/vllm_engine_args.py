@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -83,8 +84,21 @@ def engine_process_env(cfg: RolloutConfig, on_gpu: bool, root: Path, scratch: Pa
         # i.e. in vLLM's freshly spawned processes.
         if not cfg.cpu_torch_compile:
             env["TORCHDYNAMO_DISABLE"] = "1"
+    if on_gpu and cfg.tensor_parallel_size > 1:
+        env.update(_ray_executor_env())
     env.update(speculative.engine_env(cfg.speculative))  # the drafter's options, read in vLLM's workers
     return env
+
+
+def _ray_executor_env() -> dict[str, str]:
+    """A TP > 1 GPU engine runs vLLM's Ray executor from its engine-core process, a plain child of the
+    engine actor: vLLM connects it with ``ray.init(address=None)`` (``vllm/v1/executor/ray_utils.py``
+    ``initialize_ray_cluster``), which joins the cluster named by ``RAY_ADDRESS`` and otherwise may
+    start a new one without the run's placement group (``ray/_private/worker.py`` ``init``). Name ours."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return {}
+    return {"RAY_ADDRESS": ray.get_runtime_context().gcs_address}
 
 
 def engine_args(cfg: RolloutConfig, model_path: str, max_model_len: int, on_gpu: bool, load_format: str, seed: int,
@@ -124,6 +138,11 @@ def engine_args(cfg: RolloutConfig, model_path: str, max_model_len: int, on_gpu:
             # Routes weights and KV cache through vLLM's cumem allocator so sleep() can hand
             # that memory back (without it sleep succeeds but frees nothing).
             enable_sleep_mode=True,
+            # TP > 1: one Ray worker per GPU bundle of the run's placement group (VLLM_RAY_BUNDLE_INDICES,
+            # set by megatron_rl.distributed.cluster); mp would put every engine's ranks on cuda:0..TP-1
+            # of the node (vllm/config/parallel.py picks mp when no backend is named and device_count
+            # allows). TP 1 needs no executor of its own: the actor holds its GPU share.
+            distributed_executor_backend="ray" if cfg.tensor_parallel_size > 1 else None,
         )
     return AsyncEngineArgs(
         **common,

@@ -150,15 +150,24 @@ class PolicyGroup:
     """All trainer ranks of the run. Methods mirror MegatronWorker's and return rank 0's result
     (every rank computes the same for these; see ``training.policy.Policy`` for the contract)."""
 
-    def __init__(self, cfg: RunConfig, device: str, actor_options: dict, master_port: int):
+    def __init__(self, cfg: RunConfig, device: str, actor_options: dict | list[dict], master_port: int,
+                 master_addr: str | None = None):
+        """``actor_options``: Ray options for every rank, or one dict per rank (GPU runs place each rank
+        in its own bundle: ``cluster.RunPlacement.all_trainer_options``). ``master_addr``: where rank 0
+        hosts the rendezvous store (``RunPlacement.master_addr``: rank 0's node); default loopback on
+        one node, else the driver's address."""
         p = cfg.parallel
         self.world_size = (p.tensor_model_parallel_size * p.pipeline_model_parallel_size
                            * p.context_parallel_size * p.data_parallel_size)
+        per_rank = actor_options if isinstance(actor_options, list) else [actor_options] * self.world_size
+        if len(per_rank) != self.world_size:
+            raise ValueError(f"PolicyGroup: {len(per_rank)} actor option sets for {self.world_size} trainer ranks")
         remote_cls = ray.remote(TrainerRank)
-        master_addr = "127.0.0.1" if cfg.cluster.num_nodes == 1 else ray.util.get_node_ip_address()
+        if master_addr is None:
+            master_addr = "127.0.0.1" if cfg.cluster.num_nodes == 1 else ray.util.get_node_ip_address()
         self.actors = [
-            remote_cls.options(**actor_options, name=None).remote(cfg, rank, self.world_size, master_addr,
-                                                                  master_port, device)
+            remote_cls.options(**per_rank[rank], name=None).remote(cfg, rank, self.world_size, master_addr,
+                                                                   master_port, device)
             for rank in range(self.world_size)
         ]
         self.where = [f"rank {rank}" for rank in range(self.world_size)]
