@@ -77,6 +77,10 @@ class Policy(Protocol):
         """(Ray node id, IP address) of every rank, in rank order."""
         ...
 
+    async def rank_gpus(self) -> list[str]:
+        """GPU UUID of every rank ('' on CPU), in rank order (the tensor push pairs by it)."""
+        ...
+
     async def save_checkpoint(self, directory: str) -> None:
         """Write the trainer state (weights, optimizer, RNG) into ``directory``."""
         ...

@@ -119,6 +119,17 @@ class TrainerRank:
         """(Ray node id, IP address) of this rank's node."""
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
 
+    def gpu_uuid(self) -> str:
+        """UUID of this rank's GPU ('' on CPU): the tensor weight push pairs by it
+        (``rollout.weight_sync.push.topology``)."""
+        from megatron_rl.rollout.weight_sync.push.topology import device_uuid
+
+        if self.device == "cpu":
+            return ""
+        import torch
+
+        return device_uuid(torch.device("cuda", torch.cuda.current_device()))
+
     def whereabouts(self) -> dict:
         """This rank's pid, process start time, host name, Ray node id and IP: what an error about
         it names, and how the driver finds its process on the same machine."""
@@ -132,7 +143,7 @@ class TrainerRank:
 
 
 _RANK_HELPERS = {"set_num_threads": TrainerRank.set_num_threads, "write_hf_weights": TrainerRank.write_hf_weights,
-                 "node_id": TrainerRank.node_id, "node_address": TrainerRank.node_address,
+                 "node_id": TrainerRank.node_id, "node_address": TrainerRank.node_address, "gpu_uuid": TrainerRank.gpu_uuid,
                  "whereabouts": TrainerRank.whereabouts}
 """Calls answered by the rank itself rather than its MegatronWorker."""
 
@@ -276,6 +287,10 @@ class PolicyGroup:
     async def rank_nodes(self) -> list[tuple[str, str]]:
         """(Ray node id, IP address) of every rank, in rank order."""
         return [tuple(x) for x in await self._all("node_address")]
+
+    async def rank_gpus(self) -> list[str]:
+        """GPU UUID of every rank ('' on CPU), in rank order."""
+        return list(await self._all("gpu_uuid"))
 
     async def open_weight_push(self, spec: dict) -> list[dict]:
         """Set up a tensor weight push on every rank (``training.weight_push``); each rank's
