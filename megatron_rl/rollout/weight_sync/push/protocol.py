@@ -136,21 +136,35 @@ def net_targets(spec: PushSpec, trainer_rank: int) -> dict[int, list[tuple[int, 
     """Engine TP rank -> (group, group rank) of every worker of that rank that gets
     ``trainer_rank``'s buckets over the network, in replica order."""
     groups = push_groups(spec)
+    shared = shared_groups(spec, groups)
     out: dict[int, list[tuple[int, int]]] = {r: [] for r in range(spec.rollout_tp)}
     for e in range(spec.num_replicas):
         for r in range(spec.rollout_tp):
             if kind(spec, trainer_rank, e, r) == NET:
-                out[r].append(_shared_group(spec, groups, trainer_rank, worker_id(spec, e, r)))
+                g = _shared(spec, shared, trainer_rank, worker_id(spec, e, r))
+                out[r].append((g, groups[g].index(worker_id(spec, e, r))))
     return out
 
 
-def _shared_group(spec: PushSpec, groups: list[list[int]], trainer_rank: int, worker: int) -> tuple[int, int]:
-    """(group, the worker's group rank) of the first group holding both; an error when none does."""
+def shared_groups(spec: PushSpec, groups: list[list[int]]) -> dict[tuple[int, int], int]:
+    """(trainer rank, worker) -> the first group holding both: the one their buckets go through."""
+    out: dict[tuple[int, int], int] = {}
+    t_count = spec.num_trainer_ranks
     for g, members in enumerate(groups):
-        if trainer_rank in members and worker in members:
-            return g, members.index(worker)
-    raise ValueError(f"weight push {spec.key}: no push group holds trainer rank {trainer_rank} and worker "
-                     f"{worker} although their pair is NET")
+        trainers = [m for m in members if m < t_count]
+        for w in members:
+            if w >= t_count:
+                for t in trainers:
+                    out.setdefault((t, w), g)
+    return out
+
+
+def _shared(spec: PushSpec, shared: dict[tuple[int, int], int], trainer_rank: int, worker: int) -> int:
+    try:
+        return shared[trainer_rank, worker]
+    except KeyError:
+        raise ValueError(f"weight push {spec.key}: no push group holds trainer rank {trainer_rank} and worker "
+                         f"{worker} although their pair is NET") from None
 
 
 def shm_root() -> Path:
@@ -181,6 +195,7 @@ def engine_init_info(spec: PushSpec, replica: int, rings: list[dict], fingerprin
             local[str(t)] = {**rings[t], "slot": local_replicas(spec, t).index(replica), "ranks": ranks}
     net = [t for t in range(spec.num_trainer_ranks) if any(kind(spec, t, replica, r) == NET for r in tp_ranks)]
     all_groups = push_groups(spec)
+    shared = shared_groups(spec, all_groups)
     groups = []
     for g, members in enumerate(all_groups):
         mine = {str(r): members.index(worker_id(spec, replica, r)) for r in tp_ranks
@@ -189,9 +204,9 @@ def engine_init_info(spec: PushSpec, replica: int, rings: list[dict], fingerprin
             continue
         sources: dict[str, dict[str, int]] = {r: {} for r in mine}
         for r in mine:
+            w = worker_id(spec, replica, int(r))
             for t in range(spec.num_trainer_ranks):
-                if (kind(spec, t, replica, int(r)) == NET
-                        and _shared_group(spec, all_groups, t, worker_id(spec, replica, int(r)))[0] == g):
+                if kind(spec, t, replica, int(r)) == NET and _shared(spec, shared, t, w) == g:
                     sources[r][str(t)] = members.index(t)
         host, port = group_address(spec, g)
         groups.append({"index": g, "host": host, "port": port, "world_size": len(members), "ranks": mine,
