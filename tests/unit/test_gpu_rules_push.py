@@ -214,6 +214,14 @@ def check_every_bucket_reaches_every_replica(trainer: Trainer, engines: Engines,
                 _, g, src, me = channel
                 assert (g, src) in [(g2, mine) for g2, mine in sender.my_groups], f"trainer rank {t} not rank {src} of {g}"
                 assert (g, me) in sender.net_targets[r], f"trainer rank {t} never sends bucket {b.index} to engine {e}"
+    # And nothing else: a ring slot handed to a replica whose worker does not read it is never
+    # released (the sender would wait for it forever), a send nobody receives hangs too.
+    for t, sender in enumerate(trainer.senders):
+        for r in range(engines.topo.rollout_tp):
+            rings = {c[1] for info in engines.infos for c in opened[info["replica"], r].get(t, []) if c[0] == "ring"}
+            sends = {(c[1], c[3]) for info in engines.infos for c in opened[info["replica"], r].get(t, [])
+                     if c[0] == "group"}
+            assert set(sender.takers[r]) == rings and set(sender.net_targets[r]) == sends, (t, r)
 
 
 def check_all(topo: Topology, **kw) -> tuple[int, int]:
