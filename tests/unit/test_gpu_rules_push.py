@@ -232,19 +232,28 @@ def check_all(topo: Topology, **kw) -> tuple[int, int]:
     return rings, groups
 
 
-@pytest.mark.parametrize("name", RECIPES)
-def test_recipe_colocated_pairs_each_gpu_over_ipc_and_the_rest_over_nccl_without_a_duplicate(name):
-    topo = recipe(name)
-    rings, groups = check_all(topo)
-    # Every engine worker shares its GPU with exactly one trainer rank: one IPC pair each.
-    assert rings == sum(len(w) for w in topo.engine_gpus)
-    assert groups >= 1
+def most_groups_per_process(trainer: Trainer, engines: Engines) -> int:
+    """The most push groups (NCCL communicators on GPU) any one process joins."""
+    joined = [len(s.my_groups) for s in trainer.senders]
+    joined += [sum(str(r) in g["ranks"] for g in info["groups"]) for info in engines.infos
+               for r in range(engines.topo.rollout_tp)]
+    return max(joined)
 
 
 @pytest.mark.parametrize("name", RECIPES)
-def test_recipe_split_has_no_ipc_and_groups_without_a_duplicate(name):
-    rings, groups = check_all(recipe(name, split=True))
-    assert rings == 0 and groups >= 1
+@pytest.mark.parametrize("split", [False, True], ids=["colocated", "split"])
+def test_recipe_pairs_a_shared_gpu_over_ipc_and_the_rest_over_nccl_without_a_duplicate(name, split):
+    topo = recipe(name, split=split)
+    trainer, engines, plan = set_up(topo)
+    rings = check_ipc_only_within_a_gpu(trainer, engines)
+    assert check_no_group_holds_one_gpu_twice(trainer, engines) >= 1
+    check_every_bucket_reaches_every_replica(trainer, engines, plan)
+    # Colocated, every engine worker shares its GPU with exactly one trainer rank: one IPC pair
+    # each; split, none.
+    assert rings == (0 if split else sum(len(w) for w in topo.engine_gpus))
+    # NCCL communicators cost memory and set-up time: a few per process, not one per peer.
+    gpus = len({g for g in topo.trainer_gpus} | {g for w in topo.engine_gpus for g in w})
+    assert most_groups_per_process(trainer, engines) <= (gpus - 1).bit_length()
 
 
 def test_a_tp2_engine_over_two_trainer_ranks_gpus_takes_ipc_from_each_on_its_own_rank():
@@ -264,8 +273,12 @@ def test_an_engine_on_gpus_without_a_trainer_rank_and_two_nodes():
 
 def test_two_engines_sharing_gpus_are_split_into_groups_without_a_duplicate():
     topo = Topology((2, 1, 1), 1, [gpu(0), gpu(1)], [[gpu(2)], [gpu(2)], [gpu(0)]])
-    _, groups = check_all(topo)
-    assert groups >= 3  # rank 1 reaches GPU 2 twice and GPU 0: it needs two groups, rank 0 one
+    trainer, engines, _ = set_up(topo)
+    check_no_group_holds_one_gpu_twice(trainer, engines)
+    check_every_bucket_reaches_every_replica(trainer, engines, build_push_plan(ARCH, *topo.trainer, 1, BUCKET, 2))
+    # Engines 0 and 1 share GPU 2: their workers never meet in a group.
+    assert all(not ("0" in g["ranks"] and g["index"] in {h["index"] for h in engines.infos[1]["groups"]})
+               for g in engines.infos[0]["groups"])
 
 
 def test_network_only_still_pairs_a_shared_gpu_over_ipc():

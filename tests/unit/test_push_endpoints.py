@@ -163,18 +163,19 @@ def test_an_engine_that_stops_reading_is_named_by_the_trainer(setup):
 def test_gpu_pairing_moves_every_byte_over_per_rank_rings_and_per_sender_groups(tmp_path):
     """The wiring ``push.topology`` gives GPUs (run over the CPU wires): engine 0 is colocated,
     TP rank r on trainer rank r's GPU, so each worker maps one ring and gets the other rank's
-    buckets through that rank's group; engine 1 is on GPUs of its own (groups only). A trainer
-    rank's buckets for the other TP rank reach no ring and go over the network only."""
+    buckets through a group; engine 1 is on GPUs of its own (groups only), its workers in two
+    groups. A trainer rank's buckets for the other TP rank reach no ring and go over the network
+    only."""
     from megatron_rl.rollout.weight_sync.push.topology import Place, pair
 
     model = build_tiny_qwen2(tmp_path / "m", seed=3, num_layers=2)
     arch = read_qwen2_arch(model)
     a, b, c, d = (Place("n0", f"GPU-{i}") for i in "abcd")
     wires, groups = pair([a, b], [[a, b], [c, d]], "cuda")
-    assert wires[0][0] == ["local", "net"] and groups == [[0, 3, 4, 5], [1, 2, 4, 5]]
+    assert wires[0][0] == ["local", "net"] and len(groups) == 3
     spec = PushSpec(key="push-gpu", trainer=TRAINER, rollout_tp=TP, dtype="float32", bucket_bytes=16 << 10,
                     num_slots=2, timeout_s=60.0, device="cpu", host="127.0.0.1", wiring=wires, groups=groups,
-                    group_hosts=["127.0.0.1"] * 2, replica_names=["engine 0", "engine 1"])
+                    group_hosts=["127.0.0.1"] * len(groups), replica_names=["engine 0", "engine 1"])
     plan = build_push_plan(arch, *TRAINER, TP, spec.bucket_bytes, 4)
     senders = [PushSender(spec, plan, r) for r in range(2)]
     try:

@@ -123,6 +123,8 @@ def push_groups(spec: PushSpec) -> list[list[int]]:
 def group_address(spec: PushSpec, group: int) -> tuple[str, int]:
     """(host, port) of a group's store (port 0 until its first member opened)."""
     if spec.groups:
+        if len(spec.group_hosts) != len(spec.groups):
+            raise ValueError(f"weight push {spec.key}: {len(spec.group_hosts)} group_hosts for {len(spec.groups)} groups")
         return spec.group_hosts[group], (spec.group_ports[group] if spec.group_ports else 0)
     return spec.host, spec.port
 

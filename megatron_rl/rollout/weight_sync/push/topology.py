@@ -13,9 +13,9 @@ and groups (``push.protocol`` describes both):
   GPU: a worker rebuilds the trainer's slots on its own device and nowhere else, as vLLM's IPC
   backend does. Every other pair is NCCL ("net"), and no NCCL communicator may hold two processes
   of one GPU (NCCL refuses it: "Duplicate GPU detected", ncclInvalidUsage). So a pair on one GPU is
-  always IPC (``network_only`` cannot apply to it), and the NCCL pairs get a group per sending
-  trainer rank: the rank and the workers it sends to over the network, split where two of those
-  workers share a GPU. A group has one trainer rank, so it never holds two processes of its GPU.
+  always IPC (``network_only`` cannot apply to it), and the NCCL pairs go through groups that
+  split the GPUs by one bit of their number: trainer ranks on one side, workers on the other
+  (:func:`_nccl_groups`), a few groups per process however many GPUs.
 """
 from __future__ import annotations
 
@@ -94,19 +94,48 @@ def pair(trainer: list[Place], replicas: list[list[Place]], device: str,
                          "processes by GPU (rollout.weight_sync_format=tensor needs every process on a GPU)")
     wiring = [[_collapse([LOCAL if w.gpu == t.gpu else NET for w in workers]) for workers in replicas]
               for t in trainer]
+    return wiring, _nccl_groups(trainer, replicas, wiring)
+
+
+def _nccl_groups(trainer: list[Place], replicas: list[list[Place]], wiring: list) -> list[list[int]]:
+    """Groups covering every NET pair, none holding one GPU twice (module docstring).
+
+    Number the GPUs 0..G-1. For bit k and side v, group (k, v) holds the trainer ranks whose GPU
+    number has bit k == v and the workers whose GPU number has it != v: a trainer rank and a
+    worker there never share a GPU. A NET pair (distinct GPUs) goes through the group of the
+    lowest bit where their numbers differ, on the trainer rank's side. So 2 * ceil(log2 G) groups
+    at most and a process is in at most ceil(log2 G) of them as a trainer rank or a worker,
+    where a group per pair would put every process of a colocated run in about G communicators.
+    Members without a pair in a group are left out; workers that share a GPU (engines on one GPU)
+    go to separate copies of the group, each with the trainer ranks that send to its workers."""
+    count = len(trainer)
     tp = len(replicas[0]) if replicas else 0
-    groups: list[list[int]] = []
+    numbers: dict[str, int] = {}
+    for place in [*trainer, *(w for workers in replicas for w in workers)]:
+        numbers.setdefault(place.gpu, len(numbers))
+    doubled = {p.gpu for p in trainer if sum(q.gpu == p.gpu for q in trainer) > 1}
+    if doubled:
+        raise ValueError(f"weight push on GPU: several trainer ranks report GPU {sorted(doubled)[0]}")
+    gpu_of = {t: numbers[p.gpu] for t, p in enumerate(trainer)}
+    gpu_of.update({count + e * tp + r: numbers[w.gpu] for e, workers in enumerate(replicas)
+                   for r, w in enumerate(workers)})
+    # (bit, side) -> copy -> trainer ranks and workers of that copy
+    found: dict[tuple[int, int], dict[int, tuple[set[int], set[int]]]] = {}
+    sharing: dict[tuple[int, int], dict[int, list[int]]] = {}  # (bit, side) -> GPU -> its workers there
     for t, row in enumerate(wiring):
-        bins: list[tuple[set[str], list[int]]] = []  # GPUs in the group, its workers
-        for e, workers in enumerate(replicas):
-            for r, w in enumerate(workers):
-                if (row[e] if isinstance(row[e], str) else row[e][r]) != NET:
+        for e, kinds in enumerate(row):
+            for r in range(tp):
+                if (kinds if isinstance(kinds, str) else kinds[r]) != NET:
                     continue
-                target = next((b for b in bins if w.gpu not in b[0]), None)
-                if target is None:
-                    target = ({trainer[t].gpu}, [])
-                    bins.append(target)
-                target[0].add(w.gpu)
-                target[1].append(len(trainer) + e * tp + r)
-        groups.extend([t, *members] for _, members in bins)
-    return wiring, groups
+                w = count + e * tp + r
+                diff = gpu_of[t] ^ gpu_of[w]
+                bit = (diff & -diff).bit_length() - 1
+                key = (bit, (gpu_of[t] >> bit) & 1)
+                on_gpu = sharing.setdefault(key, {}).setdefault(gpu_of[w], [])
+                if w not in on_gpu:
+                    on_gpu.append(w)
+                trainers, workers = found.setdefault(key, {}).setdefault(on_gpu.index(w), (set(), set()))
+                trainers.add(t)
+                workers.add(w)
+    return [sorted(trainers) + sorted(workers) for key in sorted(found)
+            for trainers, workers in (found[key][c] for c in sorted(found[key]))]
