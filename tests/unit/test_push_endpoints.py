@@ -160,7 +160,7 @@ def test_an_engine_that_stops_reading_is_named_by_the_trainer(setup):
     assert any("trainer rank" in m and "still held by engine 0" in m and "v9" in m for m in messages), messages
 
 
-def test_gpu_pairing_moves_every_byte_over_per_rank_rings_and_per_sender_groups(tmp_path):
+def test_gpu_pairing_moves_every_byte_over_per_rank_rings_and_bit_split_groups(tmp_path):
     """The wiring ``push.topology`` gives GPUs (run over the CPU wires): engine 0 is colocated,
     TP rank r on trainer rank r's GPU, so each worker maps one ring and gets the other rank's
     buckets through a group; engine 1 is on GPUs of its own (groups only), its workers in two
