@@ -61,8 +61,9 @@ class Policy(Protocol):
         rank; returns each rank's ring path / IPC handle / plan fingerprint and rank 0's port."""
         ...
 
-    async def join_weight_push(self, key: str, port: int) -> None:
-        """Every rank enters push ``key``'s group (while the engines join it)."""
+    async def join_weight_push(self, key: str, port: int, group_ports: list[int] | None = None) -> None:
+        """Every rank enters push ``key``'s groups (while the engines join them); ``group_ports``
+        when the spec has its own groups (GPU)."""
         ...
 
     async def push_weights(self, key: str, sync_id: int, version: int) -> dict[str, float]:

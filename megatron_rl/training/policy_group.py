@@ -297,9 +297,10 @@ class PolicyGroup:
         ring path, IPC handle and plan fingerprint, and rank 0's push-group port."""
         return await self._all("open_weight_push", spec)
 
-    async def join_weight_push(self, key: str, port: int) -> None:
-        """Every rank enters the push group (the engines' workers join at the same time)."""
-        await self._all("join_weight_push", key, port)
+    async def join_weight_push(self, key: str, port: int, group_ports: list[int] | None = None) -> None:
+        """Every rank enters its push groups (the engines' workers join at the same time);
+        ``group_ports``: the ports of the spec's groups, when it has some (GPU)."""
+        await self._all("join_weight_push", key, port, *([group_ports] if group_ports is not None else []))
 
     async def push_weights(self, key: str, sync_id: int, version: int) -> dict[str, float]:
         """One push from every rank; bytes summed, seconds of the slowest rank."""

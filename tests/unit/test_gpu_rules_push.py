@@ -90,8 +90,10 @@ class Trainer:
         self.senders = [PushSender(PushSpec.from_dict(spec), plan, t) for t in range(len(self.topo.trainer_gpus))]
         return [{**s.describe(), "fingerprint": plan.fingerprint} for s in self.senders]
 
-    async def join_weight_push(self, key, port):
-        pass
+    async def join_weight_push(self, key, port, group_ports=None):
+        # What each rank learns here (training.weight_push.join_weight_push), not what rank 0 knows.
+        for s in self.senders:
+            s.spec.port, s.spec.group_ports = port, list(group_ports or [])
 
     async def push_weights(self, key, sync_id, version):
         return {k: 0.0 for k in ("bytes", "net_bytes", "pack_s", "wait_s", "net_s", "seconds")}
@@ -158,7 +160,10 @@ def group_members(trainer: Trainer, engines: Engines) -> dict[int, dict[int, tup
     every end opens (senders' groups, workers' init infos)."""
     members: dict[int, dict[int, tuple[str, str]]] = {}
     sizes: dict[int, int] = {}
+    stores = {g["index"]: (g["host"], g["port"]) for info in engines.infos for g in info["groups"]}
     for t, s in enumerate(trainer.senders):
+        for g, address in s.group_addresses().items():  # every member meets at one store
+            assert stores.get(g, address) == address and address[1] > 0, (t, g, address, stores.get(g))
         for g, me in s.my_groups:
             assert me not in members.setdefault(g, {}), f"group {g}: rank {me} taken twice"
             members[g][me] = trainer.topo.trainer_gpus[t]

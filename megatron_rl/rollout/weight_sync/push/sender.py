@@ -99,9 +99,9 @@ class PushSender:
         wait for each other in different groups); the engines join at the same time."""
         if self.groups or not self.my_groups:
             return
+        addresses = self.group_addresses()
         for g, me in self.my_groups:
-            host, port = group_address(self.spec, g)
-            port = self.ports.get(g, port)
+            host, port = addresses[g]
             size = len(push_groups(self.spec)[g])
             if self.device.type == "cuda":
                 from megatron_rl.rollout.weight_sync.push.channels_gpu import NcclGroup
@@ -109,6 +109,17 @@ class PushSender:
                 self.groups[g] = NcclGroup(host, port, me, size, self.device)
             else:
                 self.groups[g] = NetworkGroup(host, port, me, size, self.spec.timeout_s)
+
+    def group_addresses(self) -> dict[int, tuple[str, int]]:
+        """(host, port) of the store of every group this rank is in: its own port where it leads
+        the group, else the spec's (the driver hands every rank the ports at :meth:`join` time)."""
+        out = {}
+        for g, _ in self.my_groups:
+            host, port = group_address(self.spec, g)
+            out[g] = host, self.ports.get(g, port)
+            if not out[g][1]:
+                raise RuntimeError(f"weight push {self.spec.key}: trainer rank {self.rank} has no port for push group {g}")
+        return out
 
     def _slot(self, index: int, numel: int) -> torch.Tensor:
         if self._ipc_slots is not None:

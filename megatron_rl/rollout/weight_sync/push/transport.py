@@ -49,7 +49,7 @@ class PushWriter(Protocol):
     async def rank_nodes(self) -> list[tuple[str, str]]: ...
     async def rank_gpus(self) -> list[str]: ...  # only asked on GPU
     async def open_weight_push(self, spec: dict) -> list[dict]: ...
-    async def join_weight_push(self, key: str, port: int) -> None: ...
+    async def join_weight_push(self, key: str, port: int, group_ports: list[int] | None = None) -> None: ...
     async def push_weights(self, key: str, sync_id: int, version: int) -> dict[str, float]: ...
     async def close_weight_push(self, key: str) -> None: ...
 
@@ -171,7 +171,9 @@ class TensorTransport(WeightTransport):
         infos = [engine_init_info(spec, e, ranks, fingerprint) for e in range(len(receivers))]
         steps = [engine.open_weight_receiver(infos)]
         if group_size(spec):
-            steps.append(self.writer.join_weight_push(spec.key, spec.port))  # both ends rendezvous together
+            # Both ends rendezvous together; a rank in a group it does not lead needs that group's port.
+            extra = (spec.group_ports,) if spec.groups else ()
+            steps.append(self.writer.join_weight_push(spec.key, spec.port, *extra))
         try:
             await wait_for(asyncio.gather(*steps), timeout=o.timeout_s + _MARGIN_S)
         except BaseException as exc:
