@@ -172,8 +172,9 @@ class RolloutConfig:
     dir when /dev/shm is missing), deleted when the run ends. A directory given here is kept."""
     weight_sync_format: str = "tensor"
     """'tensor': every trainer rank sends each engine rank exactly its slice, cut from its own
-    shards, as tensors in bounded buckets through vLLM's weight-transfer API (shared memory on
-    CPU / CUDA IPC on GPU within a node, a gloo / NCCL group across nodes); the engines load them
+    shards, as tensors in bounded buckets through vLLM's weight-transfer API (CPU: shared memory
+    within a node, a gloo group across nodes; GPU: CUDA IPC between a trainer rank and the engine
+    worker on its own GPU, NCCL groups for every other pair); the engines load them
     in place; no files, no fan-out, and new engines of an elastic-TP switch start from dummy
     weights and get a push. 'sharded': the trainer ranks move their shards through the resharder
     into one file per engine TP rank, and each engine rank reloads only its own file in place.
@@ -187,8 +188,10 @@ class RolloutConfig:
     """'tensor' sync: longest wait of either side for the other; a dead or stalled engine or
     trainer rank is then an error naming it, the rank and the policy version."""
     weight_push_channel: str = "auto"
-    """'tensor' sync: 'auto' (shared memory / CUDA IPC for engines on a trainer rank's node, the
-    push group for the others) or 'network' (the push group for every engine)."""
+    """'tensor' sync: 'auto' (CPU: shared memory for engines on a trainer rank's node, the push
+    group for the others; GPU: CUDA IPC for the engine worker on a trainer rank's own GPU, NCCL for
+    the others) or 'network' (the push group for every engine; on GPU a worker that shares a trainer
+    rank's GPU still takes that rank's buckets over CUDA IPC: NCCL refuses two processes of one GPU)."""
     max_engine_restarts: int = 3
     """Engines that died (engine-core process or its Ray actor gone) are replaced inside the
     step: a new engine on the same placement takes the current weights and the step's unfinished

@@ -174,7 +174,7 @@ def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict
         if cfg.cluster.num_nodes > 1:
             from megatron_rl.distributed.cluster import describe_placement
 
-            engine_nodes = [node for _, node in asyncio.run(engine.weight_receivers())]
+            engine_nodes = [r[1] for r in asyncio.run(engine.weight_receivers())]
             log.info("placement: %s", describe_placement(asyncio.run(policy.rank_nodes()), engine_nodes))
         log.info("weights for the engines go to %s", sync_dir)
         parts = TrainerParts(cfg=cfg, policy=policy, engine=engine, rewards=rewards, train_prompts=train_prompts,

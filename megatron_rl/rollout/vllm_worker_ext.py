@@ -91,6 +91,13 @@ class RankShardReload(QuantizedEngineMethods):
         engine = getattr(self, "weight_transfer_engine", None)
         return dict(getattr(engine, "stats", {}) or {})
 
+    def weight_push_gpu(self) -> str:
+        """UUID of this worker's GPU ('' on CPU): the tensor weight push pairs a worker with the
+        trainer ranks by it (``weight_sync.push.topology``)."""
+        from megatron_rl.rollout.weight_sync.push.topology import device_uuid
+
+        return device_uuid(self.device)
+
     def process_settings(self) -> dict:
         """This worker process's pid, torch threads, whether vLLM's sampler helpers are
         compiled (``rollout.cpu_torch_compile``: torch.compile is off there otherwise), the pid

@@ -65,8 +65,9 @@ class Policy(Protocol):
         rank; returns each rank's ring path / IPC handle / plan fingerprint and rank 0's port."""
         ...
 
-    async def join_weight_push(self, key: str, port: int) -> None:
-        """Every rank enters push ``key``'s group (while the engines join it)."""
+    async def join_weight_push(self, key: str, port: int, group_ports: list[int] | None = None) -> None:
+        """Every rank enters push ``key``'s groups (while the engines join them); ``group_ports``
+        when the spec has its own groups (GPU)."""
         ...
 
     async def push_weights(self, key: str, sync_id: int, version: int) -> dict[str, float]:
@@ -79,6 +80,10 @@ class Policy(Protocol):
 
     async def rank_nodes(self) -> list[tuple[str, str]]:
         """(Ray node id, IP address) of every rank, in rank order."""
+        ...
+
+    async def rank_gpus(self) -> list[str]:
+        """GPU UUID of every rank ('' on CPU), in rank order (the tensor push pairs by it)."""
         ...
 
     async def save_checkpoint(self, directory: str) -> None:

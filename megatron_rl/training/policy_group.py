@@ -119,6 +119,17 @@ class TrainerRank:
         """(Ray node id, IP address) of this rank's node."""
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
 
+    def gpu_uuid(self) -> str:
+        """UUID of this rank's GPU ('' on CPU): the tensor weight push pairs by it
+        (``rollout.weight_sync.push.topology``)."""
+        from megatron_rl.rollout.weight_sync.push.topology import device_uuid
+
+        if self.device == "cpu":
+            return ""
+        import torch
+
+        return device_uuid(torch.device("cuda", torch.cuda.current_device()))
+
     def whereabouts(self) -> dict:
         """This rank's pid, process start time, host name, Ray node id and IP: what an error about
         it names, and how the driver finds its process on the same machine."""
@@ -132,7 +143,7 @@ class TrainerRank:
 
 
 _RANK_HELPERS = {"set_num_threads": TrainerRank.set_num_threads, "write_hf_weights": TrainerRank.write_hf_weights,
-                 "node_id": TrainerRank.node_id, "node_address": TrainerRank.node_address,
+                 "node_id": TrainerRank.node_id, "node_address": TrainerRank.node_address, "gpu_uuid": TrainerRank.gpu_uuid,
                  "whereabouts": TrainerRank.whereabouts}
 """Calls answered by the rank itself rather than its MegatronWorker."""
 
@@ -291,14 +302,19 @@ class PolicyGroup:
         """(Ray node id, IP address) of every rank, in rank order."""
         return [tuple(x) for x in await self._all("node_address")]
 
+    async def rank_gpus(self) -> list[str]:
+        """GPU UUID of every rank ('' on CPU), in rank order."""
+        return list(await self._all("gpu_uuid"))
+
     async def open_weight_push(self, spec: dict) -> list[dict]:
         """Set up a tensor weight push on every rank (``training.weight_push``); each rank's
         ring path, IPC handle and plan fingerprint, and rank 0's push-group port."""
         return await self._all("open_weight_push", spec)
 
-    async def join_weight_push(self, key: str, port: int) -> None:
-        """Every rank enters the push group (the engines' workers join at the same time)."""
-        await self._all("join_weight_push", key, port)
+    async def join_weight_push(self, key: str, port: int, group_ports: list[int] | None = None) -> None:
+        """Every rank enters its push groups (the engines' workers join at the same time);
+        ``group_ports``: the ports of the spec's groups, when it has some (GPU)."""
+        await self._all("join_weight_push", key, port, *([group_ports] if group_ports is not None else []))
 
     async def push_weights(self, key: str, sync_id: int, version: int) -> dict[str, float]:
         """One push from every rank; bytes summed, seconds of the slowest rank."""

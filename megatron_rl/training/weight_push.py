@@ -56,10 +56,13 @@ class WeightPush:
         self._push_senders()[push.key] = sender
         return {**sender.describe(), "fingerprint": plan.fingerprint}
 
-    def join_weight_push(self, key: str, port: int) -> None:
-        """Enter push ``key``'s group, whose store trainer rank 0 serves on ``port``."""
+    def join_weight_push(self, key: str, port: int, group_ports: list[int] | None = None) -> None:
+        """Enter push ``key``'s groups: the one group, whose store trainer rank 0 serves on
+        ``port``, or the spec's groups, whose first members serve theirs on ``group_ports``."""
         sender = self._push_senders()[key]
         sender.spec.port = port
+        if group_ports is not None:
+            sender.spec.group_ports = list(group_ports)
         sender.join()
 
     @with_training_state

@@ -158,3 +158,53 @@ def test_an_engine_that_stops_reading_is_named_by_the_trainer(setup):
     errors, _ = _push(setup, setup.first, 1, 9, stuck_engine=(0, 1))
     messages = [str(e) for e in errors if e is not None]
     assert any("trainer rank" in m and "still held by engine 0" in m and "v9" in m for m in messages), messages
+
+
+def test_gpu_pairing_moves_every_byte_over_per_rank_rings_and_bit_split_groups(tmp_path):
+    """The wiring ``push.topology`` gives GPUs (run over the CPU wires): engine 0 is colocated,
+    TP rank r on trainer rank r's GPU, so each worker maps one ring and gets the other rank's
+    buckets through a group; engine 1 is on GPUs of its own (groups only), its workers in two
+    groups. A trainer rank's buckets for the other TP rank reach no ring and go over the network
+    only."""
+    from megatron_rl.rollout.weight_sync.push.topology import Place, pair
+
+    model = build_tiny_qwen2(tmp_path / "m", seed=3, num_layers=2)
+    arch = read_qwen2_arch(model)
+    a, b, c, d = (Place("n0", f"GPU-{i}") for i in "abcd")
+    wires, groups = pair([a, b], [[a, b], [c, d]], "cuda")
+    assert wires[0][0] == ["local", "net"] and len(groups) == 3
+    spec = PushSpec(key="push-gpu", trainer=TRAINER, rollout_tp=TP, dtype="float32", bucket_bytes=16 << 10,
+                    num_slots=2, timeout_s=60.0, device="cpu", host="127.0.0.1", wiring=wires, groups=groups,
+                    group_hosts=["127.0.0.1"] * len(groups), replica_names=["engine 0", "engine 1"])
+    plan = build_push_plan(arch, *TRAINER, TP, spec.bucket_bytes, 4)
+    senders = [PushSender(spec, plan, r) for r in range(2)]
+    try:
+        rings = [s.describe() for s in senders]
+        spec.group_ports = [int(rings[g[0]]["ports"][str(i)]) for i, g in enumerate(groups)]
+        infos = [engine_init_info(spec, e, rings, plan.fingerprint) for e in range(2)]
+        engines = {(e, r): _engine(model, r) for e in range(2) for r in range(TP)}
+        errors = _run_all([s.join for s in senders] + [
+            (lambda w=w, e=e: w.init_transfer_engine(w.parse_init_info(infos[e]))) for (e, _), w in engines.items()])
+        assert errors == [None] * len(errors), errors
+        assert [len(w.groups) for w in engines.values()] == [1, 1, 2, 2]
+
+        def receive(w):
+            w.start_weight_update()
+            w.update_weights({"sync_id": 1, "version": 1})
+            w.finish_weight_update()
+
+        shards = _shards(model)
+        errors = _run_all([(lambda r=r: senders[r].send(shards[r], 1, 1)) for r in range(2)]
+                          + [(lambda w=w: receive(w)) for w in engines.values()])
+        assert errors == [None] * len(errors), errors
+        hf = LazySafetensors(model)
+        for (e, rank), worker in engines.items():
+            for tensor in VLLMLayout(arch, TP).tensors(rank):
+                for seg in tensor.segments:
+                    assert torch.equal(worker.model.fed[seg.logical].narrow(tensor.dim, seg.logical_start, seg.length),
+                                       hf[seg.logical].narrow(tensor.dim, seg.logical_start, seg.length)), (e, rank)
+    finally:
+        for s in senders:
+            s.close()
+        for w in locals().get("engines", {}).values():
+            w.shutdown()

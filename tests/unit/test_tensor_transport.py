@@ -115,7 +115,7 @@ def test_one_set_up_per_set_of_engines_and_local_wiring_on_one_node(tmp_path):
     assert spec["wiring"] == [[LOCAL, LOCAL], [LOCAL, LOCAL]] and spec["host"] == "10.0.0.0"
     for e, engine in enumerate(engines):  # each replica maps both rings, with its own consumer slot
         info = engine.opened[0]
-        assert info["replica"] == e and info["group"] is None and info["net_sources"] == []
+        assert info["replica"] == e and info["groups"] == [] and info["net_sources"] == []
         assert {t: v["slot"] for t, v in info["local"].items()} == {"0": e, "1": e}
         assert info["local"]["1"]["path"] == "/shm/push1-t1" and info["fingerprint"] == "fp"
         assert engine.version == 2
@@ -133,9 +133,11 @@ def test_engines_on_other_nodes_go_through_the_push_group(tmp_path):
     assert trainer.calls[:2] == ["open(push1,tp1)", "join(push1,4321)"]
     a, b = engines[0].opened[0], engines[1].opened[0]
     assert a["net_sources"] == [1] and b["net_sources"] == [0]
-    # Group ranks: trainer ranks 0..1, then replica 0's worker, then replica 1's.
-    assert (a["group"]["rank_offset"], b["group"]["rank_offset"]) == (2, 3)
-    assert a["group"]["world_size"] == 4 and a["group"]["host"] == "10.0.0.0" and a["group"]["port"] == 4321
+    # One group: trainer ranks 0..1, then replica 0's worker, then replica 1's.
+    (ga,), (gb,) = a["groups"], b["groups"]
+    assert (ga["ranks"], gb["ranks"]) == ({"0": 2}, {"0": 3})
+    assert ga["sources"] == {"0": {"1": 1}} and gb["sources"] == {"0": {"0": 0}}
+    assert ga["world_size"] == 4 and ga["host"] == "10.0.0.0" and ga["port"] == 4321
     # rollout.weight_push_channel=network: every pair through the group, even on one node.
     trainer2 = Trainer()
     asyncio.run(make(trainer2, tmp_path, network_only=True).load(Engine(), 1))

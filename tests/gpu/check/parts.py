@@ -21,6 +21,8 @@ SPECS: list[PartSpec] = [
           needs=()),
     _spec("cuda_ipc", 90, 120, "bucket of weights to another process by reduce_tensor handle (vLLM ipc backend; "
           "CPU: shared memory) vs a device copy", needs=()),
+    _spec("push_pairing", 60, 60, "tensor push pairing: GPU UUIDs across device numberings, IPC slots opened on "
+          "their own GPU only (CPU: pairing by node, other-GPU handles refused)", needs=()),
     _spec("nccl_groups", 90, 120, "nccl world + Megatron groups (collectives), tiny-model logprobs vs HF, HF export"),
     _spec("bf16_train_step", 150, 120, "bf16 train step (local spec) vs fp32 on the same device, fp32 vs transformers"),
     _spec("transformer_engine", 150, 30, "TE layer spec in bf16 vs fp32 (only where transformer_engine imports)",
@@ -42,7 +44,7 @@ SPECS: list[PartSpec] = [
 
 
 _WHERE = {
-    "model_setup": "megatron_parts", "cuda_ipc": "ipc_part", "nccl_groups": "megatron_parts",
+    "model_setup": "megatron_parts", "cuda_ipc": "ipc_part", "push_pairing": "push_part", "nccl_groups": "megatron_parts",
     "bf16_train_step": "megatron_parts", "transformer_engine": "megatron_parts", "recompute": "megatron_parts",
     "offload": "memory_parts", "distributed_optimizer": "megatron_parts", "memory_estimator": "memory_parts",
     "decode": "perf_parts", "decode_cuda_graph": "perf_parts", "train_throughput": "perf_parts",

@@ -2,7 +2,8 @@
 
 * the driver: :mod:`.transport` (:class:`~.transport.TensorTransport`: sets a push up for a set
   of engines and runs each sync), wired as :mod:`.protocol` says (the ``PushSpec`` every end
-  agrees on), engines started for a push from :mod:`.start_dir`;
+  agrees on; :mod:`.topology` pairs the processes: by node on CPU, by GPU UUID on GPU), engines
+  started for a push from :mod:`.start_dir`;
 * the trainer ranks: :mod:`.sender` (``PushSender``, driven by ``training.weight_push``);
 * the engine: :mod:`.engine_methods` (the push methods of ``VLLMEngine`` on vLLM's
   weight-transfer API) and, in each vLLM worker, :mod:`.receiver` (the weight-transfer backend

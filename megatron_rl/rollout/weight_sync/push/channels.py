@@ -150,10 +150,13 @@ class ShmRing:
         return self._data[start:start + numel * itemsize].view(dtype)
 
     # ------------------------------------------------------------------ trainer side
-    def wait_free(self, index: int, previous: int, timeout_s: float, what: Callable[[], str]) -> float:
-        """Wait until every replica released ticket ``previous`` of slot ``index`` (0: never used)."""
+    def wait_free(self, index: int, previous: int, timeout_s: float, what: Callable[[], str],
+                  consumers: list[int] | None = None) -> float:
+        """Wait until every replica (or each of ``consumers``: those handed that bucket) released
+        ticket ``previous`` of slot ``index`` (0: never used)."""
         def released() -> bool:
-            return bool((self.done[index] >= previous).all())
+            done = self.done[index] if consumers is None else self.done[index][consumers]
+            return bool((done >= previous).all())
 
         def consumers_alive() -> bool:
             return all(pid_alive(int(p)) for p in self.consumer_pids.flat if p > 0)

@@ -1,18 +1,20 @@
-"""The GPU wires of the tensor weight push: CUDA IPC slots for engines on a trainer rank's node,
-an NCCL group for engines on other nodes. Written against vLLM's and PyTorch's documented APIs;
-NOT RUN on this project's CPU-only machines (the CPU wires in ``push.channels`` run the same
-control flow in the test suite).
+"""The GPU wires of the tensor weight push: CUDA IPC slots between a trainer rank and the engine
+workers on its own GPU, NCCL groups for every other pair (``push.topology`` pairs them). Written
+against vLLM's and PyTorch's documented APIs; the CPU wires in ``push.channels`` run the same
+control flow in the test suite, the pairing rules run in ``tests/unit/test_gpu_rules_push.py``.
 
 * IPC: the trainer rank allocates its ring's slots as one CUDA tensor and exports it once with
   ``torch.multiprocessing.reductions.reduce_tensor`` (what vLLM's ``ipc`` weight-transfer backend
-  does per tensor); workers rebuild it with ``rebuild_cuda_tensor`` and copy their pieces from it.
-  The tickets stay in the host shared-memory header (``ShmRing`` with no data region). Slots on
-  another GPU of the node are read over NVLink/PCIe peer access when that GPU is visible to the
-  worker (matched by UUID, as vLLM's backend matches handles); otherwise the open fails with a
-  message pointing at ``rollout.weight_push_channel=network``.
+  does per tensor); a worker rebuilds it with ``rebuild_cuda_tensor`` on its own device and copies
+  its pieces from it. The handle carries the GPU's UUID and a worker opens it only when that is
+  its own device's UUID, as vLLM's backend looks handles up by the worker's own GPU UUID
+  (``vllm/distributed/weight_transfer/ipc_engine.py``, ``IPCWeightTransferEngine.receive_weights``);
+  anything else is a pairing error, never a peer-access mapping of another GPU. The tickets stay
+  in the host shared-memory header (``ShmRing`` with no data region).
 * NCCL: vLLM's ``StatelessProcessGroup`` + ``PyNcclCommunicator`` (the rendezvous vLLM's ``nccl``
   backend uses, ``weight_transfer.nccl_common.stateless_init_process_group``), point-to-point
-  ``send``/``recv`` of buckets on the current stream, in the plan's global order.
+  ``send``/``recv`` of buckets on the current stream, in the plan's global order. A communicator
+  never holds two processes of one GPU (NCCL refuses that: ncclInvalidUsage).
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import base64
 import pickle
 
 import torch
+
+from megatron_rl.rollout.weight_sync.push.topology import check_own_gpu, device_uuid
 
 
 def export_ipc_slots(num_slots: int, slot_bytes: int, device: torch.device) -> tuple[torch.Tensor, str]:
@@ -29,24 +33,22 @@ def export_ipc_slots(num_slots: int, slot_bytes: int, device: torch.device) -> t
 
     slots = torch.zeros(num_slots, slot_bytes, dtype=torch.uint8, device=device)
     _, args = reduce_tensor(slots)
-    uuid = str(torch.cuda.get_device_properties(slots.device).uuid)
+    uuid = device_uuid(slots.device)
     return slots, base64.b64encode(pickle.dumps((uuid, args))).decode()
 
 
 def import_ipc_slots(handle: str, device: torch.device) -> torch.Tensor:
-    """The trainer's slots (``export_ipc_slots``) in this process. The handle comes from our own
-    trainer ranks through the driver (never from outside), so unpickling it is safe here."""
+    """The trainer's slots (``export_ipc_slots``), rebuilt on ``device``, which must be the GPU
+    they live on. The handle comes from our own trainer ranks through the driver (never from
+    outside), so unpickling it is safe here."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     uuid, args = pickle.loads(base64.b64decode(handle))
-    # Device indices differ between processes (each sees its own CUDA_VISIBLE_DEVICES); the GPU's
-    # UUID does not, which is how vLLM's IPC backend matches handles to devices too.
-    visible = {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
-    if uuid not in visible:
-        raise RuntimeError(f"weight push: the trainer's slots are on GPU {uuid}, which this worker cannot see "
-                           "(set rollout.weight_push_channel=network)")
+    check_own_gpu(uuid, device_uuid(device))
     args = list(args)
-    args[6] = visible[uuid]  # rebuild_cuda_tensor's device argument, as vLLM's IPC engine rewrites it
+    # Device indices differ between processes (each sees its own CUDA_VISIBLE_DEVICES): rebuild
+    # on this worker's index of the GPU, as vLLM's IPC engine rewrites rebuild_cuda_tensor's arg 6.
+    args[6] = device.index if device.index is not None else torch.cuda.current_device()
     return rebuild_cuda_tensor(*args)
 
 

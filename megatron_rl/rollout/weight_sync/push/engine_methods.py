@@ -18,6 +18,8 @@ import time
 import uuid
 from typing import Any
 
+from megatron_rl.rollout.weight_sync.push.topology import node_id
+
 log = logging.getLogger(__name__)
 
 def completion_version(output: Any, fallback: int) -> int:
@@ -34,20 +36,6 @@ def completion_version(output: Any, fallback: int) -> int:
     return int(version) if version.lstrip("-").isdigit() else fallback
 
 
-def node_id() -> str:
-    """The Ray node this process runs on (the host name outside Ray)."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.get_runtime_context().get_node_id()
-    except ImportError:
-        pass
-    import socket
-
-    return socket.gethostname()
-
-
 class TensorPushReceiver:
     """Mixin of ``VLLMEngine``: the RolloutEngine tensor-push methods on its ``AsyncLLM``.
 
@@ -57,16 +45,23 @@ class TensorPushReceiver:
 
     _weights_pending: str = ""
     _receiver_id: str = ""
+    _receiver_gpus: list[str] | None = None
     _push_open = False
 
     def _refuse_if_pending(self, what: str) -> None:
         if self._weights_pending:
             raise RuntimeError(f"{what} refused: {self._weights_pending}")
 
-    async def weight_receivers(self) -> list[tuple[str, str]]:
+    async def weight_receivers(self) -> list[tuple]:
+        """(id, node) of this engine's one replica and, on GPU, the GPU UUID of each TP rank's
+        worker, in TP rank order: the push pairs processes by GPU (``push.topology``)."""
         if not self._receiver_id:
             self._receiver_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        return [(self._receiver_id, node_id())]
+        if not getattr(self, "on_gpu", False):
+            return [(self._receiver_id, node_id())]
+        if self._receiver_gpus is None:  # the workers keep their GPUs for the engine's life
+            self._receiver_gpus = list(await self._rpc(self._llm.collective_rpc("weight_push_gpu")))
+        return [(self._receiver_id, node_id(), self._receiver_gpus)]
 
     async def open_weight_receiver(self, init_infos: list[dict]) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest

@@ -6,8 +6,9 @@ backend (registered by :func:`register_backend`, which ``vllm_worker_ext`` runs 
 it into every worker, before the model loads). The engine (``vllm_engine``) drives vLLM's API:
 
 * ``init_weight_transfer_engine(init_info)``: the worker builds the same push plan as the
-  trainer ranks (checked by fingerprint), maps the rings of the trainer ranks on its node and
-  joins the push group for the others (``push.protocol`` describes the init info);
+  trainer ranks (checked by fingerprint), maps the rings the spec wires to it (trainer ranks on
+  its node on CPU, on its own GPU on GPU) and joins its push groups, in group order, for the
+  others (``push.protocol`` describes the init info);
 * ``start_weight_update``: vLLM's layerwise reload starts (parameters back to their loaded form);
 * ``update_weights({sync_id, version})``: the worker walks its buckets in the plan's order,
   copies each piece into the rows of a full-size HF tensor that its rank keeps (a lazily
@@ -144,6 +145,8 @@ class _Source:
     consumer_slot: int = 0
     net_rank: int = -1
     """Push-group rank of the trainer (network source), -1 for a ring."""
+    group: Any = None
+    """The push group it sends through (network source)."""
 
 
 def overlap_loads(device: torch.device) -> bool:
@@ -200,7 +203,7 @@ def _make_engine_class():
         name: str
         local: dict = field(default_factory=dict)
         net_sources: list = field(default_factory=list)
-        group: dict | None = None
+        groups: list = field(default_factory=list)
         fingerprint: str = ""
 
     @dataclass
@@ -218,7 +221,7 @@ def _make_engine_class():
             super().__init__(config, vllm_config, device, model)
             self.info = None
             self.sources: dict[int, _Source] = {}
-            self.group = None
+            self.groups: list = []
             self.loader: StagedLoader | None = None
             self.stats: dict[str, float] = {}
 
@@ -249,8 +252,8 @@ def _make_engine_class():
             self.shapes = logical_shapes(self.arch)
             self._scratch = None
             for t, ring in info.local.items():
-                if not ring.get("path"):
-                    continue  # that trainer rank sends no bucket
+                if not ring.get("path") or self.rank not in ring.get("ranks", range(tp)):
+                    continue  # that trainer rank sends no bucket, or not to this rank's GPU
                 header = ShmRing.attach(ring["path"])
                 header.register_consumer(ring["slot"], self.rank)
                 slots = None
@@ -259,23 +262,26 @@ def _make_engine_class():
 
                     slots = import_ipc_slots(ring["ipc_handle"], self.device)
                 self.sources[int(t)] = _Source(ring=header, slots=slots, consumer_slot=ring["slot"])
-            if info.net_sources:
-                g = info.group
+            mine = str(self.rank)
+            for g in info.groups:  # in group order, as every member joins them
+                if mine not in g["ranks"]:
+                    continue
                 if info.device == "cuda":
                     from megatron_rl.rollout.weight_sync.push.channels_gpu import NcclGroup
 
-                    self.group = NcclGroup(g["host"], g["port"], g["rank_offset"] + self.rank, g["world_size"],
-                                           self.device)
+                    group = NcclGroup(g["host"], g["port"], g["ranks"][mine], g["world_size"], self.device)
                 else:
-                    self.group = NetworkGroup(g["host"], g["port"], g["rank_offset"] + self.rank, g["world_size"],
-                                              info.timeout_s)
-                largest = max((b.numel for b in self.buckets if b.src_rank in info.net_sources), default=0)
+                    group = NetworkGroup(g["host"], g["port"], g["ranks"][mine], g["world_size"], info.timeout_s)
+                self.groups.append(group)
+                for t, src in g["sources"].get(mine, {}).items():
+                    self.sources[int(t)] = _Source(net_rank=int(src), group=group)
+            net = {t for t, src in self.sources.items() if src.group is not None}
+            largest = max((b.numel for b in self.buckets if b.src_rank in net), default=0)
+            if largest:
                 self._scratch = torch.empty(largest, dtype=self.dtype, device=self.device)
-                for t in info.net_sources:
-                    self.sources[int(t)] = _Source(net_rank=int(t))
-            log.info("%s rank %d: weight push %s ready (%d buckets, %d ring(s), group %s)", info.name, self.rank,
+            log.info("%s rank %d: weight push %s ready (%d buckets, %d ring(s), groups %s)", info.name, self.rank,
                      info.key, len(self.buckets), sum(s.ring is not None for s in self.sources.values()),
-                     "yes" if self.group is not None else "no")
+                     len(self.groups) or "no")
 
         # ---------------------------------------------------------------- one push
         def start_weight_update(self) -> None:
@@ -361,7 +367,7 @@ def _make_engine_class():
                     t0 = time.monotonic()
                     flat = self._scratch[:bucket.numel]
                     try:
-                        self.group.recv(flat, src.net_rank)
+                        src.group.recv(flat, src.net_rank)
                     except Exception as exc:
                         raise RuntimeError(f"{what()}: receive failed: {exc}") from exc
                     wait_s += time.monotonic() - t0
@@ -402,9 +408,9 @@ def _make_engine_class():
                 if src.ring is not None:
                     src.ring.close()
             self.sources = {}
-            if self.group is not None:
-                self.group.close()
-                self.group = None
+            for group in self.groups:
+                group.close()
+            self.groups = []
 
     return TensorPushEngine
 

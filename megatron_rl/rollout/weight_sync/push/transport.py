@@ -2,11 +2,13 @@
 the engines' parameters through vLLM's weight-transfer API, no files and no fan-out.
 
 The driver side of the push (the trainer ranks' side is ``training.weight_push``, the engine
-workers' ``push.receiver``). For a set of engines (their replicas' ids and nodes, from
-``RolloutEngine.weight_receivers``) it sets a push up once: a
-:class:`~megatron_rl.rollout.weight_sync.push.protocol.PushSpec` wires each (trainer rank, replica) pair locally (shared memory / CUDA IPC
-on one node) or through the push group (gloo / NCCL across nodes), the trainer ranks open their
-rings, the engines run ``init_weight_transfer_engine``. It sets up again when the engines change
+workers' ``push.receiver``). For a set of engines (their replicas' ids, nodes and, on GPU, their
+workers' GPU UUIDs, from ``RolloutEngine.weight_receivers``; the trainer ranks' from
+``rank_nodes`` / ``rank_gpus``) it sets a push up once: a
+:class:`~megatron_rl.rollout.weight_sync.push.protocol.PushSpec` wires each (trainer rank, engine
+worker) pair locally (shared memory on one node on CPU, CUDA IPC on one GPU) or through a push
+group (gloo / NCCL), as ``push.topology`` decides, the trainer ranks open their rings, the engines
+run ``init_weight_transfer_engine``. It sets up again when the engines change
 (an elastic-TP switch). Each sync then runs the trainer ranks' send and the engines'
 ``start_weight_update / update_weights / finish_weight_update(version)`` at the same time.
 
@@ -27,8 +29,9 @@ from megatron_rl.aio import wait_for
 from megatron_rl.distributed.errors import one_line
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.weight_sync.interface import WeightTransport
-from megatron_rl.rollout.weight_sync.push.protocol import PushSpec, engine_init_info, group_size, wiring
+from megatron_rl.rollout.weight_sync.push.protocol import PushSpec, engine_init_info, group_size, push_groups
 from megatron_rl.rollout.weight_sync.push.start_dir import write_push_start_dir
+from megatron_rl.rollout.weight_sync.push.topology import Place, pair
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +47,9 @@ class PushWriter(Protocol):
     """The trainer ranks as the tensor push sees them (``PolicyGroup`` implements it)."""
 
     async def rank_nodes(self) -> list[tuple[str, str]]: ...
+    async def rank_gpus(self) -> list[str]: ...  # only asked on GPU
     async def open_weight_push(self, spec: dict) -> list[dict]: ...
-    async def join_weight_push(self, key: str, port: int) -> None: ...
+    async def join_weight_push(self, key: str, port: int, group_ports: list[int] | None = None) -> None: ...
     async def push_weights(self, key: str, sync_id: int, version: int) -> dict[str, float]: ...
     async def close_weight_push(self, key: str) -> None: ...
 
@@ -66,6 +70,15 @@ class PushOptions:
     quantization: str = "none"
     """rollout.quantization: engines started for a push are quantized engines (their config
     says so); the engines quantize what they receive (``push.receiver``)."""
+
+
+def replica_places(receiver: tuple, tp: int) -> list[Place]:
+    """Where each TP rank of a replica runs: ``weight_receivers`` gives (id, node) and, from
+    engines on GPUs, a third item, the GPU UUID of each TP rank."""
+    gpus = list(receiver[2]) if len(receiver) > 2 else []
+    if gpus and len(gpus) != tp:
+        raise ValueError(f"engine replica {receiver[0]}: {len(gpus)} GPU UUIDs reported for TP {tp}")
+    return [Place(receiver[1], gpus[r] if gpus else "") for r in range(tp)]
 
 
 class WeightPushError(RuntimeError):
@@ -106,6 +119,7 @@ class TensorTransport(WeightTransport):
         self._sync_id = 0
         self._setups = 0
         self._nodes: list[tuple[str, str]] | None = None
+        self._gpus: list[str] = []
 
     async def stage(self, version: int, tp: int) -> dict[str, float]:
         return {}  # nothing leaves the trainer before the engines are awake to take it
@@ -126,7 +140,7 @@ class TensorTransport(WeightTransport):
     # ------------------------------------------------------------------ set-up
     async def _ensure_setup(self, engine: RolloutEngine) -> dict[str, float]:
         receivers = await engine.weight_receivers()
-        ids = [rid for rid, _ in receivers]
+        ids = [r[0] for r in receivers]
         if self._setup is not None and self._setup.ids == ids:
             return {}
         start = time.monotonic()
@@ -134,24 +148,32 @@ class TensorTransport(WeightTransport):
         o = self.options
         if self._nodes is None:
             self._nodes = await self.writer.rank_nodes()
+            if o.device == "cuda":
+                self._gpus = list(await self.writer.rank_gpus())
         self._setups += 1
         tp = engine.tensor_parallel_size
+        trainer = [Place(node, self._gpus[t] if self._gpus else "") for t, (node, _) in enumerate(self._nodes)]
+        wires, groups = pair(trainer, [replica_places(r, tp) for r in receivers], o.device, o.network_only)
         spec = PushSpec(key=f"push{self._setups}", trainer=o.trainer, rollout_tp=tp, dtype=self.dtype,
                         bucket_bytes=o.bucket_bytes, num_slots=o.num_slots, timeout_s=o.timeout_s, device=o.device,
-                        wiring=wiring([n for n, _ in self._nodes], [n for _, n in receivers], o.network_only),
-                        host=self._nodes[0][1],
-                        replica_names=[f"engine {e} (TP{tp}, node {node[:8]}, {rid})"
-                                       for e, (rid, node) in enumerate(receivers)])
+                        wiring=wires, host=self._nodes[0][1], groups=groups,
+                        group_hosts=[self._nodes[g[0]][1] for g in groups],
+                        replica_names=[f"engine {e} (TP{tp}, node {r[1][:8]}, {r[0]})"
+                                       for e, r in enumerate(receivers)])
         ranks = await self.writer.open_weight_push(spec.to_dict())
         fingerprints = {r["fingerprint"] for r in ranks}
         if len(fingerprints) != 1:
             raise WeightPushError(f"weight push {spec.key}: trainer ranks built different plans {sorted(fingerprints)}")
         spec.port = int(ranks[0]["port"])
+        # Each group's store is on its first member, a trainer rank, which picked the port.
+        spec.group_ports = [int(ranks[g[0]]["ports"][str(i)]) for i, g in enumerate(spec.groups)]
         fingerprint = fingerprints.pop()
         infos = [engine_init_info(spec, e, ranks, fingerprint) for e in range(len(receivers))]
         steps = [engine.open_weight_receiver(infos)]
         if group_size(spec):
-            steps.append(self.writer.join_weight_push(spec.key, spec.port))  # both ends rendezvous together
+            # Both ends rendezvous together; a rank in a group it does not lead needs that group's port.
+            extra = (spec.group_ports,) if spec.groups else ()
+            steps.append(self.writer.join_weight_push(spec.key, spec.port, *extra))
         try:
             await wait_for(asyncio.gather(*steps), timeout=o.timeout_s + _MARGIN_S)
         except BaseException as exc:
@@ -159,8 +181,8 @@ class TensorTransport(WeightTransport):
             raise WeightPushError(f"weight push set-up {spec.key} for {len(receivers)} engine(s) of TP {tp} "
                                   f"failed: {exc!r}") from exc
         self._setup = _SetUp(spec.key, ids, spec)
-        log.info("weight push %s set up: %d trainer ranks -> %d engine(s) of TP %d (%s); rings %s", spec.key,
-                 spec.num_trainer_ranks, len(receivers), tp, "push group too" if group_size(spec) else "no push group",
+        log.info("weight push %s set up: %d trainer ranks -> %d engine(s) of TP %d (%d push group(s)); rings %s",
+                 spec.key, spec.num_trainer_ranks, len(receivers), tp, len(push_groups(spec)),
                  " ".join(r["path"] for r in ranks if r["path"]) or "none")
         return {"push_setup_s": time.monotonic() - start}
 
