@@ -223,7 +223,7 @@ def test_split_keeps_trainer_ranks_on_the_driver_node(cluster, stand_ins):
 
 @pytest.mark.parametrize("name", ["14b", "32b"])
 def test_larger_recipes(cluster, stand_ins, name):
-    """14B 4x8 (TP2 PP2 CP2 DP4, 16 TP-2 engines) and 32B 8x8 (TP4 CP4 DP4, 32 TP-2 engines). The
+    """14B 4x8 (TP4 DP8, 16 TP-2 engines) and 32B 8x8 (TP8 DP8, 32 TP-2 engines). The
     processes of the last node start for real (through the same per-rank and per-engine options as
     PolicyGroup and RayEngineClient.create pass on); every other rank and engine is read off its
     options (bundle index) and the probed bundles, so the plan is compared for all of them while

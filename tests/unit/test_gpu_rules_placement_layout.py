@@ -13,7 +13,7 @@ from megatron_rl.config_io import load_config
 from megatron_rl.distributed.cluster import RunPlacement, at_rollout_tp
 from megatron_rl.distributed.gpu_layout import LayoutError, gpu_layout, run_layout
 
-RECIPE_32B = Path(__file__).resolve().parents[2] / "examples/qwen2.5/qwen2.5_32b_math_8x8_tp4cp4_rtp2.yaml"
+RECIPE_32B = Path(__file__).resolve().parents[2] / "examples/qwen2.5/qwen2.5_32b_math_8x8_tp8_rtp2.yaml"
 
 
 @pytest.mark.parametrize("args, key", [
