@@ -29,7 +29,8 @@ from megatron_rl.rollout.weight_sync.push.sender import PushSender
 from megatron_rl.rollout.weight_sync.push.transport import PushOptions, TensorTransport
 
 REPO = Path(__file__).resolve().parents[2]
-ARCH = Qwen2Arch(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=4,
+# 8 KV heads so the 32B recipe's trainer TP 8 divides them (Qwen2.5-32B has 8 too).
+ARCH = Qwen2Arch(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=8,
                  max_position_embeddings=256, rope_theta=1e4, rms_norm_eps=1e-6, tie_word_embeddings=False)
 BUCKET = 16 << 10
 GPUS_PER_NODE = 8
@@ -66,8 +67,8 @@ def recipe(name: str, split: bool = False) -> Topology:
                     [[gpu(first + e * tp + k) for k in range(tp)] for e in range(r["num_engines"])])
 
 
-RECIPES = ["qwen2.5_7b_math_2x8_tp2_rtp1.yaml", "qwen2.5_14b_math_4x8_tp2pp2cp2_rtp2.yaml",
-           "qwen2.5_32b_math_8x8_tp4cp4_rtp2.yaml"]
+RECIPES = ["qwen2.5_7b_math_2x8_tp2_rtp1.yaml", "qwen2.5_14b_math_4x8_tp4_rtp2.yaml",
+           "qwen2.5_32b_math_8x8_tp8_rtp2.yaml"]
 
 
 class Trainer:
