@@ -132,7 +132,25 @@ def plan_moments(cfg: RunConfig, shape: ModelShape, est: MemoryEstimate,
         if m.checked and m.total_gib > est.capacity_gib:
             plan.problems.append(f"moment '{m.name}' needs {m.total_gib:.1f} GiB per GPU > {est.capacity_gib:.0f} GiB: "
                                  + ", ".join(f"{k} {v:.1f}" for k, v in m.parts.items()))
+    plan.problems += staging_outside_budget(cfg, staging, kv)
     return plan
+
+
+def staging_outside_budget(cfg: RunConfig, staging: dict[str, float], kv: dict[str, float]) -> list[str]:
+    """The engine's push staging must live inside the engine's own memory budget
+    (``rollout.gpu_memory_utilization``): the receiver allocates it only for the push and returns it
+    to the driver before the KV cache is woken (``push.receiver``), so it borrows the KV cache's
+    share of the pool, which is asleep during the push when the engines sleep through training.
+    Awake engines (or staging larger than that share) would put it outside vLLM's budget."""
+    need = staging.get("push staging (engine)", 0.0)
+    room = sum(kv.values())
+    if not cfg.rollout.sleep_during_train:
+        return [f"push staging ({need:.1f} GiB per engine GPU) would sit outside vLLM's budget: the KV cache is "
+                "awake during the push; set rollout.sleep_during_train: true"]
+    if need > room:
+        return [f"push staging ({need:.1f} GiB per engine GPU) exceeds the KV cache share of the engine's pool it "
+                f"borrows during the push ({room:.1f} GiB): lower rollout.weight_push_bucket_mb / weight_push_buffers"]
+    return []
 
 
 def push_trainer_of(trainer: dict[str, float], streams: bool, offloaded: bool) -> dict[str, float]:

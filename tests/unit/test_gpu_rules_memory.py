@@ -102,3 +102,15 @@ def test_context_parallelism_is_refused_before_anything_starts(recipe):
     with pytest.raises(ConfigError, match=r"parallel.context_parallel_size=2: context parallelism is not supported"):
         validate(cfg, device="cuda")
     assert load_config(recipe).parallel.context_parallel_size == 1
+
+
+def test_push_staging_stays_inside_the_engines_budget():
+    """The engine's staging borrows the KV cache's share of its pool while the KV cache sleeps; a
+    staging larger than that share, or awake engines, would put it outside vLLM's budget."""
+    recipe = RECIPES["14b_math_4x8_tp4_rtp2.yaml"]
+    _, _, fits = _moments(recipe)
+    assert not fits.problems
+    _, _, big = _moments(recipe, ["rollout.weight_push_bucket_mb=8192", "rollout.weight_push_buffers=8"])
+    assert any("exceeds the KV cache share" in p for p in big.problems), big.problems
+    _, _, awake = _moments(recipe, ["rollout.sleep_during_train=false"])
+    assert any("outside vLLM's budget" in p for p in awake.problems), awake.problems

@@ -187,9 +187,14 @@ def test_gpu_pairing_moves_every_byte_over_per_rank_rings_and_bit_split_groups(t
             (lambda w=w, e=e: w.init_transfer_engine(w.parse_init_info(infos[e]))) for (e, _), w in engines.items()])
         assert errors == [None] * len(errors), errors
         assert [len(w.groups) for w in engines.values()] == [1, 1, 2, 2]
+        # Staging lives only for a push (inside the engine's budget while its KV cache sleeps): no
+        # receive buffer is held between pushes, one is held during a push that receives over a group.
+        assert all(w._scratch is None and w._scratch_numel > 0 for w in engines.values())
+        held = {}
 
         def receive(w):
             w.start_weight_update()
+            held[id(w)] = w._scratch is not None and w._scratch.numel() == w._scratch_numel
             w.update_weights({"sync_id": 1, "version": 1})
             w.finish_weight_update()
 
@@ -197,6 +202,8 @@ def test_gpu_pairing_moves_every_byte_over_per_rank_rings_and_bit_split_groups(t
         errors = _run_all([(lambda r=r: senders[r].send(shards[r], 1, 1)) for r in range(2)]
                           + [(lambda w=w: receive(w)) for w in engines.values()])
         assert errors == [None] * len(errors), errors
+        assert all(held.values()) and len(held) == len(engines)
+        assert all(w._scratch is None for w in engines.values())
         hf = LazySafetensors(model)
         for (e, rank), worker in engines.items():
             for tensor in VLLMLayout(arch, TP).tensors(rank):

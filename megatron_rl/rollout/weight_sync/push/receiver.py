@@ -224,6 +224,8 @@ def _make_engine_class():
             self.groups: list = []
             self.loader: StagedLoader | None = None
             self.stats: dict[str, float] = {}
+            self._scratch: torch.Tensor | None = None  # receive buffer of the NCCL/gloo buckets, per push
+            self._scratch_numel = 0
 
         # ---------------------------------------------------------------- set-up
         def tp_coords(self) -> tuple[int, int]:
@@ -276,9 +278,9 @@ def _make_engine_class():
                 for t, src in g["sources"].get(mine, {}).items():
                     self.sources[int(t)] = _Source(net_rank=int(src), group=group)
             net = {t for t, src in self.sources.items() if src.group is not None}
-            largest = max((b.numel for b in self.buckets if b.src_rank in net), default=0)
-            if largest:
-                self._scratch = torch.empty(largest, dtype=self.dtype, device=self.device)
+            # The receive buffer is allocated per push (start_weight_update), not here: set up at engine
+            # start it would stay on the GPU outside vLLM's budget for the whole run.
+            self._scratch_numel = max((b.numel for b in self.buckets if b.src_rank in net), default=0)
             log.info("%s rank %d: weight push %s ready (%d buckets, %d ring(s), groups %s)", info.name, self.rank,
                      info.key, len(self.buckets), sum(s.ring is not None for s in self.sources.values()),
                      len(self.groups) or "no")
@@ -300,6 +302,8 @@ def _make_engine_class():
                                        self.model_config.dtype, self.device, self.arch.tie_word_embeddings,
                                        quantization=quantization)
             self.loader.load_s = time.monotonic() - self._t0  # vLLM's reload set-up is loading work too
+            if self._scratch_numel:
+                self._scratch = torch.empty(self._scratch_numel, dtype=self.dtype, device=self.device)
 
         def update_weights(self, update_info: dict) -> None:
             self.receive_weights(self.parse_update_info(update_info))
@@ -384,6 +388,7 @@ def _make_engine_class():
 
             loader, info = self.loader, self.info
             self.loader = None
+            self._release_staging()
             if loader is None:
                 raise RuntimeError("weight push: finish_weight_update without start_weight_update")
             missing = loader.missing()
@@ -403,7 +408,18 @@ def _make_engine_class():
                           "wait_s": getattr(self, "_wait_s", 0.0), "tail_s": tail_s,
                           "bytes": float(sum(b.numel for b in self.buckets) * self.dtype.itemsize)}
 
+        def _release_staging(self) -> None:
+            """Give the push's staging back to the driver before the engine's KV cache is woken. The
+            staging borrows the KV cache's share of the engine's budget while it sleeps
+            (planning.moments.staging_outside_budget); vLLM maps the woken KV cache through its own
+            allocator (vllm/device_allocator/cumem.py), which cannot use blocks left cached in
+            torch's allocator, hence the empty_cache."""
+            self._scratch = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
         def shutdown(self) -> None:
+            self._release_staging()
             for src in self.sources.values():
                 if src.ring is not None:
                     src.ring.close()
