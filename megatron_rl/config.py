@@ -78,10 +78,12 @@ class ClusterConfig:
     master_port: int = 0
     """torch.distributed rendezvous port for trainer ranks; 0 picks a free one."""
     placement: str = "auto"
-    """Which Ray node runs what. 'auto': wherever Ray finds the resources (on GPUs the engines
-    share the trainer ranks' GPUs: the hybrid engine). 'split': the trainer ranks on the driver's
-    node (the Ray head, where the launch scripts start the trainer), the rollout engines only on
-    the other nodes, so every weight push crosses nodes (CPU clusters, disaggregated runs; needs
+    """Which Ray node runs what. 'auto': on GPUs one placement group with a bundle per GPU, the
+    driver's node first; trainer rank i and the engine rank of GPU i share bundle i (the hybrid
+    engine), a TP-k engine takes k bundles of one node (distributed/gpu_layout.py); on CPU
+    wherever Ray finds the resources. 'split': the trainer ranks on the driver's node (the Ray
+    head, where the launch scripts start the trainer), the rollout engines only on the other
+    nodes, so every weight push crosses nodes (CPU clusters, disaggregated runs; needs
     cluster.num_nodes >= 2). Reward workers go wherever they fit either way."""
 
 

@@ -298,7 +298,8 @@ def validate(cfg: RunConfig, arch: dict | None = None, device: str | None = None
     par = cfg.parallel
     if device == "cpu":
         if par.sequence_parallel:
-            raise ConfigError("parallel.sequence_parallel does not work on CPU (torch LayerNorm rejects it)")
+            raise ConfigError("parallel.sequence_parallel is for GPU runs (Transformer Engine's norms); on CPU only the "
+                              "rules tests run it, through the CPU shim's tagged RMSNorm")
         if par.use_distributed_optimizer:
             raise ConfigError("parallel.use_distributed_optimizer needs CUDA (Megatron's distributed optimizer "
                               "accepts only torch.cuda parameters); set it to false for CPU runs")
