@@ -20,3 +20,33 @@ def short_ray_dir(prefix: str = "r", room: int = 4) -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def local_ray_cluster(head: dict, others: list[dict]) -> Iterator[object]:
+    """Several raylets on this machine (``ray.cluster_utils.Cluster``: the head with ``head``'s
+    node args, one more node per entry of ``others``), this process connected to it; yields the
+    cluster. Its state lives in a short temp dir removed afterwards: ``Cluster`` writes
+    <RAY_TMPDIR>/ray/ray_current_cluster (by default under /tmp/ray, which a new machine lacks)."""
+    import os
+
+    import pytest
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    with short_ray_dir("r", room=4) as root, pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_TMPDIR", str(root))
+        (root / "ray").mkdir()
+        cluster = Cluster(initialize_head=True, head_node_args={**head, "temp_dir": str(root / "ray")})
+        try:
+            for node in others:
+                cluster.add_node(**node)
+            ray.init(address=cluster.address, log_to_driver=False)
+            yield cluster
+        finally:
+            ray.shutdown()
+            cluster.shutdown()

@@ -18,7 +18,6 @@ node's processes start for real, the others are read off their options and the p
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from pathlib import Path
 
@@ -34,29 +33,15 @@ NODES, GPUS_PER_NODE = 8, 8
 @pytest.fixture(scope="module")
 def cluster():
     """Eight raylets of 8 logical GPUs; yields the driver's node id. Bundles hold 2 CPUs per GPU."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
-    from ray.cluster_utils import Cluster
 
-    from tests.helpers.ray_dirs import short_ray_dir
+    from tests.helpers.ray_dirs import local_ray_cluster
 
-    if ray.is_initialized():
-        ray.shutdown()
-    with short_ray_dir("r", room=4) as root, pytest.MonkeyPatch.context() as env:
-        env.setenv("RAY_TMPDIR", str(root))
-        (root / "ray").mkdir()
-        node = {"num_cpus": 2 * GPUS_PER_NODE, "num_gpus": GPUS_PER_NODE, "object_store_memory": 80 << 20}
-        # No worker processes started ahead for the driver: these logical CPUs are not real ones.
-        cluster = Cluster(initialize_head=True, head_node_args={
-            **node, "temp_dir": str(root / "ray"), "_system_config": {"prestart_worker_first_driver": False}})
-        try:
-            for _ in range(NODES - 1):
-                cluster.add_node(**node)
-            ray.init(address=cluster.address, log_to_driver=False)
-            yield ray.get_runtime_context().get_node_id()
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
+    node = {"num_cpus": 2 * GPUS_PER_NODE, "num_gpus": GPUS_PER_NODE, "object_store_memory": 80 << 20}
+    # No worker processes started ahead for the driver: these logical CPUs are not real ones.
+    head = {**node, "_system_config": {"prestart_worker_first_driver": False}}
+    with local_ray_cluster(head, [node] * (NODES - 1)):
+        yield ray.get_runtime_context().get_node_id()
 
 
 @pytest.fixture

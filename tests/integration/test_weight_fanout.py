@@ -23,28 +23,14 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
-    from ray.cluster_utils import Cluster
 
-    from tests.helpers.ray_dirs import short_ray_dir
+    from tests.helpers.ray_dirs import local_ray_cluster
 
-    if ray.is_initialized():
-        ray.shutdown()
-    with short_ray_dir("r", room=4) as root, pytest.MonkeyPatch.context() as env:
-        # Cluster writes <RAY_TMPDIR>/ray/ray_current_cluster (by default /tmp/ray/..., which a
-        # new machine does not have): point it at a directory of this test that exists.
-        env.setenv("RAY_TMPDIR", str(root))
-        (root / "ray").mkdir()
-        cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 1, "object_store_memory": 96 << 20, "temp_dir": str(root / "ray")})
-        try:
-            worker = cluster.add_node(num_cpus=1, object_store_memory=96 << 20)
-            ray.init(address=cluster.address, log_to_driver=False)
-            yield ray, ray.get_runtime_context().get_node_id(), worker.node_id
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
+    node = {"num_cpus": 1, "object_store_memory": 96 << 20}
+    with local_ray_cluster(node, [node]) as cluster:
+        (worker,) = cluster.worker_nodes
+        yield ray, ray.get_runtime_context().get_node_id(), worker.node_id
 
 
 def digest(directory) -> dict[str, str]:

@@ -319,3 +319,12 @@ def release(ctx: Context) -> None:
     if ctx.gpu:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+
+
+def stop_child(proc: Any) -> None:
+    """End a part's helper process: it exits by itself after its last message; killed if it has not
+    within 30 s (a hung CUDA call), so the part still reports."""
+    proc.join(timeout=30)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from tests.gpu.check.common import Context, outcome, prepare_process
+from tests.gpu.check.common import Context, outcome, prepare_process, stop_child
 
 
 def _bucket_layout(mib: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -117,10 +117,7 @@ def cuda_ipc(ctx: Context) -> dict[str, Any]:
         copy = parent.recv()["copy_times"]
         parent.send("done")
     finally:
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
+        stop_child(proc)
     steady = rounds[1:] or rounds
     gbps = lambda t: nbytes / t / 1e9  # noqa: E731
     handover = sorted(gbps(r["total_s"]) for r in steady)[len(steady) // 2]

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from tests.gpu.check.common import Context, outcome, prepare_process
+from tests.gpu.check.common import Context, outcome, prepare_process, stop_child
 
 _MIB = 8
 
@@ -103,10 +103,7 @@ def push_pairing(ctx: Context) -> dict[str, Any]:
         seen = parent.recv()
         parent.send("done")
     finally:
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
+        stop_child(proc)
     checks = {"every device has a distinct UUID": len(set(uuids)) == count and all(uuids),
               "device_uuid is torch's UUID of the device": uuids == props,
               "the worker sees the GPU as device 0 by UUID": seen["count"] == 1 and seen["uuid"] == here,
