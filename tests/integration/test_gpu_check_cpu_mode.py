@@ -18,7 +18,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "gpu" / "run_on_device.sh"
 RAN_ON_CPU = {"model_setup", "cuda_ipc", "push_pairing", "nccl_groups", "bf16_train_step", "recompute", "offload",
-              "memory_estimator", "decode", "train_throughput", "simulator_calibration", "quantize_export"}
+              "memory_estimator", "decode", "train_throughput", "simulator_calibration", "quantize_export",
+              "push_memory"}
 SKIPPED_ON_CPU = {"transformer_engine", "distributed_optimizer", "decode_cuda_graph"}
 
 
@@ -78,6 +79,12 @@ def test_parts_measured_what_they_claim(cpu_run):
     assert ipc["mechanism"] == "cpu shared memory" and all(r["intact"] for r in ipc["rounds"])
     assert ipc["handover_gb_per_s_median"] > 0 and ipc["device_copy_gb_per_s_median"] > 0
     assert f["push_pairing"]["mechanism"] == "cpu shared memory" and all(f["push_pairing"]["checks"].values())
+    push = f["push_memory"]  # the real WeightSync.push / Colocation order over a Megatron worker
+    assert push["order"] == ["trainer.free_grads", "engine.wake_up(weights)", "push.load", "trainer.offload",
+                             "engine.wake_up(kv_cache)"]
+    assert push["grad_buffer_bytes"]["at load"] == 0 < push["grad_buffer_bytes"]["old order at load"]
+    assert set(push["peaks"]) == {"grads freed", "push", "kv woken", "old: push"}
+    assert push["planner_less_overhead_gib"]["push"] < push["planner_less_overhead_gib"]["old: push"]
     assert len(f["decode"]["runs"]) == 3 * 2  # batch sizes x prompt lengths of the CPU sizes
     assert f["train_throughput"]["points"][0]["tokens_per_s"] > 0
     assert "speedup:" in f["simulator_calibration"]["measured constants"]["speedup"]
