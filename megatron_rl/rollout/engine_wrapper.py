@@ -16,6 +16,10 @@ from megatron_rl.rollout.engine import ENGINE_CONTRACT, RolloutEngine
 
 C = TypeVar("C", bound=type)
 
+FORWARD_MARK = "__engine_forward__"
+"""Attribute set on every forward :func:`forwards` installs (a property's getter included), so a forward
+is told apart from a member the class answers itself (:func:`forwarded_members`)."""
+
 CallMaker = Callable[[str], Callable[..., Awaitable[Any]]]
 """``make(name)``: the coroutine function (taking ``self`` and the member's arguments) that answers
 contract call ``name``."""
@@ -40,11 +44,13 @@ def _dressed(function: Callable[..., Any], cls: type, name: str) -> Callable[...
     """``function`` named, documented and signed like the contract's member (Ray checks actor call
     arguments against the signature). Not ``functools.wraps``: it would copy the abstract mark."""
     contract = getattr(RolloutEngine, name)
+    contract = contract.fget if isinstance(contract, property) else contract
     function.__name__ = name
     function.__qualname__ = f"{cls.__qualname__}.{name}"
     function.__doc__ = f"Forwarded. {contract.__doc__ or ''}".rstrip()
     function.__signature__ = inspect.signature(contract)  # type: ignore[attr-defined]
     function.__module__ = cls.__module__
+    setattr(function, FORWARD_MARK, True)
     return function
 
 
@@ -74,12 +80,21 @@ def forwards(members: Iterable[str], call: CallMaker | None = None) -> Callable[
             elif kind == "stream":
                 setattr(cls, name, _dressed(_stream_to_inner(name), cls, name))
             else:
-                doc = f"Forwarded. {getattr(RolloutEngine, name).__doc__ or ''}".rstrip()
-                setattr(cls, name, property(lambda self, _name=name: getattr(self._engine, _name), doc=doc))
+                getter = _dressed(lambda self, _name=name: getattr(self._engine, _name), cls, name)
+                setattr(cls, name, property(getter, doc=getter.__doc__))
         abc.update_abstractmethods(cls)  # the forwards answer the contract's abstract members
         return cls
 
     return install
+
+
+def forwarded_members(cls: type) -> list[str]:
+    """The contract members ``cls`` forwards (installed by :func:`forwards`, here or in a base class)
+    rather than answering itself."""
+    def is_forward(member: object) -> bool:
+        return getattr(member.fget if isinstance(member, property) else member, FORWARD_MARK, False)
+
+    return [name for name in ENGINE_CONTRACT if is_forward(inspect.getattr_static(cls, name, None))]
 
 
 @forwards(ENGINE_CONTRACT)
