@@ -124,9 +124,10 @@ class RolloutEngine(abc.ABC):
         (unless it had already finished). Unknown ids are ignored."""
 
     @abc.abstractmethod
-    async def reload_weights(self, weights_dir: str, version: int) -> None:
+    async def reload_weights(self, weights_dir: str, version: int) -> dict[str, float] | None:
         """Load HF-named safetensors from ``weights_dir`` in place and tag later completions
-        with ``version``. Must not be called with requests in flight."""
+        with ``version``. Must not be called with requests in flight. Returns the load's figures
+        (``engine_s``, ...) where the engine measures them, else None."""
 
     async def sleep(self, level: int = 1) -> None:
         """Release the engine's device memory so another job (the trainer) can use it.
