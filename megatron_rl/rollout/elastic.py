@@ -22,11 +22,12 @@ from megatron_rl.rollout.engine import (
     CUMULATIVE_COUNTERS,
     Completion,
     EngineStats,
-    ForwardsWeightUpdates,
     GenerationRequest,
     RolloutEngine,
     forward_completions,
+    read_completions,
 )
+from megatron_rl.rollout.engine_wrapper import ForwardingEngine
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +44,13 @@ WeightsLoader = Callable[[RolloutEngine], Awaitable[dict[str, float]]]
 returns figures for the switch's metrics."""
 
 
-class ElasticRollout(ForwardsWeightUpdates, RolloutEngine):
-    """The current engines plus the ability to rebuild them at another TP (see module docstring)."""
+class ElasticRollout(ForwardingEngine):
+    """The current engines plus the ability to rebuild them at another TP (see module docstring).
+    Every contract member not defined here (abort, weights, sleep, health, pool handoff) goes to
+    the current engines (``ForwardingEngine``)."""
 
     def __init__(self, engine: RolloutEngine, tp: int, factory: EngineFactory) -> None:
-        self._engine = engine
+        super().__init__(engine)
         self.tp = tp
         self._factory = factory
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -62,11 +65,6 @@ class ElasticRollout(ForwardsWeightUpdates, RolloutEngine):
     def tensor_parallel_size(self) -> int:
         """The current engines' TP (changes with :meth:`switch`)."""
         return self.tp
-
-    @property
-    def engine(self) -> RolloutEngine:
-        """The engines of the current TP (a single engine or a pool)."""
-        return self._engine
 
     def _ensure_pump(self) -> None:
         if self._pump is None or self._pump.done():
@@ -85,15 +83,9 @@ class ElasticRollout(ForwardsWeightUpdates, RolloutEngine):
 
     async def completions(self) -> AsyncIterator[Completion]:
         self._ensure_pump()
-        while True:
-            item = await self._queue.get()
-            if isinstance(item, Exception):
-                raise item
-            self._in_flight.discard(item.request_id)
-            yield item
-
-    async def abort(self, request_ids: list[str]) -> None:
-        await self._engine.abort(request_ids)
+        async for completion in read_completions(self._queue):
+            self._in_flight.discard(completion.request_id)
+            yield completion
 
     async def stats(self) -> EngineStats:
         st = await self._engine.stats()
@@ -101,24 +93,6 @@ class ElasticRollout(ForwardsWeightUpdates, RolloutEngine):
             setattr(st, key, getattr(st, key) + before)
         st.extra = dict(st.extra, tensor_parallel_size=self.tp, switches=self.switches)
         return st
-
-    @property
-    def active_engines(self) -> int:
-        """Engines now generating (a pool may have released some to the stream trainer)."""
-        return self._engine.active_engines
-
-    async def release_engines(self, count: int) -> dict[str, float]:
-        """Forward to the current engines (stream-trainer handoff; a single one refuses)."""
-        return await self._engine.release_engines(count)
-
-    async def restore_engines(self) -> dict[str, float]:
-        return await self._engine.restore_engines()
-
-    async def sleep(self, level: int = 1) -> None:
-        await self._engine.sleep(level)
-
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        await self._engine.wake_up(tags)
 
     async def shutdown(self) -> None:
         if self._pump is not None:

@@ -2,15 +2,19 @@
 
 One request per response: each has its own id, token budget and seed, so a scheduler can abort
 any single response. Completions arrive as a stream, in finish order. Implementations: the vLLM
-backend (``vllm_engine.VLLMEngine``), its Ray actor wrapper (``ray_engine``), and in tests a
-fake engine for pure scheduling logic.
+backend (``vllm_engine.VLLMEngine``), its Ray client and actor (``ray_engine``), the pool
+(``engine_pool``), the wrappers over another engine (``engine_wrapper.ForwardingEngine``: elastic
+TP, restarts), and in tests a fake engine for pure scheduling logic. :data:`ENGINE_CONTRACT`
+lists the members; this module imports nothing of Ray, vLLM or torch (``.importlinter``).
 """
 from __future__ import annotations
 
 import abc
 import asyncio
+import inspect
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from types import MappingProxyType
+from typing import AsyncIterator, Callable, ClassVar, Literal, Mapping
 
 
 @dataclass
@@ -97,7 +101,13 @@ class CapabilityAbsent(NotImplementedError):
 
 
 class RolloutEngine(abc.ABC):
-    """Async engine interface. All methods are coroutines run on one event loop."""
+    """Async engine interface. All methods run on one event loop; every public method and property
+    is a member of the contract (:data:`ENGINE_CONTRACT`), each docstring its contract."""
+
+    keeps_defaults: ClassVar[frozenset[str]] = frozenset()
+    """Contract members with a default here that a subclass keeps on purpose instead of answering
+    them itself (e.g. :data:`SINGLE_ENGINE_DEFAULTS`); tests/unit/test_engine_contract.py holds
+    every implementation to answering the rest."""
 
     @abc.abstractmethod
     async def submit(self, request: GenerationRequest) -> None:
@@ -114,9 +124,10 @@ class RolloutEngine(abc.ABC):
         (unless it had already finished). Unknown ids are ignored."""
 
     @abc.abstractmethod
-    async def reload_weights(self, weights_dir: str, version: int) -> None:
+    async def reload_weights(self, weights_dir: str, version: int) -> dict[str, float] | None:
         """Load HF-named safetensors from ``weights_dir`` in place and tag later completions
-        with ``version``. Must not be called with requests in flight."""
+        with ``version``. Must not be called with requests in flight. Returns the load's figures
+        (``engine_s``, ...) where the engine measures them, else None."""
 
     async def sleep(self, level: int = 1) -> None:
         """Release the engine's device memory so another job (the trainer) can use it.
@@ -194,33 +205,33 @@ class RolloutEngine(abc.ABC):
         """Free the engine; pending requests are aborted."""
 
 
-class ForwardsWeightUpdates:
-    """Weight updates passed on unchanged to the one engine a wrapper holds (``self._engine``, read
-    at each call, so a wrapper that replaces its engine forwards to the new one): a file reload and
-    the four calls of the tensor push. For the Ray actor body (``ray_engine.EngineActor``) and the
-    elastic-TP wrapper (``elastic.ElasticRollout``); see :class:`RolloutEngine` for what each does."""
+MemberKind = Literal["call", "stream", "property"]
+"""How a contract member is answered: 'call' a coroutine method, 'stream' a plain method returning
+an async iterator (``completions``), 'property' a read-only attribute."""
 
-    _engine: RolloutEngine
+SINGLE_ENGINE_DEFAULTS: frozenset[str] = frozenset({"active_engines", "release_engines", "restore_engines"})
+"""The pool members a single engine (not a pool) keeps at the contract's default: one engine
+generating, none to release, nothing to restore."""
 
-    async def reload_weights(self, weights_dir: str, version: int) -> dict | None:
-        """Forwarded (the directory must be readable where the engine runs)."""
-        return await self._engine.reload_weights(weights_dir, version)
 
-    async def weight_receivers(self) -> list[tuple[str, str]]:
-        """Forwarded: the current engine's replicas (new ids after it was replaced)."""
-        return await self._engine.weight_receivers()
+def _member_kind(name: str, value: object) -> MemberKind:
+    if isinstance(value, property):
+        return "property"
+    if inspect.iscoroutinefunction(value):
+        return "call"
+    if inspect.isfunction(value) and "AsyncIterator" in str(value.__annotations__.get("return", "")):
+        return "stream"
+    raise TypeError(f"RolloutEngine.{name}: a contract member is a coroutine method, a method returning an "
+                    "AsyncIterator, or a property")
 
-    async def open_weight_receiver(self, init_infos: list[dict]) -> None:
-        """Forwarded."""
-        await self._engine.open_weight_receiver(init_infos)
 
-    async def receive_weights(self, sync_id: int, version: int) -> list[dict[str, float]]:
-        """Forwarded."""
-        return await self._engine.receive_weights(sync_id, version)
-
-    async def close_weight_receiver(self) -> None:
-        """Forwarded."""
-        await self._engine.close_weight_receiver()
+ENGINE_CONTRACT: Mapping[str, MemberKind] = MappingProxyType({
+    name: _member_kind(name, value) for name, value in vars(RolloutEngine).items()
+    if not name.startswith("_") and (inspect.isfunction(value) or isinstance(value, property))})
+"""Every member of the engine interface (the public methods and properties of :class:`RolloutEngine`, in
+the order they are defined there) and how it is answered. Wrappers forward exactly these
+(``engine_wrapper.ForwardingEngine``, the Ray client and actor), so a new member is one edit:
+define it, with its contract in the docstring, on :class:`RolloutEngine`."""
 
 
 async def forward_completions(engine: RolloutEngine, deliver: Callable[[Completion], None],
@@ -236,6 +247,20 @@ async def forward_completions(engine: RolloutEngine, deliver: Callable[[Completi
             deliver(completion)
     except Exception as exc:
         fail(exc)
+
+
+async def read_completions(queue: asyncio.Queue, *, keep_failure: bool = False) -> AsyncIterator[Completion]:
+    """Yield the completions a pump puts on ``queue`` (see :func:`forward_completions`); an exception
+    on it is raised instead, ending the iterator. With ``keep_failure`` it is put back first, so
+    every reader (and the next one) sees the failure too. A reader cancelled or abandoned while it
+    waits loses nothing: ``asyncio.Queue.get`` takes an item only when it returns it."""
+    while True:
+        item = await queue.get()
+        if isinstance(item, Exception):
+            if keep_failure:
+                queue.put_nowait(item)
+            raise item
+        yield item
 
 
 async def generate_all(engine: RolloutEngine, requests: list[GenerationRequest]) -> dict[str, Completion]:

@@ -32,6 +32,7 @@ from megatron_rl.rollout.engine import (
     GenerationRequest,
     RolloutEngine,
     forward_completions,
+    read_completions,
 )
 from megatron_rl.rollout.migration import MigrationRecord
 
@@ -235,11 +236,8 @@ class EnginePool(RolloutEngine):
 
     async def _read(self) -> AsyncIterator[Completion]:
         self._ensure_pumps()
-        while True:
-            item = await self._merged.get()
-            if isinstance(item, Exception):
-                raise item
-            yield item
+        async for completion in read_completions(self._merged):
+            yield completion
 
     async def abort(self, request_ids: list[str]) -> None:
         """Abort each request wherever it runs now; unknown ids are ignored. A request caught in

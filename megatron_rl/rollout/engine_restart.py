@@ -27,7 +27,15 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
 
 from megatron_rl.aio import wait_for
-from megatron_rl.rollout.engine import CUMULATIVE_COUNTERS, Completion, EngineStats, GenerationRequest, RolloutEngine
+from megatron_rl.rollout.engine import (
+    CUMULATIVE_COUNTERS,
+    Completion,
+    EngineStats,
+    GenerationRequest,
+    RolloutEngine,
+    read_completions,
+)
+from megatron_rl.rollout.engine_wrapper import ForwardingEngine
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +69,10 @@ class RestartRecord:
     """Requests the consumer had aborted, ended with an empty 'abort' completion instead."""
 
 
-class RestartingEngine(RolloutEngine):
-    """The run's engines, replaced when they die (see the module docstring).
+class RestartingEngine(ForwardingEngine):
+    """The run's engines, replaced when they die (see the module docstring). Contract members not
+    defined here (weights, sleep, health, pool handoff) go to the engines running now, once a
+    replacement under way is up (``ForwardingEngine``, through :meth:`_forward_target`).
 
     Args:
         engine: the engines now running.
@@ -73,7 +83,7 @@ class RestartingEngine(RolloutEngine):
 
     def __init__(self, engine: RolloutEngine, start: EngineStarter, *, max_restarts: int = 3,
                  health_check_s: float = 2.0) -> None:
-        self._engine = engine
+        super().__init__(engine)
         self._start = start
         self.max_restarts = max_restarts
         self.health_check_s = health_check_s
@@ -95,11 +105,6 @@ class RestartingEngine(RolloutEngine):
         self._reported_s = 0.0
 
     # ------------------------------------------------------------------ supervision
-    @property
-    def engine(self) -> RolloutEngine:
-        """The engines running now."""
-        return self._engine
-
     def _ensure_tasks(self) -> None:
         if self._pump is None:
             self._pump = asyncio.get_running_loop().create_task(self._forward(self._engine, self._generation))
@@ -234,6 +239,10 @@ class RestartingEngine(RolloutEngine):
             raise self._failed
         return self._engine
 
+    async def _forward_target(self) -> RolloutEngine:
+        """Where ``ForwardingEngine`` sends a forwarded call: the settled engine."""
+        return await self._settled()
+
     def step_metrics(self) -> dict[str, float]:
         """``fault/engine_restarts`` (in the run so far) and ``fault/seconds_lost`` (restart time
         since the last call: the time the step waited for replacements)."""
@@ -242,14 +251,6 @@ class RestartingEngine(RolloutEngine):
         return {"fault/engine_restarts": float(len(self.restarts)), "fault/seconds_lost": lost}
 
     # ------------------------------------------------------------------ requests
-    @property
-    def tensor_parallel_size(self) -> int:
-        return self._engine.tensor_parallel_size
-
-    @property
-    def active_engines(self) -> int:
-        return self._engine.active_engines
-
     async def submit(self, request: GenerationRequest) -> None:
         if self._failed is not None:
             raise self._failed
@@ -277,12 +278,8 @@ class RestartingEngine(RolloutEngine):
 
     async def _read(self) -> AsyncIterator[Completion]:
         self._ensure_tasks()
-        while True:
-            item = await self._queue.get()
-            if isinstance(item, Exception):
-                self._queue.put_nowait(item)  # every reader (and the next) sees the failure
-                raise item
-            yield item
+        async for completion in read_completions(self._queue, keep_failure=True):  # every reader sees a failure
+            yield completion
 
     async def abort(self, request_ids: list[str]) -> None:
         ids = [rid for rid in request_ids if rid in self._requests]
@@ -300,37 +297,7 @@ class RestartingEngine(RolloutEngine):
                 return
             raise
 
-    async def check_health(self) -> None:
-        await (await self._settled()).check_health()
-
-    # ------------------------------------------------------------------ weights, memory, stats
-    async def reload_weights(self, weights_dir: str, version: int) -> dict | None:
-        return await (await self._settled()).reload_weights(weights_dir, version)
-
-    async def weight_receivers(self) -> list[tuple[str, str]]:
-        return await (await self._settled()).weight_receivers()
-
-    async def open_weight_receiver(self, init_infos: list[dict]) -> None:
-        await (await self._settled()).open_weight_receiver(init_infos)
-
-    async def receive_weights(self, sync_id: int, version: int) -> list[dict]:
-        return await (await self._settled()).receive_weights(sync_id, version)
-
-    async def close_weight_receiver(self) -> None:
-        await (await self._settled()).close_weight_receiver()
-
-    async def sleep(self, level: int = 1) -> None:
-        await (await self._settled()).sleep(level)
-
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        await (await self._settled()).wake_up(tags)
-
-    async def release_engines(self, count: int) -> dict[str, float]:
-        return await (await self._settled()).release_engines(count)
-
-    async def restore_engines(self) -> dict[str, float]:
-        return await (await self._settled()).restore_engines()
-
+    # ------------------------------------------------------------------ stats
     async def stats(self) -> EngineStats:
         engine, generation = await self._settled(), self._generation
         try:

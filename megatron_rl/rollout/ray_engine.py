@@ -14,29 +14,53 @@ import logging
 import os
 import socket
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from megatron_rl.aio import wait_for
 from megatron_rl.config import RolloutConfig, RunConfig
 from megatron_rl.fault_injection import fault_point
 from megatron_rl.rollout.engine import (
+    ENGINE_CONTRACT,
+    SINGLE_ENGINE_DEFAULTS,
     Completion,
-    EngineStats,
-    ForwardsWeightUpdates,
     GenerationRequest,
     RolloutEngine,
     forward_completions,
+    read_completions,
 )
 from megatron_rl.rollout.engine_pool import EnginePool
+from megatron_rl.rollout.engine_wrapper import forwards
 
 log = logging.getLogger(__name__)
 
+ANSWERED_BY_THE_CLIENT: dict[str, str] = {
+    "completions": "a stream cannot be returned by an actor call: the client long-polls EngineActor.drain",
+    "tensor_parallel_size": "known from the config the actor was created with: no round trip",
+    **{name: "an actor hosts one engine: the contract's single-engine default" for name in SINGLE_ENGINE_DEFAULTS},
+}
+"""The contract members the driver-side client answers itself, and why; every other member is one
+actor call of the same name (:data:`REMOTE_MEMBERS`)."""
 
-class EngineActor(ForwardsWeightUpdates):
+REMOTE_MEMBERS: tuple[str, ...] = tuple(name for name in ENGINE_CONTRACT if name not in ANSWERED_BY_THE_CLIENT)
+"""Contract members that cross the actor boundary: forwarded by :class:`RayEngineClient` as actor
+calls and by :class:`EngineActor` to its VLLMEngine (each side overrides only what it adds:
+the actor's pump, segment records and fault point; the client's health timeout and teardown)."""
+
+
+def _actor_call(name: str) -> Callable[..., Awaitable[Any]]:
+    async def call(self: "RayEngineClient", *args: Any, **kwargs: Any) -> Any:
+        return await self._call(name, *args, **kwargs)
+
+    return call
+
+
+@forwards(REMOTE_MEMBERS)
+class EngineActor:
     """Ray actor body: one VLLMEngine plus a completion buffer drained by the client.
 
     Wrapped with ``ray.remote`` in :meth:`RayEngineClient.create`; all methods are coroutines so
-    the actor is an async actor and calls overlap (submit while a drain is waiting).
+    the actor is an async actor and calls overlap (submit while a drain is waiting). The members
+    of :data:`REMOTE_MEMBERS` not defined here are forwarded to the engine as they are.
     """
 
     def __init__(self, model_path: str, cfg: RolloutConfig, seed: int, max_model_len: int) -> None:
@@ -48,6 +72,9 @@ class EngineActor(ForwardsWeightUpdates):
         self._buffer: list[Completion | Exception] = []
         self._ready = asyncio.Event()
         self._pump: asyncio.Task | None = None
+
+    async def _forward_target(self) -> RolloutEngine:
+        return self._engine
 
     def _ensure_pump(self) -> None:
         # Started lazily: the actor's event loop is running only once a method executes.
@@ -97,10 +124,6 @@ class EngineActor(ForwardsWeightUpdates):
         # Fault-injection tests kill the engine here, holding a request (inert unless armed).
         fault_point("engine.submit", step=self._engine.weight_version, part=lambda: self.process_ids()["engine"])
 
-    async def abort(self, request_ids: list[str]) -> None:
-        """Forward to VLLMEngine.abort."""
-        await self._engine.abort(request_ids)
-
     async def drain(self, max_wait_s: float) -> list[Completion]:
         """All completions buffered so far, waiting up to ``max_wait_s`` for the first one."""
         self._ensure_pump()
@@ -116,18 +139,6 @@ class EngineActor(ForwardsWeightUpdates):
                 raise item
         return batch
 
-    async def stats(self) -> EngineStats:
-        """Forward to VLLMEngine.stats."""
-        return await self._engine.stats()
-
-    async def sleep(self, level: int = 1) -> None:
-        """Forward to VLLMEngine.sleep (release device memory; nothing may be in flight)."""
-        await self._engine.sleep(level)
-
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        """Forward to VLLMEngine.wake_up."""
-        await self._engine.wake_up(tags)
-
     async def shutdown(self) -> None:
         """Stop the engine's processes and remove the shared memory a dead one left behind."""
         from megatron_rl.distributed.local_state import remove_unmapped_segments
@@ -140,13 +151,18 @@ class EngineActor(ForwardsWeightUpdates):
             remove_unmapped_segments(self._segments)
 
 
+@forwards(REMOTE_MEMBERS, call=_actor_call)
 class RayEngineClient(RolloutEngine):
     """Driver-side :class:`RolloutEngine` that forwards to an :class:`EngineActor`.
 
-    Every call awaits its actor call, so errors (duplicate id, over-long prompt, reload
-    refused) surface at the call site; callers submit many requests concurrently with
-    ``asyncio.gather`` to hide the round trip.
+    Every member of :data:`REMOTE_MEMBERS` not defined here is one actor call of the same name,
+    bounded by ``call_timeout_s``; the rest are answered here (:data:`ANSWERED_BY_THE_CLIENT`).
+    Every call awaits its actor call, so errors (duplicate id, over-long prompt, reload refused)
+    surface at the call site; callers submit many requests concurrently with ``asyncio.gather``
+    to hide the round trip.
     """
+
+    keeps_defaults = SINGLE_ENGINE_DEFAULTS
 
     def __init__(self, actor: Any, poll_wait_s: float = 0.5, call_timeout_s: float = 600.0,
                  tensor_parallel_size: int = 1, health_timeout_s: float = 10.0) -> None:
@@ -194,13 +210,9 @@ class RayEngineClient(RolloutEngine):
     def tensor_parallel_size(self) -> int:
         return self._tp
 
-    async def _call(self, method: str, *args: Any) -> Any:
-        ref = getattr(self.actor, method).remote(*args)
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        ref = getattr(self.actor, method).remote(*args, **kwargs)
         return await wait_for(ref, timeout=self.call_timeout_s)
-
-    async def submit(self, request: GenerationRequest) -> None:
-        """Queue a request on the actor's engine."""
-        await self._call("submit", request)
 
     def completions(self) -> AsyncIterator[Completion]:
         """Completions in finish order, fetched in batches by long-polling ``drain``.
@@ -214,11 +226,8 @@ class RayEngineClient(RolloutEngine):
         # (Re)start the pump when none runs; a pump that died left its exception in the queue.
         if self._pump_task is None or (self._pump_task.done() and self._local.empty()):
             self._pump_task = asyncio.ensure_future(self._pump())
-        while True:
-            item = await self._local.get()
-            if isinstance(item, Exception):
-                raise item
-            yield item
+        async for completion in read_completions(self._local):
+            yield completion
 
     async def _pump(self) -> None:
         try:
@@ -227,38 +236,6 @@ class RayEngineClient(RolloutEngine):
                     self._local.put_nowait(completion)
         except Exception as exc:  # surfaces in the reader instead of dying silently
             self._local.put_nowait(exc)
-
-    async def abort(self, request_ids: list[str]) -> None:
-        """Abort requests on the actor's engine."""
-        await self._call("abort", list(request_ids))
-
-    async def reload_weights(self, weights_dir: str, version: int) -> dict | None:
-        """Reload weights on the actor's engine from a directory on its node."""
-        return await self._call("reload_weights", weights_dir, version)
-
-    async def weight_receivers(self) -> list[tuple[str, str]]:
-        return await self._call("weight_receivers")
-
-    async def open_weight_receiver(self, init_infos: list[dict]) -> None:
-        await self._call("open_weight_receiver", init_infos)
-
-    async def receive_weights(self, sync_id: int, version: int) -> list[dict]:
-        return await self._call("receive_weights", sync_id, version)
-
-    async def close_weight_receiver(self) -> None:
-        await self._call("close_weight_receiver")
-
-    async def sleep(self, level: int = 1) -> None:
-        """Put the actor's engine to sleep (frees its device memory where the backend can)."""
-        await self._call("sleep", level)
-
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        """Wake the actor's engine (``tags``: see RolloutEngine.wake_up)."""
-        await self._call("wake_up", tags)
-
-    async def stats(self) -> EngineStats:
-        """The actor engine's current load."""
-        return await self._call("stats")
 
     async def check_health(self) -> None:
         """Raises when the engine core died (vLLM's EngineDeadError), the actor died (Ray's

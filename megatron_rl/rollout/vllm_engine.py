@@ -24,7 +24,7 @@ from typing import Any, AsyncIterator, Awaitable, TypeVar
 from megatron_rl.config import RolloutConfig
 from megatron_rl.import_cost import preimport
 from megatron_rl.rollout import speculative
-from megatron_rl.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine
+from megatron_rl.rollout.engine import SINGLE_ENGINE_DEFAULTS, Completion, EngineStats, GenerationRequest, RolloutEngine
 from megatron_rl.rollout.engine_start import engine_processes
 from megatron_rl.rollout.vllm_engine_args import default_runtime_root, engine_args, engine_process_env, scoped_env
 from megatron_rl.rollout.vllm_stats import StatsSink, stat_logger_factory
@@ -63,6 +63,8 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
     Construction blocks while vLLM starts (tens of seconds); call it outside the event loop
     or accept the stall. All other methods must run on one event loop.
     """
+
+    keeps_defaults = SINGLE_ENGINE_DEFAULTS  # one engine: nothing to release or restore
 
     def __init__(
         self,

@@ -14,7 +14,7 @@ import asyncio
 import time
 from typing import Callable
 
-from megatron_rl.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine
+from megatron_rl.rollout.engine import SINGLE_ENGINE_DEFAULTS, Completion, EngineStats, GenerationRequest, RolloutEngine
 
 
 class FakeEngine(RolloutEngine):
@@ -39,6 +39,9 @@ class FakeEngine(RolloutEngine):
 
     tensor_parallel_size = 1
     """A fake engine holds no model shards; it stands for one TP-1 engine."""
+
+    keeps_defaults = SINGLE_ENGINE_DEFAULTS | {"check_health", "close_weight_receiver"}
+    """One in-process engine: nothing to release, no process to die, no push set-up to leave."""
 
     async def submit(self, request: GenerationRequest) -> None:
         if self.asleep:

