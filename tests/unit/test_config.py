@@ -6,6 +6,7 @@ import pytest
 import rollpacker.plugins  # noqa: F401  (RollPacker's scheduler and sections, as megatron_rl.train registers them)
 from megatron_rl.config import RunConfig
 from megatron_rl.config_io import ConfigError, load_config, validate
+from rollpacker.config import parse_initial_tp
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_ARCH = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
@@ -21,6 +22,24 @@ def test_recipe_loads_and_overrides_apply():
     assert cfg.trainer.resume is True
     assert (cfg.parallel.tensor_model_parallel_size, cfg.parallel.data_parallel_size) == (1, 2)
     validate(cfg, TINY_ARCH, device="cpu")
+
+
+def test_the_full_cpu_recipe_turns_every_mechanism_on_and_validates():
+    """examples/qwen2.5/tiny_cpu_full.yaml (CONFIG= of launch/local.sh): tail batching, the planner with a
+    TP switch between round types, the stream trainer releasing one of its two engines, speculation of the
+    long rounds, history routing, trainer offload and engine sleep; it loads and validates up front."""
+    cfg = load_config(REPO / "examples/qwen2.5/tiny_cpu_full.yaml", ["trainer.steps=5"])
+    validate(cfg, TINY_ARCH, device="cpu")
+    assert cfg.scheduler.name == "tail_batching" and cfg.tail_batching.history_routing
+    assert cfg.rollout.num_engines == 2 and cfg.rollout.tensor_parallel_size == 1
+    assert cfg.planner.enabled and (cfg.planner.growth, cfg.planner.quiet_rounds) == (1.05, 4)
+    assert len(set(parse_initial_tp(cfg.planner.initial_tp).values())) == 2  # the round types differ: a switch
+    st = cfg.stream
+    assert st.enabled and st.rounds == "long" and (st.start_fraction_min, st.start_fraction_max) == (0.2, 0.5)
+    assert 0 < st.release_engines < cfg.rollout.num_engines
+    assert cfg.rollout.speculative.method == "suffix" and cfg.rollout.speculative.rounds == "long"
+    assert cfg.trainer.offload_during_rollout and cfg.rollout.sleep_during_train
+    assert cfg.trainer.steps == 5
 
 
 def test_every_recipe_has_its_own_run_dir():

@@ -71,8 +71,11 @@ def test_a_moment_over_the_budget_fails_the_plan_naming_it():
 
 def test_feature_moments_are_checked_only_when_the_recipe_turns_the_feature_on():
     recipe = RECIPES["32b_math_8x8_tp8_rtp2.yaml"]
-    _, _, plan = _moments(recipe)
+    _, _, plan = _moments(recipe, ["planner.enabled=false", "stream.enabled=false"])
     assert [m.checked for m in plan.moments[-3:]] == [False, False, False] and not plan.problems
+    # The recipe turns the planner on (tests/unit/test_gpu_rules_recipes.py): its switch moments are checked.
+    _, _, plan = _moments(recipe)
+    assert [m.checked for m in plan.moments[-3:]] == [True, True, False] and not plan.problems
     # The stream trainer's handoff holds a generating engine's pool and a training trainer on one GPU.
     _, _, plan = _moments(recipe, ["stream.enabled=true"])
     assert plan.moments[-1].checked and [p.split(" needs")[0] for p in plan.problems] == [
