@@ -92,11 +92,16 @@ def dead_run_dirs(root: str | Path, any_host: bool = False) -> list[Path]:
     if not root.is_dir():
         return []
     host = ".+" if any_host else re.escape(host_tag())  # a tag has no dashes (host_tag): parse from the right
-    pattern = re.compile(rf"^{RUN_DIR_PREFIX}-{host}-(\d+)-(\d+)$")
+    return _of_dead_holders(root, re.compile(rf"^{RUN_DIR_PREFIX}-{host}-(\d+)-(\d+)$"), Path.is_dir)
+
+
+def _of_dead_holders(root: Path, pattern: re.Pattern, kind) -> list[Path]:
+    """Entries of ``root`` (no links) that ``kind`` accepts and whose name ``pattern`` matches with
+    groups (uid, pid): ours, of a pid that is not this process and that no process has."""
     found = []
     for entry in root.iterdir():
         match = pattern.match(entry.name)
-        if match is None or not entry.is_dir() or entry.is_symlink():
+        if match is None or not kind(entry) or entry.is_symlink():
             continue
         uid, pid = int(match.group(1)), int(match.group(2))
         if uid == os.getuid() and pid != os.getpid() and not pid_alive(pid):
@@ -212,16 +217,7 @@ def dead_engine_shm(root: str | Path = SHM_ROOT, any_host: bool = False) -> list
         return []
     host = r"[A-Za-z0-9._]+" if any_host else re.escape(host_tag())
     owner = rf"{ENGINE_SHM_PREFIX}{RUN_DIR_PREFIX}-{host}-(\d+)-(\d+)-[A-Za-z0-9_]+"  # engine_shm_ident's
-    pattern = re.compile(rf"^{owner}-.+{ENGINE_SHM_MARK}\d+$")
-    found = []
-    for entry in root.iterdir():
-        match = pattern.match(entry.name)
-        if match is None or not entry.is_file() or entry.is_symlink():
-            continue
-        uid, pid = int(match.group(1)), int(match.group(2))
-        if uid == os.getuid() and pid != os.getpid() and not pid_alive(pid):
-            found.append(entry)
-    return sorted(found)
+    return _of_dead_holders(root, re.compile(rf"^{owner}-.+{ENGINE_SHM_MARK}\d+$"), Path.is_file)
 
 
 def sweep_dead_engine_shm(root: str | Path = SHM_ROOT, any_host: bool = False) -> list[str]:
