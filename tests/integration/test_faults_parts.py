@@ -231,35 +231,36 @@ def test_reward_worker_killed_under_load_keeps_every_verdict(ray_session, tokeni
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     cfg = RewardConfig(num_workers=2, worker_num_cpus=0.25, timeout_s=5.0)
-    samples = _math_samples(tok, 400)
+    chunk = 400
+    samples = _math_samples(tok, 3 * chunk)
     reference = [copy.deepcopy(s) for s in samples]
-    local = RewardPool(cfg, str(tokenizer_dir), max_new_tokens=256, algorithm_cfg=AlgorithmConfig(), use_ray=False)
-    try:
-        local.wait([local.submit(s) for s in reference], timeout_s=300)
-    finally:
-        local.shutdown()
     pool = RewardPool(cfg, str(tokenizer_dir), max_new_tokens=256, algorithm_cfg=AlgorithmConfig())
     caplog.set_level(logging.WARNING, logger="megatron_rl.reward.pool.dispatch")
     try:
         pool.ready(timeout_s=120)
         victim = pool._workers.actors[0]
         pid = ray.get(victim.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
-        handles = [pool.submit(s) for s in samples]
-        done, pending = pool.poll(handles, timeout_s=0.0)
-        deadline = time.monotonic() + 60
-        while not done and time.monotonic() < deadline:  # the workers are busy with their queues
-            more, pending = pool.poll(pending, timeout_s=0.1)
-            done += more
-        # Kill while the victim still holds unfinished tasks (not just results not yet collected:
-        # on a quiet box the grading is quick enough to drain a worker's whole share).
-        victim_refs = [h.ref for h in pending if h.worker == 0]
-        _, unfinished = ray.wait(victim_refs, num_returns=len(victim_refs), timeout=0)
+        # Kill while the victim still holds unfinished tasks, right after its first task finished (it
+        # is working): on a quiet box a worker grades its whole share of a chunk within a second, so
+        # waiting for results to be collected first could leave it nothing; one more chunk if so.
+        handles, unfinished = [], []
+        while len(handles) < len(samples) and len(unfinished) < 10:
+            handles += [pool.submit(s) for s in samples[len(handles):len(handles) + chunk]]
+            victim_refs = [h.ref for h in handles if h.worker == 0]
+            ray.wait(victim_refs, num_returns=1, timeout=60)
+            _, unfinished = ray.wait(victim_refs, num_returns=len(victim_refs), timeout=0)
         assert len(unfinished) >= 10, f"the victim has {len(unfinished)} unfinished tasks: make the batch larger"
+        samples, reference = samples[:len(handles)], reference[:len(handles)]
         victim_tree = [pid, *run_processes(pid)]
         os.kill(pid, signal.SIGKILL)
         killed_at = time.time()
         pool.wait(handles, timeout_s=300)
         finished_at = time.time()
+        local = RewardPool(cfg, str(tokenizer_dir), max_new_tokens=256, algorithm_cfg=AlgorithmConfig(), use_ray=False)
+        try:  # the verdicts of the same responses scored in this process, without a kill
+            local.wait([local.submit(s) for s in reference], timeout_s=300)
+        finally:
+            local.shutdown()
         assert [s.reward for s in samples] == [s.reward for s in reference], "a verdict changed or was lost"
         assert [s.correct for s in samples] == [s.correct for s in reference]
         lost = [r for r in caplog.records if "resubmitted to worker" in r.getMessage()]
