@@ -55,8 +55,12 @@ def _run(model_dir: Path, tmp_path: Path, steps: int, extra: list[str]) -> list[
     trained = [json.loads(line)["prompt_ids"] for line in (run_dir / "trained_prompts.jsonl").read_text().splitlines()]
     flat = [p for row in trained for p in row]
     assert len(trained) == steps and len(flat) == len(set(flat)) == steps * P0  # none twice
+    # The weights move during the run (so staleness means something). Not every step: a step whose
+    # few groups all lack reward variance (both responses length-capped) has no gradient, which the
+    # abort timing of the over-provisioned peers can make happen in any step.
+    assert any(r["train/grad_norm"] > 0 for r in rows), rows
     for r in rows:
-        assert r["batch/samples_trained"] == P0 * R0 and r["train/grad_norm"] > 0, r
+        assert r["batch/samples_trained"] == P0 * R0, r
         assert "train/tis_weight_mean" in r and "off_policy/token_fraction" in r, r
         if "rollout/logprob_abs_diff_max" in r:  # present whenever some token is on-policy
             assert r["rollout/logprob_abs_diff_max"] <= PARITY, r
