@@ -46,41 +46,6 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     return load_config(args.config, args.overrides)
 
 
-def _engine_factory(cfg: RunConfig, placement):
-    """``factory(tp, weights_dir)``: the run's engines rebuilt at rollout TP ``tp`` on the same
-    rollout devices (``devices // tp`` engines, engine e on GPUs e*tp..e*tp+tp-1 of the run's layout,
-    ``megatron_rl.distributed.gpu_layout``), for plug-ins such as RollPacker's elastic TP."""
-    from megatron_rl.distributed.cluster import at_rollout_tp
-    from megatron_rl.rollout.ray_engine import create_engine_client
-
-    async def factory(tp: int, model_dir: str):
-        at_tp = at_rollout_tp(cfg, tp)
-        # Engine start-up blocks on ray.get: keep the event loop (reward tasks) running meanwhile.
-        return await asyncio.to_thread(create_engine_client, at_tp, model_dir, placement.engine_options(at_tp))
-
-    return factory
-
-
-def _restarting_engines(cfg: RunConfig, engine_start: str, placement) -> RolloutEngine:
-    """The run's engines under a supervisor that replaces them when they die
-    (``rollout.max_engine_restarts``): replacements start like the first ones, from
-    ``engine_start`` on the same placement (the same GPU bundles), and the loop pushes the current
-    weights into them."""
-    from megatron_rl.distributed.cluster import check_engine_nodes
-    from megatron_rl.rollout.engine_restart import RestartingEngine
-    from megatron_rl.rollout.ray_engine import create_engine_client, start_engine_client
-
-    async def restart() -> RolloutEngine:
-        # Awaited (the event loop keeps scoring meanwhile); a lost engine node with nowhere else
-        # to place the replacement stops the run, naming the node, instead of waiting forever.
-        return await start_engine_client(cfg, engine_start, placement.engine_options(),
-                                         check=lambda: check_engine_nodes(cfg))
-
-    return RestartingEngine(create_engine_client(cfg, engine_start, placement.engine_options()), restart,
-                            max_restarts=cfg.rollout.max_engine_restarts,
-                            health_check_s=cfg.rollout.engine_health_check_s)
-
-
 def build_plugins(setup: PluginSetup) -> tuple[RolloutEngine, list[TrainerPlugin]]:
     """Every plug-in factory in turn (registered ones, then trainer.plugins); each may wrap the
     engine the next one and the loop get."""
@@ -134,10 +99,11 @@ def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict
     from transformers import AutoTokenizer
 
     from megatron_rl.data.datasets import load_prompts
-    from megatron_rl.distributed.cluster import place_run, start_ray
+    from megatron_rl.distributed.cluster import check_engine_nodes, place_run, start_ray
     from megatron_rl.distributed.local_state import sweep_dead_engine_shm
     from megatron_rl.distributed.ports import free_port
     from megatron_rl.reward.pool.reward_pool import RewardPool
+    from megatron_rl.rollout.engine_factory import EngineFactory
     from megatron_rl.rollout.weight_sync.sync_dir import default_sync_dir, sweep_dead_sync_dirs
     from megatron_rl.trainer import TrainerParts, run_trainer
     from megatron_rl.training.policy_group import PolicyGroup
@@ -167,8 +133,11 @@ def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict
             asyncio.run(policy.offload_for_rollout())
         engine_start = _quantized_start(cfg, run_dir, sync_dir, device) if cfg.rollout.quantization != "none" \
             else cfg.model.hf_path
-        engine = restarting = _restarting_engines(cfg, engine_start, placement)
-        engine, plugins = build_plugins(PluginSetup(cfg, device, engine, _engine_factory(cfg, placement)))
+        # One factory starts every engine of the run (these, an elastic switch's, replacements),
+        # each as a supervised pool: a dead engine alone is replaced (rollout.max_engine_restarts).
+        factory = EngineFactory(cfg, placement, engine_start, check=lambda: check_engine_nodes(cfg))
+        engine = factory.first()
+        engine, plugins = build_plugins(PluginSetup(cfg, device, engine, factory))
         rewards = RewardPool.from_run_config(cfg)
         if not cfg.trainer.offload_during_rollout:
             asyncio.run(policy.load_hf(cfg.model.hf_path))
@@ -183,7 +152,7 @@ def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict
                              eval_prompts=eval_prompts, scheduler=scheduler, plugins=plugins,
                              weight_sync_dir=str(sync_dir),
                              fan_out=_fan_out_from(fanout_source) if fanout_source else None,
-                             stop=stop, on_cpu=device == "cpu", engine_restarts=restarting)
+                             stop=stop, on_cpu=device == "cpu")
         return run_trainer(parts)
     finally:
         for part in (rewards, engine, policy):

@@ -41,7 +41,6 @@ from megatron_rl.training.policy import Policy
 
 if TYPE_CHECKING:
     from megatron_rl.reward.pool.reward_pool import RewardPool
-    from megatron_rl.rollout.engine_restart import RestartingEngine
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +73,6 @@ class TrainerParts:
     """SIGTERM (train.py installs it): the loop checkpoints after the current step and returns."""
     on_cpu: bool = True
     """Whether the run is on CPU (the engine dtype, and lent cores become trainer threads)."""
-    engine_restarts: "RestartingEngine | None" = None
-    """The supervisor that replaces dead engines (``rollout.engine_restart``; it sits inside
-    ``engine``, below any plug-in wrapper): the loop gives it the current weights for new engines
-    and logs its ``fault/*`` metrics. None: an engine death fails the step."""
 
 
 class StepFailed(RuntimeError):
@@ -116,8 +111,7 @@ class Trainer:
         transport = make_transport(self.cfg.rollout.weight_sync_format, parts.policy, parts.weight_sync_dir, dtype,
                                    self.cfg, on_gpu=not parts.on_cpu)
         self.weight_sync = WeightSync(transport, parts.policy, parts.engine, self.colocation, parts.fan_out)
-        if parts.engine_restarts is not None:
-            parts.engine_restarts.restore_weights = self._weights_for_new_engine
+        self._restart_s_logged = 0.0  # engine replacement seconds already reported (fault/seconds_lost)
         for plugin in self.plugins:
             plugin.attach(self)
 
@@ -133,6 +127,8 @@ class Trainer:
             timer = PhaseTimer()
             initial_val = {}
             try:
+                # Replacements of dead engines get the current weights from the loop's sync.
+                await self.engine.supervise(self._weights_for_new_engine)
                 await self._warm_up_engine()
                 if self.start_step > 0:
                     await self._push_weights()  # the engine started from HF weights
@@ -217,8 +213,7 @@ class Trainer:
         self.version += 1
         with timer("weight_sync"):
             extra.update(await self._push_weights())
-        if self.p.engine_restarts is not None:
-            extra.update(self.p.engine_restarts.step_metrics())
+        extra.update(await self._fault_metrics())
         phases = {k: v for k, v in timer.as_dict().items() if k in _STEP_PHASES}
         metrics = loop_metrics.step_metrics(self.cfg, step, self.version, batch, samples, phases,
                                             time.monotonic() - step_start)
@@ -325,12 +320,20 @@ class Trainer:
         try:
             return await self.weight_sync.push(self.version)
         except Exception as exc:
-            restarts = self.p.engine_restarts
-            if restarts is None or not await restarts.recover_if_dead(exc):
-                raise
+            if not await self.engine.recover(exc):
+                raise  # no engine died: the push's own error
             log.warning("the weight sync of policy version %d failed because the engines died (%s); their "
                         "replacement holds version %d", self.version, exc, self.version)
             return {"weight_sync/engine_replaced": 1.0}
+
+    async def _fault_metrics(self) -> dict[str, float]:
+        """``fault/engine_restarts`` (engines replaced in the run so far), ``fault/seconds_lost``
+        (replacement time since the last step's figure) and ``fault/resubmitted_requests`` (run
+        total), from the engine layer's stats."""
+        st = await self.engine.stats()
+        lost, self._restart_s_logged = st.restart_s - self._restart_s_logged, st.restart_s
+        return {"fault/engine_restarts": float(st.restarts), "fault/seconds_lost": lost,
+                "fault/resubmitted_requests": float(st.resubmitted)}
 
     async def _validate(self) -> dict:
         return await evaluation.validate(self.cfg, self.engine, self.p.rewards, self.p.eval_prompts,

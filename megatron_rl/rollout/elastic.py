@@ -9,7 +9,11 @@ switch. Completions of every generation of engines flow through one queue, so a 
 ``completions()`` iterator survives a switch.
 
 Switching is only legal with no request in flight (between rounds); the engines are built by a
-factory so the same class drives Ray/vLLM engines in the run and fakes in unit tests.
+factory so the same class drives Ray/vLLM engines in the run and fakes in unit tests. In the run
+the factory is the run's ``engine_factory.EngineFactory``: the new engines are a supervised pool
+sharing the run's restart budget and weight restorer, so engines started by a switch are replaced
+when they die exactly like the first ones (``supervise`` and ``recover`` reach the current pool
+through this wrapper's forwards).
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ One request per response: each has its own id, token budget and seed, so a sched
 any single response. Completions arrive as a stream, in finish order. Implementations: the vLLM
 backend (``vllm_engine.VLLMEngine``), its Ray client and actor (``ray_engine``), the pool
 (``engine_pool``), the wrappers over another engine (``engine_wrapper.ForwardingEngine``: elastic
-TP, restarts), and in tests a fake engine for pure scheduling logic. :data:`ENGINE_CONTRACT`
+TP), and in tests a fake engine for pure scheduling logic. :data:`ENGINE_CONTRACT`
 lists the members; this module imports nothing of Ray, vLLM or torch (``.importlinter``).
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import asyncio
 import inspect
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import AsyncIterator, Callable, ClassVar, Literal, Mapping
+from typing import AsyncIterator, Awaitable, Callable, ClassVar, Literal, Mapping
 
 
 @dataclass
@@ -84,6 +84,13 @@ class EngineStats:
     """Cumulative draft tokens proposed."""
     accepted_tokens: int = 0
     """Cumulative draft tokens the target model accepted (each saves one decode step)."""
+    restarts: int = 0
+    """Engines replaced after they died, in the run so far (a supervised pool; every pool the run's
+    engine factory builds shares one count, so it survives elastic TP switches)."""
+    restart_s: float = 0.0
+    """Seconds from noticing each death until its replacement was up, summed over the run."""
+    resubmitted: int = 0
+    """Requests moved off dead engines and continued elsewhere, in the run so far."""
     extra: dict = field(default_factory=dict)
     """Backend-specific numbers."""
 
@@ -192,9 +199,23 @@ class RolloutEngine(abc.ABC):
 
     async def check_health(self) -> None:
         """Raise if the engine can no longer serve (its processes died); return at once when it
-        can. Cheap and bounded: a supervisor (``engine_restart``) calls it periodically while
-        requests are in flight, so a dead engine is noticed even when no completion fails. The
-        default (an in-process engine with nothing to lose) is always healthy."""
+        can. Cheap and bounded: a supervised pool (``engine_pool``) calls it on each member
+        periodically while requests are in flight, so a dead engine is noticed even when no
+        completion fails. The default (an in-process engine with nothing to lose) is always healthy."""
+
+    async def supervise(self, restore: "WeightsRestorer") -> None:
+        """Give the engine layer the loop's way to bring replacement engines to the current policy
+        version: ``restore(engine)`` (a push, or a reload of the weight directory). A supervised
+        pool calls it when a replacement must serve before the next push (no healthy member left).
+        An engine that is not supervised has nothing to replace: the default ignores it."""
+
+    async def recover(self, error: BaseException) -> bool:
+        """After a call through this engine failed with ``error`` (e.g. a weight push, which cannot
+        be retried from inside): replace the engines that are dead, bring every engine to the
+        current weights (``restore``) and return True; False when none is dead (``error`` is the
+        call's own). Raises when a replacement failed or the restart budget is spent. The default
+        (an engine without supervision) has nothing to recover."""
+        return False
 
     @abc.abstractmethod
     async def stats(self) -> EngineStats:
@@ -209,9 +230,15 @@ MemberKind = Literal["call", "stream", "property"]
 """How a contract member is answered: 'call' a coroutine method, 'stream' a plain method returning
 an async iterator (``completions``), 'property' a read-only attribute."""
 
-SINGLE_ENGINE_DEFAULTS: frozenset[str] = frozenset({"active_engines", "release_engines", "restore_engines"})
+SINGLE_ENGINE_DEFAULTS: frozenset[str] = frozenset({"active_engines", "release_engines", "restore_engines",
+                                                    "supervise", "recover"})
 """The pool members a single engine (not a pool) keeps at the contract's default: one engine
-generating, none to release, nothing to restore."""
+generating, none to release, nothing to restore; supervision (replacing dead members) lives in the
+pool, so a single engine ignores a restorer and has nothing to recover."""
+
+WeightsRestorer = Callable[["RolloutEngine"], Awaitable[dict]]
+"""``restore(engine)``: bring freshly started engines to the current policy version (the loop's
+push or reload); returns the figures of that sync."""
 
 
 def _member_kind(name: str, value: object) -> MemberKind:
@@ -249,15 +276,18 @@ async def forward_completions(engine: RolloutEngine, deliver: Callable[[Completi
         fail(exc)
 
 
-async def read_completions(queue: asyncio.Queue, *, keep_failure: bool = False) -> AsyncIterator[Completion]:
+async def read_completions(queue: asyncio.Queue, *,
+                           keep_failure: bool | Callable[[Exception], bool] = False) -> AsyncIterator[Completion]:
     """Yield the completions a pump puts on ``queue`` (see :func:`forward_completions`); an exception
     on it is raised instead, ending the iterator. With ``keep_failure`` it is put back first, so
     every reader (and the next one) sees the failure too. A reader cancelled or abandoned while it
-    waits loses nothing: ``asyncio.Queue.get`` takes an item only when it returns it."""
+    waits loses nothing: ``asyncio.Queue.get`` takes an item only when it returns it. ``keep_failure``
+    may also be a predicate: only the failures it accepts are put back (a pool's final error, not a
+    consumer's own)."""
     while True:
         item = await queue.get()
         if isinstance(item, Exception):
-            if keep_failure:
+            if keep_failure is True or (callable(keep_failure) and keep_failure(item)):
                 queue.put_nowait(item)
             raise item
         yield item

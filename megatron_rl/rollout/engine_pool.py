@@ -14,17 +14,19 @@ request that never moved has one part under its own id; each migration starts a 
 a fresh id. Completions of parts are handled by one pump task per engine, independently of the
 consumer, so a migration proceeds even while nobody reads ``completions()``; the consumer only
 ever sees one merged Completion per request id.
+
+Supervised (built by ``engine_factory.EngineFactory``, with a member starter): each member's health
+is watched and a dead member alone is replaced, its requests continued on the others
+(``pool_supervision``).
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
-import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
-from megatron_rl.aio import wait_for
 from megatron_rl.rollout.engine import (
     CUMULATIVE_COUNTERS,
     Completion,
@@ -34,7 +36,10 @@ from megatron_rl.rollout.engine import (
     forward_completions,
     read_completions,
 )
+from megatron_rl.rollout.engine_health import MemberHealth, MemberStarter, Supervision
 from megatron_rl.rollout.migration import MigrationRecord
+from megatron_rl.rollout.pool_handoff import PoolHandoff
+from megatron_rl.rollout.pool_supervision import PoolSupervision
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +61,7 @@ class _Entry:
     """The consumer aborted it: it is never resubmitted again."""
 
 
-class EnginePool(RolloutEngine):
+class EnginePool(PoolHandoff, PoolSupervision, RolloutEngine):
     """Several engines behind one :class:`RolloutEngine`: least-loaded routing by request count.
 
     Each request goes to the active engine with the fewest of this pool's requests in flight
@@ -67,9 +72,14 @@ class EnginePool(RolloutEngine):
         engines: the engines; each is one whole TP group.
         drain_timeout_s: how long :meth:`release_engines` waits for the released engines'
             aborted requests to come back before giving up.
+        start_member: ``start(index)`` builds a replacement for member ``index``; given, the pool
+            supervises its members (``pool_supervision``); None: a member's failure is the consumer's.
+        supervision: the run's shared restart budget, records and weight restorer (a fresh one when
+            None).
     """
 
-    def __init__(self, engines: Sequence[RolloutEngine], drain_timeout_s: float = 300.0) -> None:
+    def __init__(self, engines: Sequence[RolloutEngine], drain_timeout_s: float = 300.0, *,
+                 start_member: MemberStarter | None = None, supervision: Supervision | None = None) -> None:
         if not engines:
             raise ValueError("EnginePool needs at least one engine")
         self.engines = list(engines)
@@ -91,6 +101,20 @@ class EnginePool(RolloutEngine):
         self._lock = asyncio.Lock()  # one release / restore / reload at a time
         self._part_ids = itertools.count(1)
         self._totals = {"migrated_requests": 0, "migrated_tokens": 0, "ended_while_migrating": 0}
+        # Supervision (pool_supervision): per-member health and what replacing a member needs.
+        self._start_member = start_member
+        self._supervision = (supervision or Supervision()) if start_member is not None else None
+        self.health = [MemberHealth.HEALTHY] * len(self.engines)
+        self._generation = [0] * len(self.engines)  # bumped per replacement: late output of the dead is dropped
+        self._replacing: dict[int, asyncio.Task] = {}
+        self._orphans: dict[str, GenerationRequest] = {}  # moved off a dead member, no healthy one to take them
+        self._failed: Exception | None = None
+        self._closed = False
+        self._monitor: asyncio.Task | None = None
+        self._version = 0  # the weights' version: tags the abort completions the pool makes itself
+        self._sleep_level = 1
+        self._last_counts: list[dict[str, int]] = [{} for _ in self.engines]
+        self._lost_counts = dict.fromkeys(CUMULATIVE_COUNTERS, 0)
 
     # ------------------------------------------------------------------ routing and bookkeeping
 
@@ -105,7 +129,8 @@ class EnginePool(RolloutEngine):
         return sorted(self._released)
 
     def _active(self) -> list[int]:
-        return [i for i in range(len(self.engines)) if i not in self._released and i not in self._sleeping]
+        return [i for i in range(len(self.engines))
+                if i not in self._released and i not in self._sleeping and self.health[i] is MemberHealth.HEALTHY]
 
     def _pick(self) -> int:
         active = self._active()
@@ -137,6 +162,8 @@ class EnginePool(RolloutEngine):
         # Started lazily: the pool is often built before an event loop runs.
         if not self._pumps:
             self._pumps = [asyncio.create_task(self._pump(i)) for i in range(len(self.engines))]
+        if self._monitor is None and self._watch_needed():
+            self._monitor = asyncio.create_task(self._watch())
 
     # ------------------------------------------------------------------ requests
 
@@ -149,12 +176,29 @@ class EnginePool(RolloutEngine):
         rid = request.request_id
         if rid in self._entries or rid in self._by_part:
             raise ValueError(f"request_id {rid!r} is already in flight")
+        if self._failed is not None:
+            raise self._failed
         self._ensure_pumps()
         entry = _Entry(MigrationRecord(request), engine=-1, part_id=rid)
-        self._place(entry, self._pick(), rid)
         self._entries[rid] = entry
+        if self._waiting_for_member():
+            self._orphans[rid] = request  # no healthy member until a replacement is up
+            return
         try:
-            await self.engines[entry.engine].submit(request)
+            self._place(entry, self._pick(), rid)
+        except BaseException:
+            del self._entries[rid]
+            raise
+        index = entry.engine
+        try:
+            await self.engines[index].submit(request)
+        except Exception as exc:
+            if self._is_current(entry, rid) and await self._dead_after(index, exc):
+                return  # the member died: the request moved with its others
+            if self._is_current(entry, rid):
+                del self._entries[rid]
+                self._unplace(entry)
+            raise
         except BaseException:
             if self._is_current(entry, rid):
                 del self._entries[rid]
@@ -168,12 +212,20 @@ class EnginePool(RolloutEngine):
             return  # already finished; its id may even be reused by a new request
         entry.submitting = False
         if entry.aborted or entry.migrating:
-            await self.engines[entry.engine].abort([part_id])
+            index = entry.engine
+            try:
+                await self.engines[index].abort([part_id])
+            except Exception as exc:
+                if not await self._dead_after(index, exc):
+                    raise
 
     async def _resubmit(self, entry: _Entry, request: GenerationRequest) -> None:
+        index = entry.engine
         try:
-            await self.engines[entry.engine].submit(request)
+            await self.engines[index].submit(request)
         except Exception as exc:
+            if self._is_current(entry, request.request_id) and await self._dead_after(index, exc):
+                return  # that member died too: the request moved again
             # The engine rejected a request it should accept: treat it as an engine failure.
             if self._is_current(entry, request.request_id):
                 del self._entries[entry.record.original.request_id]
@@ -185,21 +237,31 @@ class EnginePool(RolloutEngine):
         await self._submitted(entry, request.request_id)
 
     async def _pump(self, index: int) -> None:
-        await forward_completions(self.engines[index], self._on_part, self._pump_failed)
+        generation = self._generation[index]
 
-    def _pump_failed(self, exc: Exception) -> None:
-        """An engine's completion stream died: the consumer gets the error; a release waiting on
-        that engine must notice (its pump task is done, see ``_wait_drained``)."""
-        self._merged.put_nowait(exc)
-        self._changed.set()
+        def deliver(part: Completion) -> None:
+            if generation == self._generation[index]:  # else: late output of a replaced engine
+                self._on_part(part, index)
 
-    def _on_part(self, part: Completion) -> None:
-        """One part ended on its engine. Synchronous, so no other state change interleaves."""
+        def failed(exc: Exception) -> None:
+            if self._supervision is not None:
+                self._member_stream_failed(index, generation, exc)
+            else:  # the consumer gets the error; a release waiting on it notices (see _wait_drained)
+                self._merged.put_nowait(exc)
+                self._changed.set()
+
+        await forward_completions(self.engines[index], deliver, failed)
+
+    def _on_part(self, part: Completion, index: int) -> None:
+        """One part ended on engine ``index``. Synchronous, so no other state change interleaves."""
         rid = self._by_part.get(part.request_id)
         if rid is None:
             self._merged.put_nowait(part)  # not routed by this pool: pass it on untouched
             return
         entry = self._entries[rid]
+        if entry.engine != index:
+            return  # that part moved off a dead engine: its continuation answers
+        self._version = part.weight_version
         self._unplace(entry)
         final: Completion | Exception
         if entry.migrating and part.finish_reason == "abort" and not entry.aborted:
@@ -216,7 +278,8 @@ class EnginePool(RolloutEngine):
                 return
             final = self._merge(entry, None, "length")  # aborted exactly at the budget
         else:
-            final = part if not entry.record.parts else self._merge(entry, part, None)
+            # Under its own id: a request moved off a dead member ran its only part under a part id.
+            final = part if not entry.record.parts and part.request_id == rid else self._merge(entry, part, None)
         if entry.migrating:
             self._totals["ended_while_migrating"] += 1
         del self._entries[rid]
@@ -236,7 +299,8 @@ class EnginePool(RolloutEngine):
 
     async def _read(self) -> AsyncIterator[Completion]:
         self._ensure_pumps()
-        async for completion in read_completions(self._merged):
+        # The pool's own end (restart budget spent) is put back: every reader, now or later, sees it.
+        async for completion in read_completions(self._merged, keep_failure=lambda exc: exc is self._failed):
             yield completion
 
     async def abort(self, request_ids: list[str]) -> None:
@@ -248,132 +312,35 @@ class EnginePool(RolloutEngine):
             if entry is None or entry.aborted:
                 continue
             entry.aborted = True
+            if self._orphans.pop(rid, None) is not None:  # waiting for a member: it ends here
+                del self._entries[rid]
+                self._merged.put_nowait(self._merge(entry, None, "abort") if entry.record.parts
+                                        else Completion(rid, [], [], "abort", self._version))
+                continue
             # A pending submit sends the abort when it returns; a pending migration abort ends it.
             if not entry.submitting and not entry.migrating:
                 by_engine.setdefault(entry.engine, []).append(entry.part_id)
-        await asyncio.gather(*(self.engines[i].abort(ids) for i, ids in by_engine.items()))
+        indices = list(by_engine)
+        results = await asyncio.gather(*(self.engines[i].abort(by_engine[i]) for i in indices), return_exceptions=True)
+        for index, result in zip(indices, results):
+            if isinstance(result, Exception) and not await self._dead_after(index, result):
+                raise result
 
     async def check_health(self) -> None:
-        """Every engine's health check; the first failure is raised, naming the engine."""
-        results = await asyncio.gather(*(e.check_health() for e in self.engines), return_exceptions=True)
-        for index, result in enumerate(results):
+        """Every engine's health check; the first failure is raised, naming the engine. Supervised:
+        a failing member is also replaced, and a member being replaced counts as not healthy (a
+        push waiting on it must stop)."""
+        if self._failed is not None:
+            raise self._failed
+        up = [i for i, h in enumerate(self.health) if h in (MemberHealth.HEALTHY, MemberHealth.STALE)]
+        results = await asyncio.gather(*(self.engines[i].check_health() for i in up), return_exceptions=True)
+        for index, result in zip(up, results):
             if isinstance(result, BaseException):
+                self._died(index, result)
                 raise RuntimeError(f"engine {index} of the pool is not healthy: {result!r}") from result
-
-    # ------------------------------------------------------------------ resource handoff
-
-    async def release_engines(self, count: int) -> dict[str, float]:
-        """Hand ``count`` whole engines over to training; the rest finish the round.
-
-        Picks the engines with the fewest of this pool's requests (ties: highest index), stops
-        routing to them, aborts their requests and, as each partial comes back, continues it on
-        the least-loaded remaining engine with the tokens generated so far re-prefilled (a
-        request whose budget is used up ends with reason 'length'). Once the released engines
-        hold nothing, they sleep. At least one engine must stay active.
-
-        Returns: released_engines, migrated_requests, migrated_tokens (generated tokens
-        re-prefilled instead of regenerated), ended_while_migrating (finished, aborted or out of
-        budget instead of moving), release_s.
-        """
-        async with self._lock:
-            active = self._active()
-            if not isinstance(count, int) or not 1 <= count < len(active):
-                raise ValueError(
-                    f"release_engines({count!r}): can release 1..{len(active) - 1} of the {len(active)} "
-                    "active engine(s); at least one must stay active"
-                )
-            self._ensure_pumps()
-            start = time.monotonic()
-            before = dict(self._totals)
-            chosen = sorted(active, key=lambda i: (self._load[i], -i))[:count]
-            self._released.update(chosen)
-            by_engine: dict[int, list[str]] = {}
-            for entry in self._entries.values():
-                if entry.engine in chosen and not entry.aborted:
-                    entry.migrating = True
-                    if not entry.submitting:
-                        by_engine.setdefault(entry.engine, []).append(entry.part_id)
-            await asyncio.gather(*(self.engines[i].abort(ids) for i, ids in by_engine.items()))
-            await self._wait_drained(chosen)
-            await asyncio.gather(*(self._sleep_engine(i) for i in chosen))
-            metrics = {key: float(self._totals[key] - before[key]) for key in self._totals}
-            metrics.update(released_engines=float(count), release_s=time.monotonic() - start)
-            logger.info("released engines %s: %s", chosen, metrics)
-            return metrics
-
-    async def _wait_drained(self, indices: list[int]) -> None:
-        deadline = time.monotonic() + self.drain_timeout_s
-        while True:
-            self._changed.clear()  # before the check, so a change after it is not lost
-            if not any(self._load[i] for i in indices):
-                break
-            dead = [i for i in indices if self._pumps[i].done()]
-            if dead:
-                raise RuntimeError(f"release_engines: engine(s) {dead} failed while draining")
-            try:
-                await wait_for(self._changed.wait(), timeout=max(deadline - time.monotonic(), 0.0))
-            except asyncio.TimeoutError:
-                left = {i: self._load[i] for i in indices if self._load[i]}
-                raise TimeoutError(f"release_engines: requests still on released engines after "
-                                   f"{self.drain_timeout_s} s: {left}") from None
-        # Continuations are placed synchronously; wait for their submits so errors surface here.
-        while self._resubmits:
-            await asyncio.gather(*list(self._resubmits), return_exceptions=True)
-
-    async def restore_engines(self) -> dict[str, float]:
-        """Take the released engines back into routing.
-
-        When the pool is awake they (and any other sleeping engine) are woken first. When the
-        pool sleeps (:meth:`sleep` without :meth:`wake_up` since) they stay asleep like every
-        other engine and :meth:`wake_up` wakes them; until then nothing is routed anywhere.
-
-        Returns restored_engines (released engines brought back, plus, when awake, other
-        sleeping ones woken) and wake_s. A no-op when there is nothing to restore.
-        """
-        async with self._lock:
-            return await self._restore()
-
-    async def _restore(self) -> dict[str, float]:
-        start = time.monotonic()
-        if self._asleep:
-            restored = len(self._released)
-        else:
-            restored = len(self._released | self._sleeping)
-            await asyncio.gather(*(self._wake_engine(i) for i in sorted(self._sleeping)))
-        self._released.clear()
-        return {"restored_engines": float(restored), "wake_s": time.monotonic() - start}
-
-    async def _sleep_engine(self, index: int, level: int = 1) -> None:
-        await self.engines[index].sleep(level)
-        self._sleeping.add(index)  # per engine: if another one fails, this state stays true
-
-    async def _wake_engine(self, index: int) -> None:
-        await self.engines[index].wake_up()
-        self._sleeping.discard(index)
-
-    async def sleep(self, level: int = 1) -> None:
-        """Put every engine to sleep (at ``level``, see RolloutEngine.sleep); refused while
-        requests are in flight. Released engines (already asleep, at level 1) stay released
-        until :meth:`restore_engines` or :meth:`wake_up`, and a restore while the pool sleeps
-        leaves them asleep (see :meth:`restore_engines`)."""
-        async with self._lock:
-            if self._entries:
-                raise RuntimeError(f"EnginePool.sleep refused: {len(self._entries)} request(s) in flight")
-            self._asleep = True
-            awake = [i for i in range(len(self.engines)) if i not in self._sleeping]
-            await asyncio.gather(*(self._sleep_engine(i, level) for i in awake))
-
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        """Wake every engine (released ones too) and route to all of them. ``["weights"]``
-        wakes only the weights of every sleeping engine, so a push or reload can run without
-        the KV caches' memory; routing resumes with the wake-up of the rest."""
-        async with self._lock:
-            if tags is not None and "kv_cache" not in tags:
-                await asyncio.gather(*(self.engines[i].wake_up(list(tags)) for i in sorted(self._sleeping)))
-                self._weights_awake = True
-                return
-            self._asleep = self._weights_awake = False
-            await self._restore()
+        down = [f"engine {i} is {h.value}" for i, h in enumerate(self.health) if i not in up]
+        if down:
+            raise RuntimeError(f"the pool cannot take a push now: {', '.join(down)}")
 
     async def reload_weights(self, weights_dir: str, version: int) -> dict | None:
         """Restore released engines and wake every sleeping one (a sleeping pool too: an engine
@@ -382,10 +349,13 @@ class EnginePool(RolloutEngine):
         async with self._lock:
             await self._ready_for_weights()
             figures = await asyncio.gather(*(e.reload_weights(weights_dir, version) for e in self.engines))
+            self._version = version
+            self._mark_current()
         figures = [f for f in figures if f]
         return {k: max(f.get(k, 0.0) for f in figures) for k in figures[0]} if figures else None
 
     async def _ready_for_weights(self) -> None:
+        await self._settled()  # every member up (a replacement under way joins this push)
         if self._weights_awake:
             return  # every engine's weights are awake for this push; the KV caches wake after it
         self._asleep = False
@@ -394,6 +364,7 @@ class EnginePool(RolloutEngine):
 
     async def weight_receivers(self) -> list[tuple[str, str]]:
         """Every engine's replicas, engine by engine."""
+        await self._settled()
         return [r for e in self.engines for r in await e.weight_receivers()]
 
     async def open_weight_receiver(self, init_infos: list[dict]) -> None:
@@ -411,6 +382,8 @@ class EnginePool(RolloutEngine):
         async with self._lock:
             await self._ready_for_weights()
             per_engine = await asyncio.gather(*(e.receive_weights(sync_id, version) for e in self.engines))
+            self._version = version
+            self._mark_current()
         return [f for figures in per_engine for f in figures]
 
     async def close_weight_receiver(self) -> None:
@@ -421,12 +394,25 @@ class EnginePool(RolloutEngine):
     async def stats(self) -> EngineStats:
         """Sums over engines; capacity and KV usage (mean) count active engines only, since
         released ones take no requests; per-engine stats and handoff state are in ``extra``."""
-        parts = await asyncio.gather(*(e.stats() for e in self.engines))
+        up = [h in (MemberHealth.HEALTHY, MemberHealth.STALE) for h in self.health]
+        results = await asyncio.gather(*(e.stats() for e, ok in zip(self.engines, up) if ok), return_exceptions=True)
+        answers = iter(results)
+        parts = [next(answers) if ok else EngineStats() for ok in up]
+        for index, part in enumerate(parts):
+            if isinstance(part, Exception):
+                if not await self._dead_after(index, part):
+                    raise part
+                parts[index] = EngineStats()  # dead: its counts so far are kept in _lost_counts
+            else:
+                self._last_counts[index] = {key: getattr(part, key) for key in CUMULATIVE_COUNTERS}
         active = self._active() or list(range(len(self.engines)))
+        totals = self.supervision_figures()
         return EngineStats(
             running=sum(p.running for p in parts),
             waiting=sum(p.waiting for p in parts),
-            **{key: sum(getattr(p, key) for p in parts) for key in CUMULATIVE_COUNTERS},
+            **{key: sum(getattr(p, key) for p in parts) + self._lost_counts[key] for key in CUMULATIVE_COUNTERS},
+            restarts=int(totals.get("restarts", 0)), restart_s=float(totals.get("restart_s", 0.0)),
+            resubmitted=int(totals.get("resubmitted", 0)),
             kv_cache_usage=sum(parts[i].kv_cache_usage for i in active) / len(active),
             capacity=sum(parts[i].capacity for i in active),
             extra={
@@ -435,12 +421,17 @@ class EnginePool(RolloutEngine):
                 "active_engines": self.active_engines,
                 "released": sorted(self._released),
                 "sleeping": sorted(self._sleeping),
+                "health": totals["health"],
                 **self._totals,
             },
         )
 
     async def shutdown(self) -> None:
-        """Shut every engine down, then stop merging."""
+        """Shut every engine down (replacements under way are stopped), then stop merging."""
+        self._closed = True
+        for task in [self._monitor, *self._replacing.values()]:
+            if task is not None:
+                task.cancel()
         await asyncio.gather(*(e.shutdown() for e in self.engines), return_exceptions=True)
         for task in [*self._pumps, *self._resubmits]:
             task.cancel()

@@ -334,37 +334,6 @@ def _start_actors(model_path: str, cfg: RolloutConfig, seed: int, max_model_len:
                                    start_timeout_s=None) for i in range(cfg.num_engines)]
 
 
-async def start_engine_client(run_cfg: RunConfig, model_path: str,
-                              actor_options: dict[str, Any] | list[dict[str, Any]] | None,
-                              check: Callable[[], None], start_timeout_s: float = 600.0) -> RolloutEngine:
-    """:func:`create_engine_client` without blocking the event loop, for replacement engines:
-    while the new actors start (or wait for a placement), ``check()`` runs every second and may
-    raise (e.g. no node is left to place them on); then, or after ``start_timeout_s``, the actors
-    are killed and the error raised, instead of waiting for a placement that will never come."""
-    import ray
-
-    rollout = run_cfg.rollout
-    max_model_len = rollout.max_model_len or run_cfg.data.max_prompt_tokens + rollout.max_new_tokens
-    clients = _start_actors(model_path, rollout, run_cfg.trainer.seed, max_model_len, actor_options)
-    ready = asyncio.ensure_future(asyncio.gather(*(c.actor.ready.remote() for c in clients)))
-    ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # given up on: its error is not news
-    deadline = time.monotonic() + start_timeout_s
-    try:
-        while not ready.done():
-            await asyncio.wait({ready}, timeout=1.0)
-            if not ready.done():
-                check()
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"replacement rollout engine(s) not up within {start_timeout_s:.0f} s")
-        ready.result()
-    except BaseException:
-        ready.cancel()
-        for client in clients:
-            ray.kill(client.actor)
-        raise
-    return clients[0] if len(clients) == 1 else EnginePool(clients)
-
-
 def create_engine_client(
     run_cfg: RunConfig, model_path: str, actor_options: dict[str, Any] | list[dict[str, Any]] | None = None
 ) -> RolloutEngine:

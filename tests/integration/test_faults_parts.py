@@ -1,6 +1,6 @@
 """Fault injection on the real stack, part by part (the whole loop: test_faults.py).
 
-One engine actor chain under a ``RestartingEngine`` (``rollout.cpu_executor=mp``: an engine
+One engine actor chain in a supervised pool of one (``rollout.cpu_executor=mp``: an engine
 core and a worker process, which map ``psm_*`` segments; three engine starts):
 
 * the engine core killed mid-round (recovered: finished responses kept, the unfinished ones run
@@ -26,7 +26,8 @@ import pytest
 
 from megatron_rl.config import RolloutConfig, RunConfig
 from megatron_rl.rollout.engine import GenerationRequest
-from megatron_rl.rollout.engine_restart import EngineRestartsExhausted, RestartingEngine
+from megatron_rl.rollout.engine_health import EngineRestartsExhausted, Supervision
+from megatron_rl.rollout.engine_pool import EnginePool
 from megatron_rl.rollout.ray_engine import create_engine_client
 from tests.helpers.engine_io import run as run_with_timeout
 from tests.helpers.fault_figures import record
@@ -50,7 +51,7 @@ def run(loop, coro, timeout: float = 400.0):
 
 
 class Supervised:
-    """A RestartingEngine over real Ray engine actors, with what the tests inspect."""
+    """A supervised pool of one real Ray engine actor (replaced when it dies), with what the tests inspect."""
 
     def __init__(self, model_dir: str, max_restarts: int) -> None:
         # mp: the engine core hands its work to a worker process through psm_* segments, which a
@@ -66,18 +67,18 @@ class Supervised:
             client.poll_wait_s = 0.2
             return client
 
-        async def start():
+        async def start(index: int):
             return await asyncio.to_thread(start_one)
 
         async def restore(engine):  # what the loop's push does: current weights, current version
             return await engine.reload_weights(model_dir, VERSION)
 
-        self.engine = RestartingEngine(start_one(), start, max_restarts=max_restarts, health_check_s=1.0)
-        self.engine.restore_weights = restore
+        self.supervision = Supervision(max_restarts=max_restarts, health_check_s=1.0, restore=restore)
+        self.engine = EnginePool([start_one()], start_member=start, supervision=self.supervision)
 
     async def processes(self) -> tuple[list[int], list[int], list[str]]:
         """(actor pid + engine pids, the engine-core pids, psm segments) of the current engine."""
-        client = self.engine.engine
+        client = self.engine.engines[0]
         ids = await client.process_ids()
         core = [p for p in ids["engine"] if "EngineCore" in describe(p)]
         segments = await client.actor.shm_segments.remote()
@@ -127,16 +128,18 @@ def test_engine_core_killed_mid_round_is_replaced_and_the_round_completes(superv
     assert all(c.weight_version == VERSION for c in got.values()), "a sample is off-policy"
     assert all(c.finish_reason in ("stop", "length") for c in got.values())
     assert all(got[rid] is c for rid, c in before_kill.items())  # finished work is kept as it was
-    assert len(engine.restarts) == 1
-    restart = engine.restarts[0]
+    restarts = supervised.supervision.records
+    assert len(restarts) == 1
+    restart = restarts[0]
     detect_s = restart.detected_at - killed_at
     # Noticed by the failed stream or the 1 s health check, not by the round waiting out a
     # timeout: 1.7 s measured alone, 6.2 s once in CI under another test worker's load. The bound
     # only has to separate those from a missed death (the round would hang to its 400 s limit).
     assert 0 <= detect_s < DETECT_BOUND_S, f"death noticed after {detect_s:.1f} s"
     assert 1 <= restart.resubmitted <= len(long)  # a long one may have ended before the kill landed
-    metrics = engine.step_metrics()
-    assert metrics["fault/engine_restarts"] == 1.0 and metrics["fault/seconds_lost"] == pytest.approx(restart.restart_s)
+    stats = run(loop, engine.stats())
+    assert stats.restarts == 1 and stats.restart_s == pytest.approx(restart.restart_s)
+    assert stats.resubmitted == restart.resubmitted
     assert segments, "the mp engine's processes mapped no psm segment: the removal was not exercised"
     assert len(pids) >= 3, f"expected the actor, the engine core and its worker: {[(p, describe(p)) for p in pids]}"
     alive, left = left_behind(pids, segments)
@@ -151,7 +154,7 @@ def test_engine_core_killed_mid_round_is_replaced_and_the_round_completes(superv
 def test_engine_core_dead_at_the_weight_sync_is_replaced_with_the_new_weights(supervised, loop) -> None:
     """Killed between rounds; the step's weight sync (here a reload of the weight directory, as
     the 'hf' / 'sharded' formats do) fails on the dead engine, and the loop's recovery
-    (``Trainer._push_weights``: ``recover_if_dead``) replaces it: the replacement starts with the
+    (``Trainer._push_weights``: ``engine.recover``) replaces it: the replacement starts with the
     weights that sync was loading. Expected outcome: recovered."""
     engine = supervised.engine
 
@@ -161,15 +164,15 @@ def test_engine_core_dead_at_the_weight_sync_is_replaced_with_the_new_weights(su
         await asyncio.sleep(0.5)  # the kill lands while nothing is in flight
         with pytest.raises(Exception) as failed:
             await engine.reload_weights(supervised.model_dir, VERSION)
-        assert await engine.recover_if_dead(failed.value)
+        assert await engine.recover(failed.value)
         await engine.submit(GenerationRequest("after", PROMPT, max_tokens=8, seed=1))
         stream = engine.completions()
         return pids, segments, killed_at, await stream.__anext__()
 
     pids, segments, killed_at, completion = run(loop, scenario())
     assert completion.request_id == "after" and completion.weight_version == VERSION
-    assert len(engine.restarts) == 2
-    restart = engine.restarts[1]
+    assert len(supervised.supervision.records) == 2
+    restart = supervised.supervision.records[1]
     assert restart.resubmitted == 0
     alive, left = left_behind(pids, segments)
     assert not alive and not left

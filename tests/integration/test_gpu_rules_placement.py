@@ -1,7 +1,7 @@
 """GPU placement rules, held on CPU: a Ray cluster of logical GPUs (eight raylets on this machine,
 8 GPUs each, standing in for the nodes of examples/qwen2.5/) and the project's real placing code
 (``cluster.place_run`` / ``RunPlacement``, ``PolicyGroup``, ``RayEngineClient.create``,
-``train._engine_factory``, ``ray_engine.start_engine_client``) starting every trainer rank and engine
+``engine_factory.EngineFactory``: first start, switches, one member's replacement) starting every trainer rank and engine
 as light stand-ins that report where Ray put them (tests/helpers/gpu_stand_ins.py; a TP-k engine
 starts its k workers as vLLM 0.32's Ray executor does).
 
@@ -152,40 +152,40 @@ def _check(cfg, ranks, engines, driver) -> None:
 
 
 def _start_all(cfg):
-    """The run's placement, then every rank (PolicyGroup) and engine (create_engine_client) at once."""
+    """The run's placement, then every rank (PolicyGroup) and engine (the run's EngineFactory) at once."""
     import ray
 
     from megatron_rl.distributed.cluster import place_run
-    from megatron_rl.rollout.ray_engine import create_engine_client
+    from megatron_rl.rollout.engine_factory import EngineFactory
     from megatron_rl.training.policy_group import PolicyGroup
 
     placement = place_run(cfg, "cuda")
     policy = PolicyGroup(cfg, "cuda", placement.all_trainer_options(), 29500, master_addr=placement.master_addr())
-    engine = create_engine_client(cfg, "model", placement.engine_options())
+    engine = EngineFactory(cfg, placement, "model").first()
     ranks = ray.get([a.call.remote("where") for a in policy.actors])
     return placement, policy, engine, ranks
 
 
 def test_7b_colocated_elastic_switch_and_restart(cluster, stand_ins):
     """2x8, trainer TP2 DP8 (16 ranks), 16 TP-1 engines; then TP 2 and back; then a restart."""
-    from megatron_rl.rollout.ray_engine import start_engine_client
-    from megatron_rl.train import _engine_factory
+    from megatron_rl.rollout.engine_factory import EngineFactory
 
     cfg = _recipe("7b")
     placement, policy, engine, ranks = _start_all(cfg)
     try:
         before = _where_engines(_engine_clients(engine))
         _check(cfg, ranks, before, cluster)
-        factory = _engine_factory(cfg, placement)
+        factory = EngineFactory(cfg, placement, "model")
         for tp in (2, 1):  # what RollPacker's elastic TP does: the old engines go, the new ones start
             _kill(c.actor for c in _engine_clients(engine))
             engine = asyncio.run(factory(tp, "model"))
             at_tp = _recipe("7b", f"rollout.tensor_parallel_size={tp}", f"rollout.num_engines={16 // tp}")
             _check(at_tp, ranks, _where_engines(_engine_clients(engine)), cluster)
-        # An engine restart (RestartingEngine): the dead engines go, replacements start the same way.
-        _kill(c.actor for c in _engine_clients(engine))
-        engine = asyncio.run(start_engine_client(cfg, "model", placement.engine_options(), check=lambda: None))
-        after = _where_engines(_engine_clients(engine))
+        # An engine restart: member 5 dies alone; its replacement starts on the same GPU by the same rule.
+        clients = engine.engines  # the pool's own list: the teardown below kills the replacement too
+        _kill([clients[5].actor])
+        clients[5] = asyncio.run(factory.start_member(1, "model", 5))
+        after = _where_engines(clients)
         _check(cfg, ranks, after, cluster)
         assert [e["ranks"] for e in after] == [e["ranks"] for e in before], "a restarted engine moved"
     finally:

@@ -16,7 +16,6 @@ import pytest
 from megatron_rl.rollout import ray_engine
 from megatron_rl.rollout.elastic import ElasticRollout
 from megatron_rl.rollout.engine import ENGINE_CONTRACT, Completion, RolloutEngine, read_completions
-from megatron_rl.rollout.engine_restart import RestartingEngine
 from megatron_rl.rollout.engine_wrapper import ForwardingEngine, forwarded_members, forwards
 
 REPO = Path(__file__).resolve().parents[2]
@@ -80,7 +79,7 @@ def test_the_contract_is_every_public_member_of_the_interface_each_with_its_cont
 
 def test_every_engine_class_is_found():
     names = {cls.__name__ for cls in ENGINE_CLASSES}
-    assert {"VLLMEngine", "RayEngineClient", "EnginePool", "ElasticRollout", "RestartingEngine", "ForwardingEngine",
+    assert {"VLLMEngine", "RayEngineClient", "EnginePool", "ElasticRollout", "ForwardingEngine",
             "FakeEngine", "AnsweringEngine"} <= names, names
 
 
@@ -150,10 +149,10 @@ def _wrappers(inner: Recorder) -> list[RolloutEngine]:
     async def no_factory(*args):
         raise AssertionError("not used")
 
-    return [ForwardingEngine(inner), ElasticRollout(inner, 1, no_factory), RestartingEngine(inner, no_factory)]
+    return [ForwardingEngine(inner), ElasticRollout(inner, 1, no_factory)]
 
 
-@pytest.mark.parametrize("index", range(3), ids=["ForwardingEngine", "ElasticRollout", "RestartingEngine"])
+@pytest.mark.parametrize("index", range(2), ids=["ForwardingEngine", "ElasticRollout"])
 def test_a_wrapper_passes_each_member_it_does_not_change_to_the_held_engine(index):
     async def main() -> list[str]:
         inner = Recorder()
@@ -172,25 +171,11 @@ def test_a_wrapper_passes_each_member_it_does_not_change_to_the_held_engine(inde
     assert not wrong, "\n".join(wrong)
 
 
-def test_a_restarting_wrapper_forwards_to_the_replacement_once_it_is_up():
-    async def main():
-        first, second = Recorder(), Recorder()
-        restarting = RestartingEngine(first, lambda: None)
-        up = asyncio.Event()
-
-        async def replace():
-            await up.wait()
-            restarting._engine = second
-
-        restarting._recovery = asyncio.ensure_future(replace())
-        call = asyncio.ensure_future(restarting.check_health())
-        await asyncio.sleep(0.01)
-        assert not call.done()  # waits for the replacement
-        up.set()
-        assert await call == "answer-check_health"
-        assert (first.calls, second.calls) == ([], [("check_health", ())])
-
-    asyncio.run(main())
+def test_the_elastic_wrapper_forwards_supervision_to_the_engines_it_holds_now():
+    """The loop hands its restorer and its recovery to the one engine object it holds: through
+    the elastic wrapper they reach the current pool (no supervisor reference beside the engine)."""
+    forwarded = set(forwarded_members(ElasticRollout))
+    assert {"supervise", "recover", "check_health"} <= forwarded, forwarded
 
 
 # ---------------------------------------------------------------- across the Ray actor boundary
