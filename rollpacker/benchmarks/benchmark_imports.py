@@ -12,7 +12,7 @@ Each measurement is a fresh interpreter (the project's Python), so nothing is im
 a new Ray actor; the two settings alternate, so both see the same page cache and the same load
 on the host. A child measures its own CPU time (user + system, ``resource.getrusage``) around:
 
-* engine: ``import torch``, then ``megatron_rl.rollout.vllm_engine.VLLM_MODULES`` (what an engine's
+* engine: ``import torch``, then ``megatron_rl.rollout.actor.vllm_engine.VLLM_MODULES`` (what an engine's
   process imports before it starts vLLM's AsyncLLM);
 * rank: ``megatron_rl.training.policy_group.import_rank_modules("cpu")`` (torch, the CPU shim,
   Megatron-Core's model, optimizer and DDP, the worker);
@@ -44,7 +44,7 @@ kind, after_change = sys.argv[1], sys.argv[2] == "after"
 before = resource.getrusage(resource.RUSAGE_SELF)
 if kind == "engine":
     from megatron_rl.import_cost import preimport
-    from megatron_rl.rollout.vllm_engine import VLLM_MODULES
+    from megatron_rl.rollout.actor.vllm_engine import VLLM_MODULES
     preimport("torch", *VLLM_MODULES, pause=after_change)
 elif kind == "rank":
     from megatron_rl.training.policy_group import import_rank_modules
@@ -69,7 +69,7 @@ SETTINGS = {"engine": ("collector on", "paused"), "rank": ("collector on", "paus
 
 
 PROJECT_MODULES = ("megatron_rl.train", "megatron_rl.training.policy_group", "megatron_rl.rollout.ray_engine",
-                   "megatron_rl.rollout.vllm_engine")
+                   "megatron_rl.rollout.actor.engine_actor", "megatron_rl.rollout.actor.vllm_engine")
 """What the bytecode kind imports: a driver's entry module and what its rank and engine actors load."""
 PROJECT_DIRS = tuple(Path(__file__).resolve().parents[2] / d for d in ("megatron_rl", "rollpacker"))
 

@@ -81,7 +81,7 @@ def _ensure_model(path: Path) -> None:
 
 def _engine(model_dir: Path, method: str, runtime: Path):
     from megatron_rl.config import RolloutConfig
-    from megatron_rl.rollout.vllm_engine import VLLMEngine
+    from megatron_rl.rollout.actor.vllm_engine import VLLMEngine
 
     class FixedLength(VLLMEngine):  # EOS ignored: both engines generate exactly --tokens per request
         def _sampling_params(self, request):

@@ -150,7 +150,7 @@ def main() -> None:
 
     from megatron_rl.distributed.ray_start import init_local_ray
     from megatron_rl.reward.pool.reward_pool import RewardPool
-    from megatron_rl.rollout.vllm_engine import VLLMEngine
+    from megatron_rl.rollout.actor.vllm_engine import VLLMEngine
 
     torch.set_num_threads(1)
     tmp = tempfile.mkdtemp(prefix="bench-reward-")

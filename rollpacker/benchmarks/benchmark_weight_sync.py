@@ -16,7 +16,7 @@ warm-up push, the formats taking turns (one push each per round) so that all see
   repacking) of the slowest engine rank. For hf vLLM reads and loads inside one call, so its
   whole reload counts as load (its split is therefore not comparable with the other two). Where the
   tensor push loads finished tensors on a second thread while later buckets arrive (GPUs, hosts
-  with 8+ cores: ``weight_sync.push.receiver.overlap_loads``), its transport is the time until the last
+  with 8+ cores: ``rollout.worker.push_receiver.overlap_loads``), its transport is the time until the last
   byte is in engine memory and its load the loaders' busy time, which overlap, so the two add up
   to more than its sync time; loading inline (a small CPU box) they add up to it, as for hf and
   sharded.

@@ -117,7 +117,7 @@ def _prompts(tokenizer, n: int, offset: int) -> list[list[int]]:
 
 def _engine(args, out: Path, method: str, name: str):
     from megatron_rl.config import RolloutConfig, SpeculativeConfig
-    from megatron_rl.rollout.vllm_engine import VLLMEngine
+    from megatron_rl.rollout.actor.vllm_engine import VLLMEngine
 
     cfg = RolloutConfig(max_num_seqs=max(128, args.wide_prompts * args.wide_responses), cpu_kv_cache_gib=0.5,
                         cpu_threads=args.engine_threads, cpu_torch_compile=args.torch_compile,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl.rollout.spec_drafter import SpecDrafter
+from megatron_rl.rollout.worker.spec_drafter import SpecDrafter
 
 KERNEL = "vllm.v1.sample.rejection_sampler.rejection_random_sample_kernel"
 

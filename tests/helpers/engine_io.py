@@ -5,8 +5,8 @@ import asyncio
 
 import torch
 
+from megatron_rl.rollout.actor.vllm_engine import VLLMEngine
 from megatron_rl.rollout.engine import Completion, GenerationRequest, RolloutEngine
-from megatron_rl.rollout.vllm_engine import VLLMEngine
 
 
 class LongRequestsIgnoreEOS(VLLMEngine):

@@ -47,7 +47,8 @@ class _VllmRayWorker:
 
 
 class StandInEngine:
-    """In place of ``ray_engine.EngineActor`` (async, like it): same constructor, ``where()``."""
+    """In place of ``actor.engine_actor.EngineActor`` (patched where ray_engine creates it; async, like it):
+    same constructor, ``where()``."""
 
     def __init__(self, model_path: str, cfg, seed: int, max_model_len: int) -> None:
         self.tp = cfg.tensor_parallel_size

@@ -58,7 +58,7 @@ def rank_files(model: ModelTensors, tp: int, spec, directory, version: int, dtyp
 
 def quantized_engine(path, tmp_path_factory, method: str, tp: int = 1, dtype: str | None = None):
     """A small ``VLLMEngine`` (4 sequences, 256 tokens) with ``rollout.quantization=method``."""
-    from megatron_rl.rollout.vllm_engine import VLLMEngine
+    from megatron_rl.rollout.actor.vllm_engine import VLLMEngine
 
     cfg = RolloutConfig(max_num_seqs=4, cpu_kv_cache_gib=0.125, tensor_parallel_size=tp, quantization=method)
     return VLLMEngine(str(path), cfg, seed=0, max_model_len=256, runtime_dir=tmp_path_factory.mktemp("rt"),

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600
 def test_tiny_judge_scores_through_the_engine(tiny_model_dir) -> None:
     from transformers import AutoTokenizer
 
-    from megatron_rl.rollout.vllm_engine import VLLMEngine
+    from megatron_rl.rollout.actor.vllm_engine import VLLMEngine
 
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)

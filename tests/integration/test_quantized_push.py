@@ -2,7 +2,7 @@
 
 Trainer ranks are threads holding Megatron TP-2 shards (``tests/helpers/push_writer``); the
 driver side is the real ``TensorTransport``; each engine quantizes what it receives
-(``weight_sync.push.receiver`` + ``quantization.scheme.quantize_slices``). The reference is the sharded
+(``rollout.worker.push_receiver`` + ``quantization.scheme.quantize_slices``). The reference is the sharded
 sync's quantized rank files of the same weights (``tests/helpers/quantized_engines.rank_files``, the
 resharder plus ``quantize_tensors``), loaded into the same engine:
 

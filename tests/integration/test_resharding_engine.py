@@ -20,7 +20,7 @@ from megatron_rl.model.tiny import build_tiny_qwen2
 from megatron_rl.resharding.execute import allocate_destinations, execute_plan
 from megatron_rl.resharding.layouts import MegatronLayout, VLLMLayout
 from megatron_rl.resharding.plan import build_plan
-from megatron_rl.rollout.vllm_engine import VLLMEngine
+from megatron_rl.rollout.actor.vllm_engine import VLLMEngine
 from megatron_rl.rollout.weight_sync.hf_files import write_hf_weights
 from megatron_rl.tools import convert_checkpoint as cc
 from megatron_rl.training.weights_io import LazySafetensors

@@ -26,9 +26,9 @@ import pytest
 import torch
 
 from megatron_rl.config import RolloutConfig, SpeculativeConfig
+from megatron_rl.rollout.actor.vllm_engine import VLLMEngine
 from megatron_rl.rollout.engine import GenerationRequest
 from megatron_rl.rollout.migration import continuation_request
-from megatron_rl.rollout.vllm_engine import VLLMEngine
 from tests.helpers.engine_io import LongRequestsIgnoreEOS, collect, generate, model_logprobs
 from tests.helpers.engine_io import run as run_with_timeout
 
@@ -114,7 +114,7 @@ def test_both_start_methods_run_the_drafter_with_the_sampler_fix(engines, loop):
     vllm_cpu_fixes in the worker when vLLM builds it."""
     import os
 
-    from megatron_rl.rollout.vllm_cpu_fixes import shim_is_broken
+    from megatron_rl.rollout.worker.vllm_cpu_fixes import shim_is_broken
 
     for name in ("ngram", "suffix"):
         settings = run(loop, engines(name).process_settings())

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from megatron_rl.config import RolloutConfig
-from megatron_rl.rollout.vllm_engine import VLLMEngine
+from megatron_rl.rollout.actor.vllm_engine import VLLMEngine
 from megatron_rl.rollout.weight_sync.push.transport import PushOptions, TensorTransport, WeightPushError
 from tests.helpers import shm
 from tests.helpers.engine_checks import hf_logprobs, run, sample

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from megatron_rl.rollout import ray_engine
+from megatron_rl.rollout.actor import engine_actor
 from megatron_rl.rollout.elastic import ElasticRollout
 from megatron_rl.rollout.engine import ENGINE_CONTRACT, Completion, RolloutEngine, read_completions
 from megatron_rl.rollout.engine_wrapper import ForwardingEngine, forwarded_members, forwards
@@ -181,12 +182,12 @@ def test_the_elastic_wrapper_forwards_supervision_to_the_engines_it_holds_now():
 # ---------------------------------------------------------------- across the Ray actor boundary
 
 def test_the_ray_client_and_actor_split_the_contract_between_them():
-    remote, local = set(ray_engine.REMOTE_MEMBERS), set(ray_engine.ANSWERED_BY_THE_CLIENT)
+    remote, local = set(engine_actor.REMOTE_MEMBERS), set(engine_actor.ANSWERED_BY_THE_CLIENT)
     assert remote | local == set(ENGINE_CONTRACT) and not remote & local
     assert all(ENGINE_CONTRACT[n] == "call" for n in remote), "only coroutine calls cross the actor boundary"
-    assert all(ray_engine.ANSWERED_BY_THE_CLIENT.values())  # each says why it stays on the driver
+    assert all(engine_actor.ANSWERED_BY_THE_CLIENT.values())  # each says why it stays on the driver
     for name in remote:
-        assert inspect.iscoroutinefunction(getattr(ray_engine.EngineActor, name)), f"EngineActor.{name}"
+        assert inspect.iscoroutinefunction(getattr(engine_actor.EngineActor, name)), f"EngineActor.{name}"
     for name in local:
         assert name not in forwarded_members(ray_engine.RayEngineClient), name
         assert not _default_kept(ray_engine.RayEngineClient, name) or name in ray_engine.RayEngineClient.keeps_defaults
@@ -206,10 +207,10 @@ def test_the_ray_client_makes_each_remote_member_one_actor_call_and_the_actor_fo
     async def main():
         recorder = Recorder()
         client = ray_engine.RayEngineClient(_Actor(recorder), tensor_parallel_size=2)
-        actor = ray_engine.EngineActor.__new__(ray_engine.EngineActor)  # no vLLM: only the forwards
+        actor = engine_actor.EngineActor.__new__(engine_actor.EngineActor)  # no vLLM: only the forwards
         actor._engine = recorder
         by_client = forwarded_members(ray_engine.RayEngineClient)
-        by_actor = forwarded_members(ray_engine.EngineActor)
+        by_actor = forwarded_members(engine_actor.EngineActor)
         assert {"submit", "abort", "stats", "sleep", "receive_weights"} <= set(by_client)
         assert {"abort", "stats", "sleep", "receive_weights"} <= set(by_actor)
         for obj, names in ((client, by_client), (actor, by_actor)):

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from megatron_rl.rollout import vllm_engine
-from megatron_rl.rollout.vllm_engine import VLLMEngine
+from megatron_rl.rollout.actor import vllm_engine
+from megatron_rl.rollout.actor.vllm_engine import VLLMEngine
 
 
 class _DeadError(RuntimeError):

@@ -1,4 +1,4 @@
-"""megatron_rl.rollout.engine_start: the fork window lent to vLLM's process launchers.
+"""megatron_rl.rollout.actor.engine_start: the fork window lent to vLLM's process launchers.
 
 The engine tests (tests/integration/test_vllm_engine.py, test_ray_engine.py) check the forked
 engine itself; these check the window: what it changes, that it puts everything back, and what a
@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch._dynamo
 
-from megatron_rl.rollout import engine_start
-from megatron_rl.rollout.vllm_engine_args import scoped_env
+from megatron_rl.rollout.actor import engine_start
+from megatron_rl.rollout.actor.vllm_engine_args import scoped_env
 
 LAUNCHERS = [importlib.import_module(name) for name in engine_start._LAUNCHERS]
 

@@ -1,6 +1,6 @@
 """Both ends of the tensor weight push, in one process: trainer-rank senders (``PushSender``, their
 shards cut from an HF checkpoint by the trainer's own HF -> Megatron conversion) and the vLLM
-weight-transfer engine of every engine worker (``weight_sync.push.receiver``, the real class vLLM
+weight-transfer engine of every engine worker (``rollout.worker.push_receiver``, the real class vLLM
 instantiates, driven through vLLM's start / update / finish calls) with a stand-in model that
 records what its ``load_weights`` gets. One engine replica maps the trainers' shared-memory
 rings, the other gets its buckets through the gloo push group; two pushes in a row (the second
@@ -40,7 +40,7 @@ class RecordingModel(torch.nn.Module):
 
 
 def _engine(model_dir, rank: int):
-    from megatron_rl.rollout.weight_sync.push.receiver import _make_engine_class
+    from megatron_rl.rollout.worker.push_receiver import _make_engine_class
 
     base = _make_engine_class()
 
@@ -126,7 +126,7 @@ def _push(setup, model_dir, sync_id, version, skip_sender=None, stuck_engine=Non
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_every_worker_of_both_replicas_loads_its_rows_twice_in_a_row(setup, monkeypatch, overlap):
-    from megatron_rl.rollout.weight_sync.push import receiver as weight_receiver
+    from megatron_rl.rollout.worker import push_receiver as weight_receiver
 
     monkeypatch.setattr(weight_receiver, "overlap_loads", lambda device: overlap)  # both loading paths
     for sync_id, (model_dir, version) in enumerate([(setup.first, 1), (setup.second, 2)], start=1):

@@ -12,7 +12,7 @@ from megatron_rl.model.qwen2 import read_qwen2_arch
 from megatron_rl.model.tiny import build_tiny_qwen2
 from megatron_rl.resharding.layouts import LM_HEAD, MegatronLayout, VLLMLayout, logical_shapes
 from megatron_rl.resharding.push_plan import build_push_plan, pack_bucket
-from megatron_rl.rollout.weight_sync.push.receiver import StagedLoader
+from megatron_rl.rollout.worker.push_receiver import StagedLoader
 from megatron_rl.training.weights_io import LazySafetensors
 
 

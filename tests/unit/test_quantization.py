@@ -162,8 +162,8 @@ def test_sharded_rank_files_match_the_hf_sync(tmp_path, spec, tp):
     from megatron_rl.model.tiny import build_tiny_qwen2
     from megatron_rl.resharding import MegatronLayout, VLLMLayout, allocate_destinations, build_plan, execute_plan
     from megatron_rl.resharding.rollout_shards import engine_state_dict
-    from megatron_rl.rollout.quantized_engine import scale_pieces
-    from megatron_rl.rollout.vllm_worker_ext import hf_pieces
+    from megatron_rl.rollout.worker.quantized_engine import scale_pieces
+    from megatron_rl.rollout.worker.vllm_worker_ext import hf_pieces
     from megatron_rl.training.weights_io import LazySafetensors
 
     model = build_tiny_qwen2(tmp_path / "m", seed=5)  # 4 heads, 2 KV heads (replicated at TP 4)
@@ -217,9 +217,9 @@ def test_tensor_push_receiver_quantizes_as_the_sharded_sync(tmp_path, spec, trai
     from megatron_rl.resharding.layouts import logical_shapes
     from megatron_rl.resharding.push_plan import build_push_plan, pack_bucket
     from megatron_rl.resharding.rollout_shards import engine_state_dict
-    from megatron_rl.rollout.quantized_engine import scale_pieces
-    from megatron_rl.rollout.vllm_worker_ext import hf_pieces
-    from megatron_rl.rollout.weight_sync.push.receiver import StagedLoader
+    from megatron_rl.rollout.worker.push_receiver import StagedLoader
+    from megatron_rl.rollout.worker.quantized_engine import scale_pieces
+    from megatron_rl.rollout.worker.vllm_worker_ext import hf_pieces
     from megatron_rl.training.weights_io import LazySafetensors
 
     model = build_tiny_qwen2(tmp_path / "m", seed=6)

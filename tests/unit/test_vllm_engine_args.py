@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.config import RolloutConfig
-from megatron_rl.rollout.vllm_engine_args import engine_process_env, scoped_env
+from megatron_rl.rollout.actor.vllm_engine_args import engine_process_env, scoped_env
 
 
 def test_scoped_env_sets_and_unsets_then_restores_both(monkeypatch) -> None:

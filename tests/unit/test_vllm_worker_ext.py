@@ -11,7 +11,7 @@ from megatron_rl.model.hf_weights import hf_to_megatron_shard
 from megatron_rl.model.tiny import build_tiny_qwen2
 from megatron_rl.resharding import MegatronLayout, VLLMLayout, allocate_destinations, build_plan, execute_plan
 from megatron_rl.resharding.rollout_shards import engine_state_dict
-from megatron_rl.rollout.vllm_worker_ext import hf_pieces
+from megatron_rl.rollout.worker.vllm_worker_ext import hf_pieces
 from megatron_rl.training.weights_io import LazySafetensors
 
 
@@ -40,7 +40,7 @@ def test_each_rank_slice_sits_where_vllm_cuts_it(tmp_path, tied, tp):
 def test_only_the_rotary_cache_reload_warning_is_muted(caplog):
     import logging
 
-    from megatron_rl.rollout.vllm_worker_ext import LAYERWISE_LOGGER
+    from megatron_rl.rollout.worker.vllm_worker_ext import LAYERWISE_LOGGER
 
     logger = logging.getLogger(LAYERWISE_LOGGER)
     with caplog.at_level(logging.WARNING):

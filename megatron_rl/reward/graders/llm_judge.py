@@ -146,7 +146,7 @@ def create_judge(reward_cfg: Any, rollout_cfg: Any, seed: int, *, use_ray: bool 
 
         engine: RolloutEngine = RayEngineClient.create(reward_cfg.judge_model, engine_cfg, seed, max_len)
     else:
-        from megatron_rl.rollout.vllm_engine import VLLMEngine
+        from megatron_rl.rollout.actor.vllm_engine import VLLMEngine
 
         engine = VLLMEngine(reward_cfg.judge_model, engine_cfg, seed, max_len)
     return LLMJudge(engine, tokenizer, max_new_tokens=reward_cfg.judge_max_new_tokens,

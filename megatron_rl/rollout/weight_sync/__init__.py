@@ -11,7 +11,7 @@ engines on an elastic-TP switch).
 * the file formats: :mod:`.file_transports` (``hf``: rank 0 writes HF safetensors,
   :mod:`.hf_files`, every engine rank reads the whole model and vLLM's loaders cut their slice;
   ``sharded``: the resharder writes one file per engine rank, ``resharding.rollout_shards``, and
-  each engine rank reloads only its own, ``rollout.vllm_worker_ext``), the directories they go
+  each engine rank reloads only its own, ``rollout.worker.vllm_worker_ext``), the directories they go
   through (:mod:`.sync_dir`, ``/dev/shm`` by default) and their copy to other nodes
   (:mod:`.fanout`);
 * ``push/``: the tensor push (``tensor``, the default): every trainer rank sends each engine rank

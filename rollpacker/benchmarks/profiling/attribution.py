@@ -177,7 +177,7 @@ CATEGORIES: dict[str, list[tuple[str, tuple[str, ...]]]] = {
         ("requests (add/abort)", ("add_request", "abort", "InputProcessor", "process_inputs")),
         ("engine client I/O", ("get_output_async", "output_handler", "AsyncMPClient", "zmq", "msgpack")),
         ("weight push", ("weight", "push", "reload")),
-        ("loop adapter (VLLMEngine)", ("VLLMEngine", "vllm_engine", "ray_engine", "EngineActor")),
+        ("loop adapter (VLLMEngine)", ("VLLMEngine", "vllm_engine", "ray_engine", "EngineActor", "engine_actor")),
         ("ray", ("ray/", "ray.")),
     ],
     "driver": [

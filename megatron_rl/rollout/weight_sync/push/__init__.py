@@ -6,8 +6,9 @@
   started for a push from :mod:`.start_dir`;
 * the trainer ranks: :mod:`.sender` (``PushSender``, driven by ``training.weight_push``);
 * the engine: :mod:`.engine_methods` (the push methods of ``VLLMEngine`` on vLLM's
-  weight-transfer API) and, in each vLLM worker, :mod:`.receiver` (the weight-transfer backend
-  that receives the buckets and loads them in place);
+  weight-transfer API) and, in each vLLM worker, :mod:`megatron_rl.rollout.worker.push_receiver`
+  (the weight-transfer backend that receives the buckets and loads them in place; it lives with
+  the other code vLLM imports into its workers);
 * the wires between trainer ranks and workers: :mod:`.channels` (CPU: shared-memory rings,
   gloo) and :mod:`.channels_gpu` (CUDA IPC, NCCL).
 """

@@ -1,7 +1,7 @@
 """The engine's end of the tensor weight push: the push methods of
-:class:`~megatron_rl.rollout.vllm_engine.VLLMEngine`, through vLLM's weight-transfer API
+:class:`~megatron_rl.rollout.actor.vllm_engine.VLLMEngine`, through vLLM's weight-transfer API
 (``AsyncLLM.init_weight_transfer_engine / start_weight_update / update_weights /
-finish_weight_update``); its workers' end is :mod:`~megatron_rl.rollout.weight_sync.push.receiver`.
+finish_weight_update``); its workers' end is :mod:`~megatron_rl.rollout.worker.push_receiver`.
 
 Also what a push needs around it: engines started for a push (``load_format="dummy"``, from a
 directory holding only the model's config and tokenizer, see

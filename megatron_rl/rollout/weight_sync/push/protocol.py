@@ -6,7 +6,7 @@ decides it from where every process runs): for every trainer rank and engine wor
 worker maps that rank's ring ("local": shared memory on one node on CPU, CUDA IPC on one GPU) or
 gets its buckets through a push group ("net": gloo on CPU, NCCL on GPU). Trainer ranks open their
 side from the spec (``training.weight_push``), and each engine replica gets
-:func:`engine_init_info` through vLLM's ``init_weight_transfer_engine`` (``push.receiver``).
+:func:`engine_init_info` through vLLM's ``init_weight_transfer_engine`` (``rollout.worker.push_receiver``).
 
 Push groups list their members by *process id*: trainer rank ``t`` is ``t``, TP rank ``r`` of
 replica ``e`` is ``T + e * rollout_tp + r`` (:func:`worker_id`); a member's group rank is its

@@ -19,6 +19,7 @@ and groups (``push.protocol`` describes both):
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 LOCAL, NET = "local", "net"
@@ -37,13 +38,11 @@ class Place:
 
 def node_id() -> str:
     """The Ray node this process runs on (the host name outside Ray)."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.get_runtime_context().get_node_id()
-    except ImportError:
-        pass
+    # Looked up, not imported: Ray can be initialised here only if this process imported it, and
+    # vLLM's workers (which pair by device_uuid) must not import Ray at all (.importlinter).
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return ray.get_runtime_context().get_node_id()
     import socket
 
     return socket.gethostname()

@@ -2,7 +2,7 @@
 the engines' parameters through vLLM's weight-transfer API, no files and no fan-out.
 
 The driver side of the push (the trainer ranks' side is ``training.weight_push``, the engine
-workers' ``push.receiver``). For a set of engines (their replicas' ids, nodes and, on GPU, their
+workers' ``rollout.worker.push_receiver``). For a set of engines (their replicas' ids, nodes and, on GPU, their
 workers' GPU UUIDs, from ``RolloutEngine.weight_receivers``; the trainer ranks' from
 ``rank_nodes`` / ``rank_gpus``) it sets a push up once: a
 :class:`~megatron_rl.rollout.weight_sync.push.protocol.PushSpec` wires each (trainer rank, engine
@@ -69,7 +69,7 @@ class PushOptions:
     network_only: bool = False
     quantization: str = "none"
     """rollout.quantization: engines started for a push are quantized engines (their config
-    says so); the engines quantize what they receive (``push.receiver``)."""
+    says so); the engines quantize what they receive (``rollout.worker.push_receiver``)."""
 
 
 def replica_places(receiver: tuple, tp: int) -> list[Place]:

@@ -24,6 +24,7 @@ it back as it was; left alone, every weight sync logged that warning once per en
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import Iterator
@@ -32,13 +33,17 @@ import torch
 
 from megatron_rl.model.arch import Qwen2Arch
 from megatron_rl.resharding.layouts import EMBED, LM_HEAD, VLLMLayout, logical_shapes
-from megatron_rl.rollout.quantized_engine import QuantizedEngineMethods, keep_reprocessed_kernels, scale_pieces
-from megatron_rl.rollout.weight_sync.push.receiver import register_backend
+from megatron_rl.rollout.worker.push_receiver import register_backend
+from megatron_rl.rollout.worker.quantized_engine import QuantizedEngineMethods, keep_reprocessed_kernels, scale_pieces
 
 EXTENSION = f"{__name__}.RankShardReload"
 """The ``worker_extension_cls`` value for vLLM's engine arguments."""
 
 LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+FORK_WINDOW_MODULE = "megatron_rl.rollout.actor.engine_start"
+"""The engine process's fork window (``rollout.cpu_engine_start``), whose ``forked_from`` a forked
+worker inherits; named, not imported: worker code imports nothing of the engine actor's."""
 
 
 def is_rotary_cache_warning(record: logging.LogRecord) -> bool:
@@ -111,7 +116,11 @@ class RankShardReload(QuantizedEngineMethods):
         from vllm.v1.sample.ops.logprobs import batched_count_greater_than
         from vllm.v1.sample.rejection_sampler import RejectionSampler
 
-        from megatron_rl.rollout import engine_start, vllm_cpu_fixes
+        from megatron_rl.rollout.worker import vllm_cpu_fixes
+
+        # Read from the modules this process inherited, not imported: only a worker forked inside the
+        # engine's fork window holds engine_start with forked_from set (importing it afresh gives None).
+        engine_start = sys.modules.get(FORK_WINDOW_MODULE)
 
         return {"pid": os.getpid(), "torch_threads": torch.get_num_threads(),
                 "TORCHDYNAMO_DISABLE": os.environ.get("TORCHDYNAMO_DISABLE"),
@@ -119,10 +128,10 @@ class RankShardReload(QuantizedEngineMethods):
                 "sampler_compiled": hasattr(batched_count_greater_than, "_torchdynamo_orig_callable")
                 and not torch._dynamo.config.disable,
                 # rollout.cpu_engine_start: the pid this process was forked from (None: spawned)
-                "forked_from": engine_start.forked_from,
+                "forked_from": getattr(engine_start, "forked_from", None),
                 # what the speculative sampler's expand step launches (vllm_cpu_fixes: the fix)
                 "expand_impl": vllm_cpu_fixes.launched_expand(),
-                # megatron_rl.rollout.vllm_cpu_fixes: steps without drafts skip rejection sampling
+                # megatron_rl.rollout.worker.vllm_cpu_fixes: steps without drafts skip rejection sampling
                 "undrafted_fast_path": hasattr(RejectionSampler.forward, "wrapped")}
 
     def load_rank_shards(self, directory: str) -> dict[str, float]:

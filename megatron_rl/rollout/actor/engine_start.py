@@ -14,7 +14,7 @@ used across a fork, and the option is ignored on GPUs.
 
 What a spawned child would have read from its environment at start-up, a forked one inherits
 from its parent's already-initialised libraries instead, so the window also sets what the
-engine's environment asks for (:func:`~megatron_rl.rollout.vllm_engine_args.engine_process_env`)
+engine's environment asks for (:func:`~megatron_rl.rollout.actor.vllm_engine_args.engine_process_env`)
 in this process's libraries, restored afterwards: torch's thread count (``OMP_NUM_THREADS``)
 and torch.compile's switch (``TORCHDYNAMO_DISABLE``, read by torch at import).
 

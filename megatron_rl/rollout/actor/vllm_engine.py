@@ -25,11 +25,11 @@ from typing import Any, AsyncIterator, Awaitable, TypeVar
 from megatron_rl.config import RolloutConfig
 from megatron_rl.distributed.local_state import engine_shm_ident, remove_engine_shm
 from megatron_rl.import_cost import preimport
-from megatron_rl.rollout import speculative
+from megatron_rl.rollout.actor import speculative
+from megatron_rl.rollout.actor.engine_start import engine_processes
+from megatron_rl.rollout.actor.vllm_engine_args import default_runtime_root, engine_args, engine_process_env, scoped_env
+from megatron_rl.rollout.actor.vllm_stats import StatsSink, stat_logger_factory
 from megatron_rl.rollout.engine import SINGLE_ENGINE_DEFAULTS, Completion, EngineStats, GenerationRequest, RolloutEngine
-from megatron_rl.rollout.engine_start import engine_processes
-from megatron_rl.rollout.vllm_engine_args import default_runtime_root, engine_args, engine_process_env, scoped_env
-from megatron_rl.rollout.vllm_stats import StatsSink, stat_logger_factory
 from megatron_rl.rollout.weight_sync.push.engine_methods import TensorPushReceiver, completion_version
 from megatron_rl.rollout.weight_sync.push.start_dir import read_push_manifest
 

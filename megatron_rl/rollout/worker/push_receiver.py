@@ -289,7 +289,7 @@ def _make_engine_class():
         def start_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-            from megatron_rl.rollout.quantized_engine import engine_weight_spec, keep_reprocessed_kernels
+            from megatron_rl.rollout.worker.quantized_engine import engine_weight_spec, keep_reprocessed_kernels
 
             if self.info is None:
                 raise RuntimeError("weight push: init_weight_transfer_engine was not called")

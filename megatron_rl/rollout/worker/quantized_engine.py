@@ -1,6 +1,6 @@
 """Quantized engines inside vLLM's worker processes: in-place reload, scale pieces, a probe.
 
-Imported by ``megatron_rl.rollout.vllm_worker_ext`` (vLLM imports that in each worker); vLLM
+Imported by ``megatron_rl.rollout.worker.vllm_worker_ext`` (vLLM imports that in each worker); vLLM
 itself is imported lazily, so this module imports without it.
 
 **Why a reload of our own.** vLLM's in-place reload (``model_loader.reload``) restores each

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from megatron_rl.rollout.speculative import SpecCounters
+from megatron_rl.rollout.actor.speculative import SpecCounters
 
 
 class StatsSink:
