@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from megatron_rl.config import RunConfig
 from megatron_rl.config_io import comma_list
 from megatron_rl.hooks import RolloutContext
+from megatron_rl.rollout.driver.migration import continuation_request
 from megatron_rl.rollout.engine import Completion, GenerationRequest
-from megatron_rl.rollout.migration import continuation_request
 from megatron_rl.sample import Prompt, Sample
 
 

@@ -103,7 +103,7 @@ def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict
     from megatron_rl.distributed.local_state import sweep_dead_engine_shm
     from megatron_rl.distributed.ports import free_port
     from megatron_rl.reward.pool.reward_pool import RewardPool
-    from megatron_rl.rollout.engine_factory import EngineFactory
+    from megatron_rl.rollout.driver.engine_factory import EngineFactory
     from megatron_rl.rollout.weight_sync.sync_dir import default_sync_dir, sweep_dead_sync_dirs
     from megatron_rl.trainer import TrainerParts, run_trainer
     from megatron_rl.training.policy_group import PolicyGroup

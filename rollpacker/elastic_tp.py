@@ -2,7 +2,7 @@
 
 A trainer plug-in: before each round (``before_rollout``, with the round type the scheduler will
 run next), when the planner wants another TP for that type, the engines are rebuilt at it
-(:class:`megatron_rl.rollout.elastic.ElasticRollout`) and loaded with the current weights. After
+(:class:`megatron_rl.rollout.driver.elastic.ElasticRollout`) and loaded with the current weights. After
 the round ``after_rollout`` feeds the round's preemption count to the planner's online
 rule (preemptions up > growth -> double TP; quiet rounds -> halve TP). The planner's state is
 training state and goes into the checkpoint.
@@ -26,7 +26,7 @@ from typing import Callable
 
 from megatron_rl.config import RunConfig
 from megatron_rl.hooks import LoopServices, RolloutBatch, TrainerPlugin
-from megatron_rl.rollout.elastic import ElasticRollout
+from megatron_rl.rollout.driver.elastic import ElasticRollout
 from rollpacker.planner import ElasticTPPlanner
 
 log = logging.getLogger(__name__)

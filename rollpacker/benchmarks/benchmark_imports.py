@@ -68,7 +68,7 @@ SETTINGS = {"engine": ("collector on", "paused"), "rank": ("collector on", "paus
 """Per kind: the setting before the change, then after it (what the run does)."""
 
 
-PROJECT_MODULES = ("megatron_rl.train", "megatron_rl.training.policy_group", "megatron_rl.rollout.ray_engine",
+PROJECT_MODULES = ("megatron_rl.train", "megatron_rl.training.policy_group", "megatron_rl.rollout.driver.ray_engine",
                    "megatron_rl.rollout.actor.engine_actor", "megatron_rl.rollout.actor.vllm_engine")
 """What the bytecode kind imports: a driver's entry module and what its rank and engine actors load."""
 PROJECT_DIRS = tuple(Path(__file__).resolve().parents[2] / d for d in ("megatron_rl", "rollpacker"))

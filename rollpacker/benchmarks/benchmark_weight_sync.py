@@ -197,7 +197,7 @@ def run(args) -> int:
 
     from megatron_rl.distributed.cluster import engine_actor_options, start_ray, trainer_actor_options
     from megatron_rl.distributed.ports import free_port
-    from megatron_rl.rollout.ray_engine import create_engine_client
+    from megatron_rl.rollout.driver.ray_engine import create_engine_client
     from megatron_rl.rollout.weight_sync.sync_dir import default_sync_dir, remove_sync_dir
     from megatron_rl.training.policy_group import PolicyGroup
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from megatron_rl.config import RolloutConfig
+from megatron_rl.rollout.driver.engine_pool import EnginePool
+from megatron_rl.rollout.driver.ray_engine import create_ray_engines
 from megatron_rl.rollout.engine import GenerationRequest
-from megatron_rl.rollout.engine_pool import EnginePool
-from megatron_rl.rollout.ray_engine import create_ray_engines
 from megatron_rl.rollout.weight_sync.hf_files import write_hf_weights
 from tests.helpers.engine_io import collect, generate
 

@@ -25,10 +25,10 @@ import time
 import pytest
 
 from megatron_rl.config import RolloutConfig, RunConfig
+from megatron_rl.rollout.driver.engine_health import EngineRestartsExhausted, Supervision
+from megatron_rl.rollout.driver.engine_pool import EnginePool
+from megatron_rl.rollout.driver.ray_engine import create_engine_client
 from megatron_rl.rollout.engine import GenerationRequest
-from megatron_rl.rollout.engine_health import EngineRestartsExhausted, Supervision
-from megatron_rl.rollout.engine_pool import EnginePool
-from megatron_rl.rollout.ray_engine import create_engine_client
 from tests.helpers.engine_io import run as run_with_timeout
 from tests.helpers.fault_figures import record
 from tests.helpers.processes import describe, left_behind, run_processes

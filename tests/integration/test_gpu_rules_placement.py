@@ -47,7 +47,7 @@ def cluster():
 @pytest.fixture
 def stand_ins(monkeypatch):
     """The real starting code builds stand-ins instead of Megatron ranks and vLLM engines."""
-    from megatron_rl.rollout import ray_engine
+    from megatron_rl.rollout.driver import ray_engine
     from megatron_rl.training import policy_group
     from tests.helpers.gpu_stand_ins import StandInEngine, StandInRank
 
@@ -156,7 +156,7 @@ def _start_all(cfg):
     import ray
 
     from megatron_rl.distributed.cluster import place_run
-    from megatron_rl.rollout.engine_factory import EngineFactory
+    from megatron_rl.rollout.driver.engine_factory import EngineFactory
     from megatron_rl.training.policy_group import PolicyGroup
 
     placement = place_run(cfg, "cuda")
@@ -168,7 +168,7 @@ def _start_all(cfg):
 
 def test_7b_colocated_elastic_switch_and_restart(cluster, stand_ins):
     """2x8, trainer TP2 DP8 (16 ranks), 16 TP-1 engines; then TP 2 and back; then a restart."""
-    from megatron_rl.rollout.engine_factory import EngineFactory
+    from megatron_rl.rollout.driver.engine_factory import EngineFactory
 
     cfg = _recipe("7b")
     placement, policy, engine, ranks = _start_all(cfg)
@@ -216,7 +216,7 @@ def test_larger_recipes(cluster, stand_ins, name):
     import ray
 
     from megatron_rl.distributed.cluster import place_run
-    from megatron_rl.rollout.ray_engine import RayEngineClient
+    from megatron_rl.rollout.driver.ray_engine import RayEngineClient
     from tests.helpers.gpu_stand_ins import StandInRank
 
     cfg = _recipe(name)

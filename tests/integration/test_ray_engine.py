@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megatron_rl.config import RolloutConfig, RunConfig
+from megatron_rl.rollout.driver.ray_engine import RayEngineClient, create_engine_client
 from megatron_rl.rollout.engine import GenerationRequest
-from megatron_rl.rollout.ray_engine import RayEngineClient, create_engine_client
 from megatron_rl.rollout.weight_sync.hf_files import write_hf_weights
 from tests.helpers.engine_io import collect, generate
 from tests.helpers.engine_io import run as run_with_timeout

@@ -27,8 +27,8 @@ import torch
 
 from megatron_rl.config import RolloutConfig, SpeculativeConfig
 from megatron_rl.rollout.actor.vllm_engine import VLLMEngine
+from megatron_rl.rollout.driver.migration import continuation_request
 from megatron_rl.rollout.engine import GenerationRequest
-from megatron_rl.rollout.migration import continuation_request
 from tests.helpers.engine_io import LongRequestsIgnoreEOS, collect, generate, model_logprobs
 from tests.helpers.engine_io import run as run_with_timeout
 

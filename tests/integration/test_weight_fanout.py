@@ -85,8 +85,8 @@ def test_a_tensor_push_reaches_an_engine_on_each_node(two_nodes, tmp_path, tmp_p
 
     from megatron_rl.config import RolloutConfig
     from megatron_rl.model.tiny import build_tiny_qwen2
-    from megatron_rl.rollout.engine_pool import EnginePool
-    from megatron_rl.rollout.ray_engine import RayEngineClient
+    from megatron_rl.rollout.driver.engine_pool import EnginePool
+    from megatron_rl.rollout.driver.ray_engine import RayEngineClient
     from megatron_rl.rollout.weight_sync.push.protocol import LOCAL, NET
     from megatron_rl.rollout.weight_sync.push.transport import PushOptions, TensorTransport
     from tests.helpers.engine_checks import PROMPT, hf_logprobs

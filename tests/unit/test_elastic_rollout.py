@@ -12,7 +12,7 @@ import pytest
 
 from megatron_rl.config import RunConfig
 from megatron_rl.hooks import RolloutBatch
-from megatron_rl.rollout.elastic import ElasticRollout
+from megatron_rl.rollout.driver.elastic import ElasticRollout
 from megatron_rl.rollout.engine import EngineStats, GenerationRequest
 from megatron_rl.rollout.weight_sync.file_transports import ShardedFiles
 from megatron_rl.rollout.weight_sync.push import transport

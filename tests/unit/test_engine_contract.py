@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from megatron_rl.rollout import ray_engine
 from megatron_rl.rollout.actor import engine_actor
-from megatron_rl.rollout.elastic import ElasticRollout
+from megatron_rl.rollout.driver import ray_engine
+from megatron_rl.rollout.driver.elastic import ElasticRollout
 from megatron_rl.rollout.engine import ENGINE_CONTRACT, Completion, RolloutEngine, read_completions
 from megatron_rl.rollout.engine_wrapper import ForwardingEngine, forwarded_members, forwards
 

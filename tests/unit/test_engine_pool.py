@@ -5,8 +5,8 @@ import asyncio
 
 import pytest
 
+from megatron_rl.rollout.driver.engine_pool import EnginePool
 from megatron_rl.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine
-from megatron_rl.rollout.engine_pool import EnginePool
 
 
 class FakeEngine(RolloutEngine):

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rl.rollout.engine import Completion, GenerationRequest
-from megatron_rl.rollout.migration import (
+from megatron_rl.rollout.driver.migration import (
     MigrationRecord,
     continuation_request,
     continuation_seed,
     merge_completions,
 )
+from megatron_rl.rollout.engine import Completion, GenerationRequest
 
 ORIGINAL = GenerationRequest("r", [1, 2, 3], max_tokens=10, seed=7, temperature=0.7, top_p=0.9, return_logprobs=True)
 

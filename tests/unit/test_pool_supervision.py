@@ -11,9 +11,9 @@ import asyncio
 
 import pytest
 
+from megatron_rl.rollout.driver.engine_health import EngineRestartsExhausted, MemberHealth, Supervision
+from megatron_rl.rollout.driver.engine_pool import EnginePool
 from megatron_rl.rollout.engine import Completion, GenerationRequest
-from megatron_rl.rollout.engine_health import EngineRestartsExhausted, MemberHealth, Supervision
-from megatron_rl.rollout.engine_pool import EnginePool
 from tests.helpers.fake_engine import FakeEngine
 
 
@@ -356,7 +356,7 @@ def test_engines_built_by_an_elastic_switch_are_supervised_and_a_later_push_erro
     """The switch's new pool comes from the same factory: it shares the run's supervision (budget,
     records, the loop's restorer), so a member that dies after the switch is replaced, and a push
     that fails on healthy engines after the switch is the push's own error (recover: False)."""
-    from megatron_rl.rollout.elastic import ElasticRollout
+    from megatron_rl.rollout.driver.elastic import ElasticRollout
 
     async def main():
         supervision = Supervision(max_restarts=3, health_check_s=0)

@@ -11,8 +11,8 @@ import json
 import pytest
 
 from megatron_rl.config import RunConfig
-from megatron_rl.rollout.elastic import ElasticRollout
-from megatron_rl.rollout.engine_pool import EnginePool
+from megatron_rl.rollout.driver.elastic import ElasticRollout
+from megatron_rl.rollout.driver.engine_pool import EnginePool
 from megatron_rl.rollout.weight_sync.factory import make_transport
 from megatron_rl.rollout.weight_sync.push import transport as tensor_transport
 from megatron_rl.rollout.weight_sync.push.protocol import LOCAL, NET

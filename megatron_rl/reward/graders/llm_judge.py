@@ -142,7 +142,7 @@ def create_judge(reward_cfg: Any, rollout_cfg: Any, seed: int, *, use_ray: bool 
     # The judge batches like the policy engine but one engine is enough; it never reloads weights.
     engine_cfg = dataclasses.replace(rollout_cfg, num_engines=1, temperature=0.0)
     if use_ray:
-        from megatron_rl.rollout.ray_engine import RayEngineClient
+        from megatron_rl.rollout.driver.ray_engine import RayEngineClient
 
         engine: RolloutEngine = RayEngineClient.create(reward_cfg.judge_model, engine_cfg, seed, max_len)
     else:

@@ -1,4 +1,4 @@
-"""The resource-handoff half of :class:`~megatron_rl.rollout.engine_pool.EnginePool`: whole engines
+"""The resource-handoff half of :class:`~megatron_rl.rollout.driver.engine_pool.EnginePool`: whole engines
 lent to training mid-round and taken back, and the pool's sleep and wake-up.
 
 For RollPacker's stream trainer the pool can shrink mid-round: :meth:`PoolHandoff.release_engines`
@@ -14,7 +14,7 @@ import logging
 import time
 
 from megatron_rl.aio import wait_for
-from megatron_rl.rollout.engine_health import MemberHealth
+from megatron_rl.rollout.driver.engine_health import MemberHealth
 
 logger = logging.getLogger(__name__)
 

@@ -2,10 +2,10 @@
 
 :class:`EngineFactory` starts engine actors on the run's placement (engine e of TP ``tp`` on GPUs
 e*tp..e*tp+tp-1 of the run's layout, ``megatron_rl.distributed.gpu_layout``) and always returns
-them as a supervised :class:`~megatron_rl.rollout.engine_pool.EnginePool` (a pool of one for a
+them as a supervised :class:`~megatron_rl.rollout.driver.engine_pool.EnginePool` (a pool of one for a
 single engine): each member's health is watched and a dead member is replaced by
 :meth:`EngineFactory.start_member`, on the same bundles, from the same start directory. Every pool
-it builds shares one :class:`~megatron_rl.rollout.engine_health.Supervision`, so the restart budget
+it builds shares one :class:`~megatron_rl.rollout.driver.engine_health.Supervision`, so the restart budget
 and the loop's weight restorer hold across TP switches: no engine of the run escapes supervision.
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ import time
 from typing import Any, Callable
 
 from megatron_rl.config import RunConfig
-from megatron_rl.rollout.engine_health import Supervision
-from megatron_rl.rollout.engine_pool import EnginePool
+from megatron_rl.rollout.driver.engine_health import Supervision
+from megatron_rl.rollout.driver.engine_pool import EnginePool
 
 
 class EngineFactory:
@@ -74,7 +74,7 @@ class EngineFactory:
         ``start_timeout_s`` the new actors are killed and the error raised."""
         import ray
 
-        from megatron_rl.rollout.ray_engine import RayEngineClient
+        from megatron_rl.rollout.driver.ray_engine import RayEngineClient
 
         rollout = cfg.rollout
         max_model_len = rollout.max_model_len or cfg.data.max_prompt_tokens + rollout.max_new_tokens

@@ -27,6 +27,10 @@ import logging
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
+from megatron_rl.rollout.driver.engine_health import MemberHealth, MemberStarter, Supervision
+from megatron_rl.rollout.driver.migration import MigrationRecord
+from megatron_rl.rollout.driver.pool_handoff import PoolHandoff
+from megatron_rl.rollout.driver.pool_supervision import PoolSupervision
 from megatron_rl.rollout.engine import (
     CUMULATIVE_COUNTERS,
     Completion,
@@ -36,10 +40,6 @@ from megatron_rl.rollout.engine import (
     forward_completions,
     read_completions,
 )
-from megatron_rl.rollout.engine_health import MemberHealth, MemberStarter, Supervision
-from megatron_rl.rollout.migration import MigrationRecord
-from megatron_rl.rollout.pool_handoff import PoolHandoff
-from megatron_rl.rollout.pool_supervision import PoolSupervision
 
 logger = logging.getLogger(__name__)
 

@@ -18,13 +18,13 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from megatron_rl.aio import wait_for
 from megatron_rl.config import RolloutConfig, RunConfig
 from megatron_rl.rollout.actor.engine_actor import REMOTE_MEMBERS, EngineActor
+from megatron_rl.rollout.driver.engine_pool import EnginePool
 from megatron_rl.rollout.engine import (
     SINGLE_ENGINE_DEFAULTS,
     Completion,
     RolloutEngine,
     read_completions,
 )
-from megatron_rl.rollout.engine_pool import EnginePool
 from megatron_rl.rollout.engine_wrapper import forwards
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""The supervising half of :class:`~megatron_rl.rollout.engine_pool.EnginePool`: one member's death
+"""The supervising half of :class:`~megatron_rl.rollout.driver.engine_pool.EnginePool`: one member's death
 replaces that member only.
 
 A death is noticed by whichever comes first: the member's completion stream failing (vLLM reports
@@ -20,7 +20,7 @@ Then (``engine_health`` names the states):
 
 Completions of the dead engine that arrive late are dropped (each member's pump carries the
 generation it was started for). A death beyond ``rollout.max_engine_restarts`` in the run ends the
-pool with :class:`~megatron_rl.rollout.engine_health.EngineRestartsExhausted`, raised from
+pool with :class:`~megatron_rl.rollout.driver.engine_health.EngineRestartsExhausted`, raised from
 ``completions()`` and every later call.
 """
 from __future__ import annotations
@@ -30,8 +30,8 @@ import logging
 import time
 
 from megatron_rl.aio import wait_for
+from megatron_rl.rollout.driver.engine_health import SHUTDOWN_WAIT_S, MemberHealth, RestartRecord, is_dead
 from megatron_rl.rollout.engine import CUMULATIVE_COUNTERS, Completion, WeightsRestorer
-from megatron_rl.rollout.engine_health import SHUTDOWN_WAIT_S, MemberHealth, RestartRecord, is_dead
 
 log = logging.getLogger(__name__)
 
