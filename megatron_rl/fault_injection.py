@@ -55,6 +55,9 @@ POINTS = {
                            "pushed; rank: the engine's TP rank)",
     "engine.submit": "engine actor, after its engine accepted a request; the part is the engine's processes "
                      "(engine core and workers), not the actor (step: the engine's weight version)",
+    "engine.sleep": "engine actor, after its engine went to sleep (a pool member lent to the stream trainer, or the "
+                    "whole pool through training); the part is the engine's processes (step: the engine's weight "
+                    "version)",
     "checkpoint.commit": "driver, CheckpointManager.commit: manifest written and synced, the directory not yet "
                          "renamed into place (step: the checkpoint's number)",
 }

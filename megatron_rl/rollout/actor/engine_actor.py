@@ -109,6 +109,13 @@ class EngineActor:
         # Fault-injection tests kill the engine here, holding a request (inert unless armed).
         fault_point("engine.submit", step=self._engine.weight_version, part=lambda: self.process_ids()["engine"])
 
+    async def sleep(self, level: int = 1) -> None:
+        """Forward to VLLMEngine.sleep."""
+        await self._engine.sleep(level)
+        # Fault-injection tests kill the engine here: a pool member lent to the stream trainer dies
+        # asleep, found only when the pool wakes it (inert unless armed).
+        fault_point("engine.sleep", step=self._engine.weight_version, part=lambda: self.process_ids()["engine"])
+
     async def drain(self, max_wait_s: float) -> list[Completion]:
         """All completions buffered so far, waiting up to ``max_wait_s`` for the first one."""
         self._ensure_pump()
