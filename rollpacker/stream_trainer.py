@@ -186,6 +186,22 @@ class StreamTrainer(TrainerPlugin):
         r.trained.extend(trained)
         r.chunks.append(_Chunk(len(groups), len(trained), start, self.clock()))
 
+    async def after_rollout(self, step: int, batch: RolloutBatch) -> dict[str, float]:
+        """The round is over: no handoff may begin now. The driver is stopped here, before the loop
+        puts the engines to sleep for training (``Colocation.to_training``): a start decided as the
+        round ended would otherwise wait for the pool behind that sleep and find no engine awake to
+        keep (a release it already began completes first)."""
+        r = self.round
+        if r is not None and r.step == step:
+            r.closing = True
+            r.wakeup.set()
+            if r.task is not None:
+                try:
+                    await asyncio.shield(r.task)
+                except Exception:  # noqa: S110 - finish() awaits the task again and raises its error there
+                    pass
+        return {}
+
     # ------------------------------------------------------------------ trainer side
     def takes_over_training(self, step: int) -> bool:
         return self.streaming(step)

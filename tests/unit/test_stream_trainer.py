@@ -307,3 +307,28 @@ def test_released_engines_are_given_back_even_when_every_engine_sleeps_through_t
 
     run_long_round(cfg, pool, rec, groups)
     assert pool.calls == ["release 1", "restore"]
+
+
+def test_no_handoff_begins_after_the_round_ended():
+    """The last groups cross the start mark as the round ends: the loop's after_rollout comes before
+    the engines sleep for training, and no release may begin after it (it would wait for the pool
+    behind that sleep and find no engine awake to keep)."""
+    cfg = stream_cfg(release_engines=1, min_new_groups=1)
+    cfg.rollout.num_engines, cfg.rollout.max_num_seqs = 2, 8
+    rec = Recorder()
+    pool = PoolStub(running=0)
+    groups = [make_group(i) for i in range(4)]
+
+    async def main():
+        stream = make_stream(cfg, pool, rec)
+        stream.on_round_start(0, "long", len(groups))
+        for group in groups:  # every group at once: the driver has not run yet when the round ends
+            stream.on_group_complete(0, group)
+        await stream.after_rollout(0, None)
+        for _ in range(5):  # the loop puts the engines to sleep here (Colocation.to_training): others run
+            await asyncio.sleep(0)
+        return await stream.finish(0, groups)
+
+    result = asyncio.run(main())
+    assert pool.calls == [], "a release began after the round ended"
+    assert result.metrics.get("stream/released_engines", 0.0) == 0.0 and len(result.trained) == 8

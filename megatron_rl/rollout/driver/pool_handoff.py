@@ -42,7 +42,8 @@ class PoolHandoff:
             if not isinstance(count, int) or not 1 <= count < len(active):
                 raise ValueError(
                     f"release_engines({count!r}): can release 1..{len(active) - 1} of the {len(active)} "
-                    "active engine(s); at least one must stay active"
+                    f"active engine(s); at least one must stay active (health {[h.value for h in self.health]}, "
+                    f"released {sorted(self._released)}, asleep {sorted(self._sleeping)})"
                 )
             self._ensure_pumps()
             start = time.monotonic()
