@@ -66,7 +66,10 @@ def _on_policy(rows: list[dict]) -> None:
     for r in rows:
         assert r["policy_version"] == r["step"] + 1
         assert r["rollout/logprob_abs_diff_max"] <= 1e-4, r
-        assert r["train/grad_norm"] > 0, "the weights must change for the parity check to mean anything"
+    # The weights must change for the parity check to mean anything (a step whose groups all scored
+    # alike has no gradient: the SFT'd model often answers a whole group the same).
+    changed = [r["step"] for r in rows if r["train/grad_norm"] > 0]
+    assert len(changed) >= STEPS // 2 and changed[0] <= 1, changed
 
 
 def test_every_mechanism_at_once_with_a_resume_at_another_layout(sft_model_dir, tmp_path):

@@ -398,3 +398,22 @@ def test_engines_built_by_an_elastic_switch_are_supervised_and_a_later_push_erro
         await elastic.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_member_replaced_during_a_push_wakes_its_weights_like_the_rest() -> None:
+    """The pool sleeps through training and wakes only its weights for the push; a member that dies
+    during the push is replaced asleep like the others, with its weights awake, so the retried push
+    (``recover``) reaches it."""
+    async def main():
+        h = Harness(members=2, health_check_s=0)
+        await h.engine.sleep(2)
+        await h.engine.wake_up(["weights"])
+        h.first[0].die()
+        assert await h.engine.recover(RuntimeError("push failed: engine gone")) is True
+        new = h.started[0][1]
+        assert new.asleep and not new.weights_asleep and new.version == 7  # the restore's push reached it
+        await h.engine.wake_up(["kv_cache"])
+        assert not new.asleep and h.engine.health == [MemberHealth.HEALTHY] * 2
+        await h.engine.shutdown()
+
+    asyncio.run(main())

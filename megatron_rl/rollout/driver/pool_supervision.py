@@ -179,6 +179,8 @@ class PoolSupervision:
             new = await self._start_member(index)
             if index in self._sleeping:  # released to the trainer, or the pool sleeps: so must it
                 await new.sleep(self._sleep_level)
+                if self._weights_awake:  # the pool's weights are awake for a push: so are its
+                    await new.wake_up(["weights"])
         except Exception as exc:
             self._fail(RuntimeError(f"replacing dead rollout engine {index} ({record.cause}) failed: {exc!r}"))
             return
