@@ -3,8 +3,8 @@
 The tests (tests/integration/test_faults.py) write one entry per fault to the JSON file named by
 ``FAULT_FIGURES``; this tool puts the table between the page's ``fault-table`` markers::
 
-    FAULT_FIGURES=$PWD/docs/fault_figures.json bash tests/run.sh tests/integration/test_faults.py
-    python -m megatron_rl.tools.fault_table docs/fault_figures.json docs/faults.md
+    FAULT_FIGURES=$PWD/docs/results/faults.json bash tests/run.sh tests/integration/test_faults.py
+    python -m megatron_rl.tools.results_tables   # every generated table, this one included
 
 tests/unit/test_fault_table.py fails when the page and the JSON file disagree.
 """

@@ -1,4 +1,4 @@
-"""docs/faults.md's table is what the fault tests measured (docs/fault_figures.json)."""
+"""docs/faults.md's table is what the fault tests measured (docs/results/faults.json)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_docs_table_matches_the_measured_figures() -> None:
-    figures = json.loads((REPO / "docs" / "fault_figures.json").read_text())
+    figures = json.loads((REPO / "docs" / "results" / "faults.json").read_text())
     page = (REPO / "docs" / "faults.md").read_text()
     assert update(page, figures) == page, "docs/faults.md is stale: run python -m megatron_rl.tools.fault_table"
     assert {f["outcome"].split(":")[0] for f in figures["faults"]} <= {"recovered", "stopped cleanly"}
