@@ -25,7 +25,8 @@ def test_render_and_update(tmp_path: Path) -> None:
     figures = {"faults": [{"fault": "x killed", "outcome": "recovered", "detect_s": 0.44, "recover_s": None,
                            "test": "t.py::test_x", "note": "n"}], "measured_on": "box"}
     table = render(figures)
-    assert "| x killed | recovered | 0.4 s | n/a | `test_x` | n |" in table and "Measured on box." in table
+    assert "* **x killed**: recovered. Detected in 0.4 s, recovered / stopped in n/a (`test_x`; n)." in table
+    assert "Measured on box." in table and max(len(line) for line in table.splitlines()) <= 150
     page = tmp_path / "p.md"
     page.write_text(f"intro\n{START}\nold\n{END}\nrest\n")
     (tmp_path / "f.json").write_text(json.dumps(figures))
