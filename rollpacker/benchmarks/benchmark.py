@@ -186,6 +186,27 @@ def print_table(base_runs: list[dict], tb_runs: list[dict], labels: tuple[str, s
         print(f"| {name:<36} | {spread(a, fmt):>20} | {spread(b, fmt):>20} | {spread(ratios, '{:.2f}x'):>18} |")
 
 
+def record_pairs(path: str, command: list[str], base: list[dict], tb: list[dict], lengths: list[tuple[float, float]],
+                 model: str) -> None:
+    """The docs' results file of a two-run comparison: every run's table figures, by row title."""
+    import shlex
+
+    from megatron_rl.tools.results_record import write_record
+
+    runs = {}
+    for a, b, (median, longest) in zip(base, tb, lengths):
+        figures_a = {title: value for title, value, _ in table_rows(a)}
+        figures_a.update({"baseline response length, median (tokens)": median, "baseline response length, max (tokens)": longest})
+        runs[f"seed {a['seed']}, pass {a['run']}"] = {"baseline": figures_a,
+                                                    "RollPacker": {title: value for title, value, _ in table_rows(b)}}
+    rows = [{"title": title, "key": title, "format": fmt} for title, _, fmt in table_rows(base[0])
+            + [("baseline response length, median (tokens)", None, "{:.0f}"), ("baseline response length, max (tokens)", None, "{:.0f}")]
+            if any(cols[side].get(title) is not None for cols in runs.values() for side in cols)]
+    write_record(path, name=Path(path).stem, command=shlex.join(command), model_dir=model, runs=runs, rows=rows,
+                 columns=["baseline", "RollPacker", {"name": "ratio", "ratio": ["baseline", "RollPacker"], "format": "{:.2f}x"}])
+    print(f"results file: {path} (python -m megatron_rl.tools.results_tables puts it in the docs)")
+
+
 def main(argv: list[str] | None = None) -> int:
     compare, rest = split_compare(list(sys.argv[1:] if argv is None else argv))
     if compare in OWN_COMPARISONS:
@@ -212,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=1,
                         help="seeds from --seed (two-run comparisons; --compare speculative defaults to 3)")
     parser.add_argument("--runs", type=int, default=1, help="passes over the seeds, the two runs interleaved A B / B A")
+    parser.add_argument("--record", metavar="PATH", help="also write the results file the docs' table is generated from "
+                        "(e.g. docs/results/tail_batching_heavy.json; python -m megatron_rl.tools.results_tables)")
     args = parser.parse_args(rest)
     if not (Path(args.model) / "config.json").is_file():
         print(f"no model at {args.model}: build it with megatron-rl-make-tiny-model --out {args.model}",
@@ -270,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"long-round speedup: {statistics.median(long_ratios):.2f} "
                   f"(range {min(long_ratios):.2f}-{max(long_ratios):.2f})")
     (out / "benchmark.json").write_text(json.dumps(summary_out, indent=2))
+    if args.record:
+        record_pairs(args.record, ["rollpacker-benchmark", *(["--compare", compare] if compare != "schedulers" else []), *rest],
+                     base, tb, lengths, args.model)
     try:
         plot_timeline(Path(base[0]["run_dir"]), Path(tb[0]["run_dir"]), out / "timeline.png",
                       titles=None if compare == "schedulers" else tuple(

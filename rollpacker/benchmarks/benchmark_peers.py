@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -152,6 +153,21 @@ def peer_wins(runs: list[dict[str, dict]], peer: str) -> list[str]:
     return wins
 
 
+def record(path: str, argv: list[str] | None, runs: dict[str, dict[str, dict]], best: str, model: str) -> None:
+    """The docs' results file: provenance and every run's figures (the curves left out)."""
+    from megatron_rl.tools.results_record import rows_spec, write_record
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    raw = {label: {name: {k: v for k, v in fig.items() if k != "curves"} for name, fig in cols.items()}
+           for label, cols in runs.items()}
+    rows = ROWS[:2] + [("speedup vs the best peer", "speedup_vs_best_peer", "{:.2f}")] + ROWS[2:]
+    rows += [(f"time: {k} (s)", ("split", k), "{:.1f}") for k in SPLIT_KEYS[1:]]
+    write_record(path, name=Path(path).stem, command=shlex.join(["rollpacker-benchmark", "--compare", "peers", *args]),
+                 columns=[c[0] for c in COLUMNS], rows=rows_spec(rows), runs=raw,
+                 model_dir=model, extra={"best_peer": best})
+    print(f"results file: {path} (python -m megatron_rl.tools.results_tables puts it in the docs)")
+
+
 def run_order(passes: int, seeds: list[int]) -> list[tuple[int, int, list[str]]]:
     """(pass, seed, columns in run order): as listed, then reversed, alternating."""
     return interleaved_order(passes, seeds, [c[0] for c in COLUMNS])
@@ -167,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(REPO / "runs/benchmark_peers"))
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--runs", type=int, default=1, help="passes over the seeds (each column runs seeds x runs times)")
+    parser.add_argument("--record", metavar="PATH", help="also write the results file the docs' table is generated from "
+                        "(docs/results/peers.json; python -m megatron_rl.tools.results_tables renders it)")
     add_run_options(parser)
     parser.set_defaults(periods=6, eval_prompts=128)
     args = parser.parse_args(argv)
@@ -202,12 +220,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"peer wins {peer}: " + ("; ".join(wins) if wins else "none (tail batching is ahead on loop time, "
                                        "wasted tokens, train reward and pass@1)"))
     best = max(PEERS, key=lambda p: median_of(every, p, "speedup") or 0.0)
+    for cols in every:  # a figure of every column, so the recorded table can show it per run
+        for fig in cols.values():
+            fig["speedup_vs_best_peer"] = cols[best]["loop_time"] / fig["loop_time"] if fig is not cols[best] else None
     vs_best = [cols[best]["loop_time"] / cols[TAIL]["loop_time"] for cols in every]
     spec_vs_best = [cols[best]["loop_time"] / cols["tail+spec+hist"]["loop_time"] for cols in every]
     result = {"runs": runs, "steps": steps, "num_prompts": num_prompts, "best_peer": best,
               "tail_vs_best_peer": vs_best, "tail_spec_hist_vs_best_peer": spec_vs_best, "args": vars(args)}
     out.mkdir(parents=True, exist_ok=True)
     (out / "peers.json").write_text(json.dumps(result, indent=2))
+    if args.record:
+        record(args.record, argv, runs, best, args.model)
     try:
         plot_curves(runs, out / "curves.png", COLORS)
         print(f"curves: {out / 'curves.png'}")

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -159,6 +160,19 @@ def column_config(args, column: str, seed: int, run_dir: Path):
     return column_run_config(args, COLUMNS, column, seed, run_dir, evaluations=2)
 
 
+def record(path: str, argv: list[str] | None, runs: dict[str, dict[str, dict]], model: str, extra: dict) -> None:
+    """The docs' results file: provenance and every run's figures (the curves left out)."""
+    from megatron_rl.tools.results_record import rows_spec, write_record
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    raw = {label: {name: {k: v for k, v in fig.items() if k != "curves"} for name, fig in cols.items()}
+           for label, cols in runs.items()}
+    rows = ROWS + [(f"time: {k} (s, whole run)", ("split", k), "{:.1f}") for k in SPLIT_KEYS]
+    write_record(path, name=Path(path).stem, command=shlex.join(["rollpacker-benchmark", "--compare", "speculative", *args]),
+                 columns=[c[0] for c in COLUMNS], rows=rows_spec(rows), runs=raw, model_dir=model, extra=extra)
+    print(f"results file: {path} (python -m megatron_rl.tools.results_tables puts it in the docs)")
+
+
 def run_order(passes: int, seeds: list[int]) -> list[tuple[int, int, list[str]]]:
     """(pass, seed, columns in run order): as listed, then reversed, alternating."""
     return interleaved_order(passes, seeds, [c[0] for c in COLUMNS])
@@ -169,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(REPO / "runs/benchmark_speculative"))
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--runs", type=int, default=2, help="passes over the seeds (each column runs seeds x runs times)")
+    parser.add_argument("--record", metavar="PATH", help="also write the results file the docs' table is generated from "
+                        "(docs/results/speculative.json; python -m megatron_rl.tools.results_tables renders it)")
     add_run_options(parser)
     args = parser.parse_args(argv)
     if error := check_run_options(args):
@@ -203,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"runs": runs, "medians": medians, "tail_batching_speedups": tb, "long_round_speedups": long,
               "speedups": total, "steps": steps, "num_prompts": num_prompts, "args": vars(args)}
     (out / "speculative.json").write_text(json.dumps(result, indent=2))
+    if args.record:
+        record(args.record, argv, runs, args.model, {"long_round_speedups": long})
     try:
         plot_curves(runs, out / "curves.png", COLORS, width=11)
         print(f"curves: {out / 'curves.png'}")

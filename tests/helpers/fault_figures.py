@@ -2,7 +2,7 @@
 
 Each test calls :func:`record` with its fault, the outcome and the times it measured. With
 ``FAULT_FIGURES=<path>`` in the environment the entry replaces the one of the same fault in that
-JSON file (``docs/fault_figures.json`` regenerates the docs table: see docs/faults.md); without
+JSON file (``docs/results/faults.json`` regenerates the docs table: see docs/faults.md); without
 it nothing is written, so ordinary suite runs leave the checkout alone."""
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ run in tests/integration/test_train_loop.py.
 
 The engine chain and the reward pool's faults: tests/integration/test_faults_parts.py.
 
-Each test records its figures (``tests/helpers/fault_figures``): ``FAULT_FIGURES=docs/fault_figures.json``
+Each test records its figures (``tests/helpers/fault_figures``): ``FAULT_FIGURES=docs/results/faults.json``
 regenerates docs/faults.md's table.
 """
 from __future__ import annotations

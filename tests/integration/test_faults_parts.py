@@ -12,7 +12,7 @@ core and a worker process, which map ``psm_*`` segments; three engine starts):
 And the reward pool: a worker killed with a queue of work (recovered: every verdict equals an
 in-process pool's), and a burst of code responses, a quarter of them sandbox attacks.
 
-Each test records its figures (``tests/helpers/fault_figures``): ``FAULT_FIGURES=docs/fault_figures.json``
+Each test records its figures (``tests/helpers/fault_figures``): ``FAULT_FIGURES=docs/results/faults.json``
 regenerates docs/faults.md's table.
 """
 from __future__ import annotations

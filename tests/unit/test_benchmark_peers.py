@@ -7,6 +7,7 @@ tests/integration/test_peers_vllm_loop.py (the arms in the real loop)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -93,3 +94,24 @@ def test_peers_benchmark_refuses_a_missing_model_and_bad_counts(tmp_path, capsys
     assert "no model at" in capsys.readouterr().err
     (tmp_path / "config.json").write_text("{}")
     assert benchmark_peers.main(["--model", str(tmp_path), "--seeds", "0"]) == 2
+
+
+def test_peers_benchmark_records_the_docs_results_file(fake_runs, tmp_path):
+    from megatron_rl.tools.results_tables import render
+
+    configs, model = fake_runs
+    (model / "model.safetensors").write_bytes(b"weights")
+    path = tmp_path / "results" / "peers.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"title": "kept", "views": {"readme": ["speedup vs baseline"]}, "summary": {"old": {}}}))
+    assert benchmark.main(["--compare", "peers", "--model", str(model), "--seeds", "2", "--periods", "1",
+                           "--eval-prompts", "8", "--out", str(tmp_path / "out"), "--record", str(path)]) == 0
+    record = json.loads(path.read_text())
+    assert record["command"].startswith("rollpacker-benchmark --compare peers --model ") and "--record" in record["command"]
+    assert record["model"]["weights_sha256"] and record["hardware"] and record["date"] and "summary" not in record
+    assert record["title"] == "kept" and record["views"] == {"readme": ["speedup vs baseline"]}  # presentation kept
+    assert len(record["runs"]) == 2 and "curves" not in record["runs"]["seed 1234, pass 0"]["tail"]
+    assert record["runs"]["seed 1234, pass 0"]["tail"]["speedup_vs_best_peer"] == pytest.approx(1.2)
+    table = re.sub(r" \[[^\]]*\]", "", render(record))  # medians only: the ranges hold float noise
+    assert "| speedup vs baseline | 1.00 | 1.25 | 1.67 | 2.00 | 2.50 |" in table  # the benchmark's own medians
+    assert "| speedup vs the best peer | 0.60 | 0.75 | - | 1.20 | 1.50 |" in table

@@ -60,3 +60,21 @@ def test_three_columns_per_seed_and_the_speedups_of_tail_batching_and_speculatio
     assert result["speedups"] == [pytest.approx(2.5)] * 2
     assert result["runs"]["seed 5, pass 0"]["tail+spec+hist"]["acceptance"] == pytest.approx(0.75)
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_recorded_results_file_keeps_the_pages_rows_and_renders_the_runs(fake_runs, tmp_path):
+    from megatron_rl.tools.results_tables import render
+
+    configs, model = fake_runs
+    (model / "model.safetensors").write_bytes(b"weights")
+    path = tmp_path / "speculative.json"
+    rows = [{"title": "loop (s)", "key": "loop_time", "format": "{:.1f}"},
+            {"title": "train (s, whole run)", "key": ["split", "train"], "format": "{:.1f}"}]
+    path.write_text(json.dumps({"rows": rows, "source": "transcribed from docs", "summary": {}}))
+    assert benchmark.main(["--compare", "speculative", "--model", str(model), "--seeds", "2", "--runs", "1",
+                           "--periods", "1", "--out", str(tmp_path / "out"), "--record", str(path)]) == 0
+    record = json.loads(path.read_text())
+    assert record["rows"] == rows and record["source"] == "recorded by the command" and "summary" not in record
+    assert record["long_round_speedups"] == [pytest.approx(1.5)] * 2 and record["model"]["weights_sha256"]
+    steps = configs[0].trainer.steps
+    assert f"| loop (s) | {10.0 * steps:.1f} | {5.0 * steps:.1f} | {4.0 * steps:.1f} |" in render(record)

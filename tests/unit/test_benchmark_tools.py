@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from rollpacker.benchmarks import benchmark
 from rollpacker.benchmarks.benchmark import summarize
 from rollpacker.benchmarks.common import period_steps, spread
 from rollpacker.benchmarks.plot_timeline import plot_timeline
@@ -233,3 +234,27 @@ def test_training_benchmark_replays_the_recorded_shapes(tmp_path, tiny_model_dir
     assert torch_step(model, opt, [(5, 3), (5, 7)], budget=64, vocab=model.config.vocab_size,
                       rng=random.Random(0)) > 0
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # it really trained
+
+
+def test_a_two_run_comparison_records_each_runs_table_figures(tmp_path):
+    from megatron_rl.tools.results_tables import render
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"weights")
+
+    def run(seed: int, loop: float) -> dict:
+        return {"seed": seed, "run": 0, "loop_time": loop, "rollout_time": loop / 2, "steps": 10, "logprob_time_mean": 0.0,
+                "train_time_mean": 1.0, "weight_sync_time_mean": 0.1, "occupancy_mean": 0.5, "wasted_tokens": 0,
+                "train_reward_mean": 0.3, "initial_val_pass@1": 0.4, "final_val_pass@1": 0.5}
+
+    path = tmp_path / "tail.json"
+    benchmark.record_pairs(str(path), ["rollpacker-benchmark", "--seeds", "2"], [run(1, 60.0), run(2, 80.0)],
+                           [run(1, 40.0), run(2, 40.0)], [(29, 736), (31, 700)], str(model))
+    record = json.loads(path.read_text())
+    assert record["command"] == "rollpacker-benchmark --seeds 2" and list(record["runs"]) == ["seed 1, pass 0", "seed 2, pass 0"]
+    titles = [r["title"] for r in record["rows"]]
+    assert "step time, short rounds (s)" not in titles and "baseline response length, max (tokens)" in titles  # no empty rows
+    table = render(record)
+    assert "| training-loop time (s) | 70.0 [60.0-80.0] | 40.0 | 1.75x [1.50x-2.00x] |" in table
+    assert "| baseline response length, max (tokens) | 718 [700-736] | - | - |" in table

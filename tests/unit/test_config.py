@@ -192,10 +192,10 @@ def test_config_reference_check_fails_on_a_stale_page_and_write_repairs_it(tmp_p
     from megatron_rl.tools import config_reference
 
     page = CONFIG_PAGE.read_text()
-    row = "| `trainer.steps` |"
+    row = "* `trainer.steps` ("
     assert row in page
     stale = tmp_path / "configuration.md"
-    stale.write_text(page.replace(row, "| `trainer.steps_renamed` |", 1))  # a row the code no longer has
+    stale.write_text(page.replace(row, "* `trainer.steps_renamed` (", 1))  # a key the code no longer has
     assert config_reference.main(["--check", str(stale)]) == 1
     assert "stale" in capsys.readouterr().err
     assert config_reference.main(["--write", str(stale)]) == 0

@@ -5,8 +5,12 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-README_MAX_LINES = 320
+README_MAX_LINES = 200
 """A user reads the README in ten minutes; the reference lives in docs/."""
+LINE_MAX = 160
+"""Every line of README.md and docs/*.md: a page reads without side-scrolling (generated tables and lists included)."""
+# A commit hash: 7-40 hex digits with at least one digit and one letter (so neither a number nor a word).
+_COMMIT = re.compile(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b")
 
 PENDING_PAGES: set[str] = set()
 """Pages other branches are writing (the README already links them). Allowed to be missing until
@@ -58,6 +62,42 @@ def broken_links(files: list[Path], root: Path = REPO, allowed_missing: frozense
 def test_readme_is_short():
     lines = len((REPO / "README.md").read_text().splitlines())
     assert lines <= README_MAX_LINES, f"README.md has {lines} lines (at most {README_MAX_LINES}): move reference to docs/"
+
+
+def long_lines(files: list[Path], limit: int = LINE_MAX) -> list[str]:
+    """'file:line: N characters' for every line longer than ``limit``."""
+    return [f"{path.name}:{number}: {len(line)} characters" for path in files
+            for number, line in enumerate(path.read_text().splitlines(), 1) if len(line) > limit]
+
+
+def commit_hashes(text: str) -> list[tuple[int, str]]:
+    """(line number, hash) of every commit hash in the prose: outside fenced code blocks, where logs may show ids."""
+    found, in_fence = [], False
+    for number, line in enumerate(text.splitlines(), 1):
+        if _FENCE.match(line):
+            in_fence = not in_fence
+            continue
+        if not in_fence:
+            found += [(number, h) for h in _COMMIT.findall(line)]
+    return found
+
+
+def test_no_line_is_longer_than_the_limit():
+    assert long_lines(markdown_files()) == []
+
+
+def test_the_pages_name_no_commit():
+    # A page says what is true now; which commit measured a figure is in its results file, run logs in docs/records/.
+    found = {p.relative_to(REPO).as_posix(): hashes for p in markdown_files() if (hashes := commit_hashes(p.read_text()))}
+    assert found == {}, f"commit hashes in the docs' prose: {found}"
+
+
+def test_the_line_and_hash_checks_find_what_they_look_for(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text("short\n" + "x" * 161 + "\n" + "y" * 160 + "\n")
+    assert long_lines([page]) == ["p.md:2: 161 characters"]
+    text = "at `a55b9c5` and 4cf826c0\n```\nnode e696d651 in a log\n```\n1000000 decade facade 2.5e-6 deadbeef\n"
+    assert commit_hashes(text) == [(1, "a55b9c5"), (1, "4cf826c0")]
 
 
 def test_every_relative_link_resolves():

