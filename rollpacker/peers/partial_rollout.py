@@ -43,29 +43,15 @@ from megatron_rl.sampling import (
     submit_continuation,
     submit_prompt,
 )
+from rollpacker.peers.config import PeersConfig
 
 ROUND_TYPE = "partial"
 """Round type of every step (metrics, and speculative decoding's ``rollout.speculative.rounds``)."""
 
 
-@dataclass
-class PartialRolloutConfig:
-    over_provision: float = 1.25
-    """Groups in flight per step: ceil(over_provision x P0), the carried ones first, then fresh
-    prompts; the first P0 to complete form the batch and the rest are aborted and carried. In
-    [1, 2]; 1 means no over-provisioning (nothing is ever aborted)."""
-    max_continuations: int = 2
-    """Most steps a group may be carried before it is trained: the staleness bound the scheduler
-    declares (no token is older than this many policy versions). A group carried this often is
-    finished in its next step, whatever it takes. >= 1."""
-    drop_on_resume: bool = False
-    """A resumed run drops the carried responses (counted as rollout/partial/dropped_* and
-    wasted tokens) and generates their prompts again, instead of continuing them."""
-
-
 def validate_partial(cfg: RunConfig) -> None:
     """``peers.partial.*``: the over-provisioning factor and the staleness bound."""
-    pc = cfg.peers.partial
+    pc = cfg.section(PeersConfig).partial
     if not 1.0 <= pc.over_provision <= 2.0:
         raise ConfigError(f"peers.partial.over_provision: must be in [1, 2] (the groups carried must fit in one "
                           f"batch), got {pc.over_provision}")
@@ -129,7 +115,7 @@ class PartialRolloutScheduler(RolloutScheduler):
         self._resumed = False
 
     def max_staleness(self, cfg: RunConfig) -> int:
-        return cfg.peers.partial.max_continuations
+        return cfg.section(PeersConfig).partial.max_continuations
 
     def next_round_type(self, cfg: RunConfig) -> str:
         return ROUND_TYPE
@@ -146,15 +132,16 @@ class PartialRolloutScheduler(RolloutScheduler):
     async def next_batch(self, ctx: RolloutContext) -> RolloutBatch:
         cfg = ctx.cfg
         p0, r0 = cfg.data.prompts_per_step, cfg.data.responses_per_prompt
+        pc = cfg.section(PeersConfig).partial
         start = time.monotonic()
         rnd = _Round()
-        restart = self._drop_carried(rnd) if self._resumed and cfg.peers.partial.drop_on_resume else []
+        restart = self._drop_carried(rnd) if self._resumed and pc.drop_on_resume else []
         self._resumed = False
         ctx.on_round_start(ROUND_TYPE, p0)
         carried, self.carried = self.carried, []
         for group in carried:
             await self._continue(ctx, rnd, group)
-        in_flight = math.ceil(cfg.peers.partial.over_provision * p0)
+        in_flight = math.ceil(pc.over_provision * p0)
         # Restarted prompts (drop_on_resume) first: they were carried, so they fit in the round.
         prompts = restart + ctx.next_prompts(max(0, in_flight - len(carried) - len(restart)))
         fresh = []
@@ -166,7 +153,7 @@ class PartialRolloutScheduler(RolloutScheduler):
             fresh.append(group)
         rnd.fresh_prompts, rnd.fresh_responses = len(prompts), len(prompts) * r0
         groups = carried + fresh
-        due = [g for g in carried if g.carries >= cfg.peers.partial.max_continuations]
+        due = [g for g in carried if g.carries >= pc.max_continuations]
         rnd.due = len(due)
         batch = await self._collect(ctx, rnd, groups, {g.key for g in due}, p0, r0)
         await self._stop(rnd)
