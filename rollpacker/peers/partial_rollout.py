@@ -156,7 +156,7 @@ class PartialRolloutScheduler(RolloutScheduler):
         due = [g for g in carried if g.carries >= pc.max_continuations]
         rnd.due = len(due)
         batch = await self._collect(ctx, rnd, groups, {g.key for g in due}, p0, r0)
-        await self._stop(rnd)
+        await self._await_rewards(rnd)
         in_batch = {id(g) for g in batch}
         for group in groups:
             if id(group) not in in_batch:
@@ -226,7 +226,7 @@ class PartialRolloutScheduler(RolloutScheduler):
         (group.finished if isinstance(event, Finished) else group.partial).append(event.sample)
         return group
 
-    async def _stop(self, rnd: _Round) -> None:
+    async def _await_rewards(self, rnd: _Round) -> None:
         """Wait for the rewards of every finished response (they are trained later, with those rewards)."""
         pending = [t for t in rnd.flight.scoring.values() if not t.done()]
         if pending:
