@@ -9,7 +9,7 @@ import time
 
 from megatron_rl.hooks import RolloutBatch, RolloutContext, RolloutScheduler
 from megatron_rl.sample import Sample
-from megatron_rl.sampling import InFlight, accept_completion, submit_prompt
+from megatron_rl.sampling import Aborted, Finished, InFlight, RoundWaiter, submit_prompt
 
 
 class BaselineScheduler(RolloutScheduler):
@@ -27,19 +27,19 @@ class BaselineScheduler(RolloutScheduler):
         groups: dict[str, list[Sample]] = {p.prompt_id: [] for p in prompts}
         for prompt in prompts:
             await submit_prompt(ctx, flight, prompt, r0, round_type=self.name)
-        stream = ctx.engine.completions()
-        while flight.samples:
-            sample = accept_completion(ctx, flight, await stream.__anext__())
-            if sample is None:
-                raise RuntimeError("baseline rollout saw an aborted request; nothing should abort here")
-            group = groups[sample.prompt.prompt_id]
-            group.append(sample)
-            if len(group) == r0:
-                # Scoring started as each response finished; the group is ready once all are scored.
-                for rid in [s.request_id for s in group]:
-                    await flight.scoring.pop(rid)
-                group.sort(key=lambda s: s.response_index)
-                ctx.on_group_complete(group)
+        with RoundWaiter(ctx, flight) as waiter:
+            while waiter.busy:
+                for event in await waiter.next():
+                    if isinstance(event, Aborted):
+                        raise RuntimeError("baseline rollout saw an aborted request; nothing should abort here")
+                    if isinstance(event, Finished):
+                        group = groups[event.sample.prompt.prompt_id]
+                        group.append(event.sample)
+                        if len(group) == r0:
+                            waiter.watch(event.sample.prompt.prompt_id, group)
+                    else:  # every response of the group finished and is scored
+                        groups[event.key] = event.group
+                        ctx.on_group_complete(event.group)
         end = time.monotonic()
         ordered = [groups[p.prompt_id] for p in prompts]
         metrics = {

@@ -8,7 +8,9 @@ everything before any process starts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, TypeVar
+
+SectionT = TypeVar("SectionT")
 
 
 @dataclass
@@ -468,7 +470,8 @@ class RunConfig:
     """Loop length, outputs, checkpoints, logging."""
     extensions: dict[str, Any] = field(default_factory=lambda: {name: cls() for name, (cls, _) in _SECTIONS.items()})
     """Sections registered by plug-in packages (:func:`register_section`; RollPacker's
-    ``tail_batching``, ``stream`` and ``planner``), keyed by section name and reached as ``cfg.<name>`` like the core ones."""
+    ``tail_batching``, ``stream`` and ``planner``), keyed by section name and reached as ``cfg.<name>`` like the core ones;
+    code reads one typed as its dataclass with :meth:`section`."""
 
     def __getattr__(self, name: str) -> Any:
         # Only called when ordinary lookup fails: a plug-in section. __dict__ is used directly so
@@ -483,6 +486,18 @@ class RunConfig:
         raise AttributeError(f"RunConfig has no section {name!r} (plug-in sections registered: "
                              f"{sorted(_SECTIONS) or 'none'})")
 
+    def section(self, cls: type[SectionT]) -> SectionT:
+        """The plug-in section registered with dataclass ``cls``, typed as ``cls`` (what readers use:
+        ``cfg.section(TailBatchingConfig).eta_prompts``); the object ``cfg.<name>`` also reaches."""
+        names = [name for name, (registered, _) in _SECTIONS.items() if registered is cls]
+        if not names:
+            raise AttributeError(f"no config section is registered with {cls.__module__}.{cls.__qualname__} "
+                                 f"(plug-in sections registered: {sorted(_SECTIONS) or 'none'})")
+        value = getattr(self, names[0])
+        if not isinstance(value, cls):
+            raise TypeError(f"config section {names[0]!r} holds a {type(value).__name__}, not a {cls.__qualname__}")
+        return value
+
 
 _SECTIONS: dict[str, tuple[type, str]] = {}
 """Plug-in sections: name -> (dataclass, one-line description)."""
@@ -496,6 +511,8 @@ def register_section(name: str, cls: type, description: str) -> None:
     another class is an error."""
     if name in {f.name for f in fields(RunConfig)}:
         raise ValueError(f"config section {name!r} is a core section of RunConfig")
+    if hasattr(RunConfig, name):
+        raise ValueError(f"config section {name!r} would hide RunConfig.{name}")
     known = _SECTIONS.get(name)
     if known is not None and known[0] is not cls:
         raise ValueError(f"config section {name!r} is already registered by {known[0].__module__}")

@@ -1,10 +1,12 @@
 """Shared rollout mechanics: turn prompts into engine requests and completions into samples.
 
-Schedulers (the baseline here, tail batching and its peers in ``rollpacker``) decide *which*
+Schedulers (the baseline, tail batching and its peers in ``rollpacker``) decide *which*
 requests to send and *when to stop*; this module does the bookkeeping they share: request ids and
-seeds, one request per response, scoring each response as soon as it finishes, and continuing
-an aborted response from where it stopped (a partial rollout). Every token a sample gets is
-recorded with the weight version that generated it (``Sample.token_versions``).
+seeds, one request per response, scoring each response as soon as it finishes, continuing an
+aborted response from where it stopped (a partial rollout), and the wait each round is built
+around (:class:`RoundWaiter`: the next completion or a scored group, then abort what is left).
+Every token a sample gets is recorded with the weight version that generated it
+(``Sample.token_versions``).
 """
 from __future__ import annotations
 
@@ -155,17 +157,152 @@ def _append_tokens(sample: Sample, done: Completion) -> None:
     sample.token_versions = versions + [done.weight_version] * len(done.token_ids)
 
 
-async def abort_all(ctx: RolloutContext, flight: InFlight) -> None:
-    """Abort every unfinished request of the round and drain their abort completions."""
+async def abort_all(ctx: RolloutContext, flight: InFlight) -> list[Finished | Aborted]:
+    """Abort every unfinished request of the round and drain their last completions. Returns them
+    as events: mostly :class:`Aborted`, a :class:`Finished` where a request finished before its
+    abort reached the engine (its scoring has started like any other's)."""
     pending = list(flight.samples)
     if not pending:
-        return
+        return []
     await ctx.engine.abort(pending)
     stream = ctx.engine.completions()
+    events: list[Finished | Aborted] = []
     while flight.samples:
-        done = await stream.__anext__()
-        accept_completion(ctx, flight, done)
+        event = completion_event(ctx, flight, await stream.__anext__())
+        if event is not None:
+            events.append(event)
+    return events
 
+
+@dataclass
+class Finished:
+    """A response of the round finished; its scoring has started (``flight.scoring``)."""
+
+    sample: Sample
+    completion: Completion
+
+
+@dataclass
+class Aborted:
+    """A request of the round was aborted; ``sample`` holds every token generated so far (it is
+    also in ``flight.aborted``)."""
+
+    sample: Sample
+    completion: Completion
+
+
+@dataclass
+class GroupScored:
+    """A group given to :meth:`RoundWaiter.watch`: every response finished and scored."""
+
+    key: object
+    """What the scheduler named the group by (a prompt id, its own group record...)."""
+    group: list[Sample]
+    """The group's responses in response order."""
+
+
+def completion_event(ctx: RolloutContext, flight: InFlight, done: Completion) -> Finished | Aborted | None:
+    """Record ``done`` (:func:`accept_completion`) and say what it was; None for a completion of a
+    request this round does not hold (an earlier round's, already accounted for)."""
+    if done.request_id not in flight.samples:
+        return None
+    sample = accept_completion(ctx, flight, done)
+    if sample is None:
+        return Aborted(flight.aborted[done.request_id], done)
+    return Finished(sample, done)
+
+
+class RoundWaiter:
+    """The wait every scheduler's round is built around: the next completion of the round's
+    requests or a watched group whose rewards are all in, whichever comes first.
+
+    A scheduler submits requests into ``flight`` (:func:`submit_prompt`), calls :meth:`next` while
+    :attr:`busy` and reacts to each event (its policy: which groups to watch, when the batch is
+    full); :meth:`abort_rest` then stops what still runs. Use it as a context manager (or call
+    :meth:`close`) so a round that ends early, or fails, leaves no read of the engine's stream
+    pending. Groups are reported in the order they were watched when several are scored at once.
+    """
+
+    def __init__(self, ctx: RolloutContext, flight: InFlight) -> None:
+        self.ctx, self.flight = ctx, flight
+        self._stream = ctx.engine.completions()
+        self._next: asyncio.Future | None = None
+        """The pending read of the next completion (kept across calls: a read is never dropped)."""
+        self._groups: dict[asyncio.Future, tuple[object, list[Sample]]] = {}
+
+    def __enter__(self) -> RoundWaiter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def busy(self) -> bool:
+        """Whether :meth:`next` has anything to wait for (a request running or a group being scored)."""
+        return bool(self.flight.samples or self._groups)
+
+    def watch(self, key: object, samples: list[Sample]) -> None:
+        """Report ``samples`` as one :class:`GroupScored` once the reward of each is in. Samples that
+        finished in this round are awaited under the request that finished them (a continued
+        response's is not its first); others were scored in an earlier round."""
+        tasks = [self.flight.scoring[rid] for rid in self._finishing_requests(samples)]
+        self._groups[asyncio.gather(*tasks)] = (key, sorted(samples, key=lambda s: s.response_index))
+
+    def _finishing_requests(self, samples: list[Sample]) -> list[str]:
+        finished = self.flight.finished
+        if all(finished.get(s.request_id) is s for s in samples):
+            return [s.request_id for s in samples]
+        mine = {id(s) for s in samples}
+        return [rid for rid, s in finished.items() if id(s) in mine]
+
+    async def next(self) -> list[Finished | Aborted | GroupScored]:
+        """Wait for the next completion or scored group. Returns the completion's event first (none
+        for an earlier round's completion), then every group scored by now. A failed reward raises."""
+        if not self.busy:
+            raise RuntimeError(f"step {self.ctx.step}: waiting for a completion or a scored group, but no "
+                               "request runs and no group is being scored")
+        waiters = set(self._groups)
+        if self.flight.samples:
+            if self._next is None:
+                self._next = asyncio.ensure_future(self._stream.__anext__())
+            waiters.add(self._next)
+        done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        events: list[Finished | Aborted | GroupScored] = []
+        if self._next is not None and self._next in done:
+            completion, self._next = self._next.result(), None
+            event = completion_event(self.ctx, self.flight, completion)
+            if event is not None:
+                events.append(event)
+        for future in [f for f in self._groups if f in done]:
+            key, group = self._groups.pop(future)
+            future.result()
+            events.append(GroupScored(key, group))
+        return events
+
+    def cancel_groups(self) -> None:
+        """Stop waiting for the watched groups, cancelling their responses' reward work."""
+        for future in self._groups:
+            future.cancel()
+        self._groups.clear()
+
+    async def abort_rest(self) -> list[Finished | Aborted]:
+        """Abort every request of the round still running and drain their last completions
+        (:func:`abort_all`); a completion already read but not yet reported comes first."""
+        events: list[Finished | Aborted] = []
+        pending, self._next = self._next, None
+        if pending is not None and pending.done():
+            event = completion_event(self.ctx, self.flight, pending.result())
+            if event is not None:
+                events.append(event)
+        elif pending is not None:
+            pending.cancel()
+        return events + await abort_all(self.ctx, self.flight)
+
+    def close(self) -> None:
+        """Stop the pending read of the engine's stream (the round is over)."""
+        if self._next is not None:
+            self._next.cancel()
+            self._next = None
 
 
 def cancel_scoring(ctx: RolloutContext, flight: InFlight, request_ids: list[str]) -> None:

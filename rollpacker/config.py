@@ -6,7 +6,9 @@ the checks with its validation (``megatron_rl.config_io.register_validator``) wh
 imported, so recipes set ``tail_batching.*`` / ``stream.*`` / ``planner.*`` like any core key, the
 config reference lists them, and a bad value is refused before any process starts. The core's
 ``scheduler.name`` picks the scheduler (``tail_batching`` is RollPacker's); the settings of tail
-batching live in its own section, read only by ``rollpacker.tail_batching``.
+batching live in its own section, read only by ``rollpacker.tail_batching``. Code reads a section
+typed as its dataclass (``cfg.section(TailBatchingConfig)``, ``megatron_rl.config.RunConfig.section``);
+``cfg.tail_batching`` reaches the same object, untyped.
 """
 from __future__ import annotations
 
@@ -121,7 +123,7 @@ def parse_initial_tp(spec: str) -> dict[str, int]:
 
 def validate_tail_batching(cfg: RunConfig) -> None:
     """``tail_batching.*``: the over-provisioning factors, the DAPO refill budget, the history's bounds."""
-    tb = cfg.tail_batching
+    tb = cfg.section(TailBatchingConfig)
     for key in ("eta_prompts", "eta_responses"):
         if getattr(tb, key) < 1.0:
             raise ConfigError(f"tail_batching.{key}: must be >= 1.0 (over-provisioning factor), got {getattr(tb, key)}")
@@ -133,7 +135,7 @@ def validate_tail_batching(cfg: RunConfig) -> None:
 
 def validate_stream(cfg: RunConfig) -> None:
     """``stream.*``: round types, start fractions, and what streaming needs of the rest."""
-    st = cfg.stream
+    st = cfg.section(StreamConfig)
     rounds = comma_list(st.rounds)
     if not rounds or any(r not in ROUND_TYPES for r in rounds):
         raise ConfigError(f"stream.rounds: expected a comma-separated subset of {ROUND_TYPES}, got {st.rounds!r}")
@@ -157,7 +159,7 @@ def validate_stream(cfg: RunConfig) -> None:
 
 def validate_planner(cfg: RunConfig) -> None:
     """``planner.*``: the online rule's settings, the profile file, the initial TPs."""
-    pl = cfg.planner
+    pl = cfg.section(PlannerConfig)
     if pl.growth < 1.0:
         raise ConfigError(f"planner.growth: must be >= 1.0, got {pl.growth}")
     _positive(pl.quiet_rounds, "planner.quiet_rounds")

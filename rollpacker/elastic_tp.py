@@ -102,10 +102,11 @@ def build_elastic_tp(cfg: RunConfig, engine, factory, on_gpu: bool) -> ElasticTP
     rollout.tensor_parallel_size) so ``factory(tp)`` can rebuild it. Returns the hook; its
     ``rollout`` is the engine the loop must use."""
     from megatron_rl.model.arch import read_qwen2_arch
+    from rollpacker.config import PlannerConfig
     from rollpacker.planner import legal_tp_sizes, planner_for_run
 
     devices = cfg.rollout.tensor_parallel_size * cfg.rollout.num_engines
     per_node = cfg.cluster.gpus_per_node if on_gpu else devices
-    sizes = legal_tp_sizes(read_qwen2_arch(cfg.model.hf_path), per_node, devices, cfg.planner.max_tp)
+    sizes = legal_tp_sizes(read_qwen2_arch(cfg.model.hf_path), per_node, devices, cfg.section(PlannerConfig).max_tp)
     planner = planner_for_run(cfg, sizes)
     return ElasticTP(cfg, planner, ElasticRollout(engine, cfg.rollout.tensor_parallel_size, factory))

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from megatron_rl.config import RunConfig
 from megatron_rl.model.qwen2 import Qwen2Arch
 from megatron_rl.resharding.layouts import VLLMLayout
-from rollpacker.config import parse_initial_tp
+from rollpacker.config import PlannerConfig, parse_initial_tp
 from rollpacker.tp_profile import fastest_tp, load_profile
 
 
@@ -154,19 +154,20 @@ def planner_for_run(cfg: RunConfig, sizes: list[int]) -> ElasticTPPlanner:
     sequence (its engines would not start). Raises ValueError naming the options when a starting
     TP is not among ``sizes`` or below the floor.
     """
+    pl = cfg.section(PlannerConfig)
     initial = {kind: cfg.rollout.tensor_parallel_size for kind in ("short", "long", "baseline")}
-    if cfg.planner.profile:
-        initial.update(fastest_tp(load_profile(cfg.planner.profile), sizes))
-    initial.update(parse_initial_tp(cfg.planner.initial_tp))
+    if pl.profile:
+        initial.update(fastest_tp(load_profile(pl.profile), sizes))
+    initial.update(parse_initial_tp(pl.initial_tp))
     devices = cfg.rollout.tensor_parallel_size * cfg.rollout.num_engines
     illegal = {kind: tp for kind, tp in initial.items() if tp not in sizes}
     if illegal:
         raise ValueError(f"planner.initial_tp / rollout.tensor_parallel_size: {illegal} not among the legal rollout "
                          f"TP sizes {sizes} for this model on {devices} devices")
-    floor = cfg.planner.min_tp or min(initial.values())
+    floor = pl.min_tp or min(initial.values())
     below = {kind: tp for kind, tp in initial.items() if tp < floor}
     if below:
         raise ValueError(f"planner.min_tp={floor}: starting TPs {below} are below it")
     sizes = [tp for tp in sizes if tp >= floor]
-    return ElasticTPPlanner(sizes=sizes, initial=initial, growth=cfg.planner.growth,
-                            quiet_rounds=cfg.planner.quiet_rounds)
+    return ElasticTPPlanner(sizes=sizes, initial=initial, growth=pl.growth,
+                            quiet_rounds=pl.quiet_rounds)

@@ -7,13 +7,15 @@
   the stream trainer when ``stream.enabled``, the elastic-TP planner (wrapping the engines so it
   can rebuild them at another TP) when ``planner.enabled``.
 
-``megatron_rl.train`` imports this module; nothing else in ``megatron_rl`` knows RollPacker.
+The ``rollpacker`` entry point of the ``megatron_rl.plugins`` group names this module, so
+``megatron_rl.plugins.load_plugin_packages`` imports it before a config is parsed; nothing in
+``megatron_rl`` names RollPacker.
 """
 from __future__ import annotations
 
 from megatron_rl.hooks import PluginSet, PluginSetup, TrainerPlugin
 from megatron_rl.plugins import register_plugin_factory, register_scheduler
-from rollpacker import config as _config  # noqa: F401  (registers the sections and their checks)
+from rollpacker.config import PlannerConfig, StreamConfig  # importing it registers the sections and their checks
 
 
 def build(setup: PluginSetup) -> PluginSet:
@@ -21,11 +23,11 @@ def build(setup: PluginSetup) -> PluginSet:
     group the moment it completes), then the planner."""
     cfg, engine = setup.cfg, setup.engine
     plugins: list[TrainerPlugin] = []
-    if cfg.stream.enabled:
+    if cfg.section(StreamConfig).enabled:
         from rollpacker.stream_trainer import StreamTrainer
 
         plugins.append(StreamTrainer(cfg))
-    if cfg.planner.enabled:
+    if cfg.section(PlannerConfig).enabled:
         from rollpacker.elastic_tp import build_elastic_tp
 
         elastic = build_elastic_tp(cfg, engine, setup.engine_factory, on_gpu=setup.device == "cuda")

@@ -106,7 +106,7 @@ class StreamTrainer(TrainerPlugin):
 
     def __init__(self, cfg: RunConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
-        self.scfg = cfg.stream
+        self.scfg = cfg.section(StreamConfig)
         self.rounds = set(comma_list(self.scfg.rounds))
         self.clock = clock
         self.round: _Round | None = None

@@ -25,7 +25,6 @@ step; only the order in which prompts are trained changes. The queue is checkpoi
 """
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from collections import deque
@@ -35,8 +34,8 @@ from megatron_rl.algorithms.filters import is_zero_variance
 from megatron_rl.config import RunConfig
 from megatron_rl.hooks import RolloutBatch, RolloutContext, RolloutScheduler
 from megatron_rl.sample import Prompt, Sample
-from megatron_rl.sampling import InFlight, abort_all, accept_completion, cancel_scoring, submit_prompt
-from rollpacker import config as _config  # noqa: F401  (registers the tail_batching section it reads)
+from megatron_rl.sampling import Finished, GroupScored, InFlight, RoundWaiter, cancel_scoring, submit_prompt
+from rollpacker.config import TailBatchingConfig
 from rollpacker.history import Confusion, RolloutHistory
 
 
@@ -49,8 +48,6 @@ class _PromptState:
     prompt: Prompt
     finished: list[Sample] = field(default_factory=list)
     """Finished responses in finish order (the first R0 are the kept ones)."""
-    group_task: asyncio.Task | None = None
-    """Awaits the kept responses' rewards once R0 have finished."""
     predicted_long: bool | None = None
     """Short rounds: the history's prediction at launch (None: no earlier-epoch outcome)."""
 
@@ -96,7 +93,7 @@ class TailBatchingScheduler(RolloutScheduler):
         self.short_length = int(state.get("short_length", 0))
 
     def _configure_history(self, cfg: RunConfig) -> None:
-        tb = cfg.tail_batching
+        tb = cfg.section(TailBatchingConfig)
         self.history.max_prompts, self.history.max_responses = tb.history_prompts, tb.history_responses
         self.history.max_tokens = tb.history_response_tokens
 
@@ -128,7 +125,8 @@ class TailBatchingScheduler(RolloutScheduler):
     async def _short_round(self, ctx: RolloutContext):
         cfg = ctx.cfg
         p0, r0 = cfg.data.prompts_per_step, cfg.data.responses_per_prompt
-        n_responses = math.ceil(cfg.tail_batching.eta_responses * r0)
+        tb = cfg.section(TailBatchingConfig)
+        n_responses = math.ceil(tb.eta_responses * r0)
         flight, log = InFlight(), _RoundLog()
         states: dict[str, _PromptState] = {}
 
@@ -140,9 +138,9 @@ class TailBatchingScheduler(RolloutScheduler):
                 log.prompts_launched += 1
                 log.responses_launched += n_responses
 
-        await launch(math.ceil(cfg.tail_batching.eta_prompts * p0))
+        await launch(math.ceil(tb.eta_prompts * p0))
         batch = await self._collect(ctx, flight, states, log, p0, r0,
-                                    refill=lambda missing: launch(math.ceil(cfg.tail_batching.eta_prompts * missing)))
+                                    refill=lambda missing: launch(math.ceil(tb.eta_prompts * missing)))
         self._requeue_incomplete(states, batch, log, r0, front=False)
         self._record_short_outcomes(ctx, states, batch, log)
         return batch, log, flight
@@ -152,7 +150,7 @@ class TailBatchingScheduler(RolloutScheduler):
         earlier-epoch outcome); with history routing, predicted-long prompts drawn on the way go
         to the long-prompt queue instead (at most 4x ``num_prompts`` draws, then no more routing,
         so a data set of long prompts cannot stall the round)."""
-        routing = ctx.cfg.tail_batching.history_routing
+        routing = ctx.cfg.section(TailBatchingConfig).history_routing
         out, draws = [], 0
         while len(out) < num_prompts:
             drawn = ctx.next_prompts(num_prompts - len(out))
@@ -266,15 +264,13 @@ class TailBatchingScheduler(RolloutScheduler):
                        log: _RoundLog, p0: int, r0: int, refill) -> list[list[Sample]]:
         """Consume completions until P0 valid groups are in; then abort the rest."""
         dapo = ctx.cfg.algorithm.filter_zero_variance
+        max_refills = ctx.cfg.section(TailBatchingConfig).max_refills
         batch: list[list[Sample]] = []
-        stream = ctx.engine.completions()
-        next_done: asyncio.Future | None = None
-        group_tasks: set[asyncio.Task] = set()
-        try:
+        with RoundWaiter(ctx, flight) as waiter:
             while len(batch) < p0:
-                if not flight.samples and not group_tasks:
+                if not waiter.busy:
                     # Out of work: only DAPO filtering can leave the batch short of P0.
-                    if log.refills >= ctx.cfg.tail_batching.max_refills:
+                    if log.refills >= max_refills:
                         raise RefillLimitError(
                             f"step {ctx.step}: only {len(batch)} of {p0} groups have reward variance after "
                             f"{log.refills} refills ({len(log.filtered)} groups filtered); raise "
@@ -282,52 +278,32 @@ class TailBatchingScheduler(RolloutScheduler):
                     log.refills += 1
                     await refill(p0 - len(batch))
                     continue
-                waiters = set(group_tasks)
-                if flight.samples:
-                    if next_done is None:
-                        next_done = asyncio.ensure_future(stream.__anext__())
-                    waiters.add(next_done)
-                done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-                if next_done is not None and next_done in done:
-                    completion, next_done = next_done.result(), None
-                    sample = accept_completion(ctx, flight, completion)
-                    if sample is not None:
-                        self._on_finished(ctx, flight, states[sample.prompt.prompt_id], sample, r0, log, group_tasks)
-                for task in done & group_tasks:
-                    group_tasks.discard(task)
-                    group = task.result()
-                    if dapo and is_zero_variance(group):
-                        log.filtered.append(group[0].prompt.prompt_id)
-                    elif len(batch) < p0:
-                        batch.append(group)
-                        ctx.on_group_complete(group)
-                    # else: completed in the same instant the batch filled; it is queued below.
-        finally:
-            if next_done is not None:
-                next_done.cancel()
-        # The batch is full: abort every request still running and drop unfinished groups.
-        for task in group_tasks:
-            task.cancel()
-        await abort_all(ctx, flight)
+                for event in await waiter.next():
+                    if isinstance(event, Finished):
+                        self._on_finished(ctx, flight, waiter, states[event.sample.prompt.prompt_id], event.sample,
+                                          r0, log)
+                    elif isinstance(event, GroupScored):
+                        group = event.group
+                        if dapo and is_zero_variance(group):
+                            log.filtered.append(group[0].prompt.prompt_id)
+                        elif len(batch) < p0:
+                            batch.append(group)
+                            ctx.on_group_complete(group)
+                        # else: completed in the same instant the batch filled; it is queued below.
+            # The batch is full: abort every request still running and drop unfinished groups.
+            waiter.cancel_groups()
+            await waiter.abort_rest()
         used = {s.request_id for g in batch for s in g}
         cancel_scoring(ctx, flight, [rid for rid in flight.scoring if rid not in used])
         return batch
 
-    def _on_finished(self, ctx: RolloutContext, flight: InFlight, state: _PromptState, sample: Sample, r0: int,
-                     log: _RoundLog, group_tasks: set) -> None:
+    def _on_finished(self, ctx: RolloutContext, flight: InFlight, waiter: RoundWaiter, state: _PromptState,
+                     sample: Sample, r0: int, log: _RoundLog) -> None:
         state.finished.append(sample)
         self.history.add_response(state.prompt.prompt_id, sample.response_ids)
         log.finished_lengths.setdefault(state.prompt.prompt_id, []).append(len(sample.response_ids))
         if len(state.finished) == r0:
-            kept = list(state.finished)
-            tasks = [flight.scoring[s.request_id] for s in kept]
-
-            async def scored_group() -> list[Sample]:
-                await asyncio.gather(*tasks)
-                return sorted(kept, key=lambda s: s.response_index)
-
-            state.group_task = asyncio.ensure_future(scored_group())
-            group_tasks.add(state.group_task)
+            waiter.watch(state.prompt.prompt_id, list(state.finished))
         elif len(state.finished) > r0:
             # An extra response of an already complete prompt: not needed, stop scoring it.
             cancel_scoring(ctx, flight, [sample.request_id])

@@ -69,6 +69,7 @@ from rollpacker.benchmarks import (
 )
 from rollpacker.benchmarks.common import REPO, benchmark_config, period_steps, spread
 from rollpacker.benchmarks.plot_timeline import plot_timeline
+from rollpacker.config import TailBatchingConfig
 
 # (run name, scheduler, extra overrides, column label) of each two-run comparison this module runs.
 COMPARISONS = {
@@ -245,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_rl.train import build_and_run
 
     probe = benchmark_config(args, "tail_batching", 1, Path(args.out))
-    steps = args.periods * period_steps(probe.tail_batching.eta_prompts, args.prompts_per_step)
+    tb = probe.section(TailBatchingConfig)
+    steps = args.periods * period_steps(tb.eta_prompts, args.prompts_per_step)
     out = Path(args.out)
     runs = COMPARISONS[compare]
     results: dict[str, list[dict]] = {name: [] for name, *_ in runs}
@@ -274,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"model {args.model}; {steps} steps each; {args.seeds} seed(s) from {first_seed} x {args.runs} pass(es); "
           f"P0={args.prompts_per_step}, R0={args.responses}, max_new_tokens={args.max_new_tokens}, "
-          f"eta_P/eta_R={probe.tail_batching.eta_prompts}/{probe.tail_batching.eta_responses}")
+          f"eta_P/eta_R={tb.eta_prompts}/{tb.eta_responses}")
     print(f"{first} response lengths: median {median:.0f}, max {longest:.0f} tokens "
           f"(max/median = {longest / max(median, 1):.1f})")
     for a, b in zip(base, tb):

@@ -12,10 +12,10 @@ import math
 import statistics
 from pathlib import Path
 
-import rollpacker.plugins  # noqa: F401  (RollPacker's config sections, as megatron_rl.train registers them)
 from megatron_rl.config import RunConfig
 from megatron_rl.config_io import apply_override, load_config
 from megatron_rl.tools import REPO_ROOT as REPO
+from rollpacker.config import TailBatchingConfig
 
 
 def period_steps(eta_prompts: float, prompts_per_step: int) -> int:
@@ -71,7 +71,7 @@ def check_run_options(args) -> str:
 def run_shape(args) -> tuple[int, int]:
     """(steps per run, prompts in the set): whole tail-batching periods, ``--epochs`` passes."""
     probe = benchmark_config(args, "tail_batching", 1, Path(args.out))
-    steps = args.periods * period_steps(probe.tail_batching.eta_prompts, args.prompts_per_step)
+    steps = args.periods * period_steps(probe.section(TailBatchingConfig).eta_prompts, args.prompts_per_step)
     return steps, max(args.prompts_per_step, round(steps * args.prompts_per_step / args.epochs))
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import rollpacker.plugins  # noqa: F401  (RollPacker's config sections, as megatron_rl.train registers them)
 from megatron_rl.config_io import ConfigError, load_config
 from megatron_rl.planning.memory import GPUS, MemoryAssumptions
 from megatron_rl.planning.plan import make_plan

@@ -20,7 +20,6 @@ import re
 import sys
 from dataclasses import replace
 
-import rollpacker.plugins  # noqa: F401  (RollPacker's config sections, as megatron_rl.train registers them)
 from megatron_rl.config_io import ConfigError, load_config
 from megatron_rl.planning.architectures import resolve_shape
 from megatron_rl.planning.memory import GPUS

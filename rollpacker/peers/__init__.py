@@ -22,25 +22,12 @@ config section (``peers.partial.*``, ``peers.one_step_off.*``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from megatron_rl.config import register_section
 from megatron_rl.config_io import register_validator
 from megatron_rl.plugins import register_scheduler
-from rollpacker.peers.one_step_off import OneStepOffConfig, validate_one_step_off
-from rollpacker.peers.partial_rollout import PartialRolloutConfig, validate_partial
+from rollpacker.peers.config import PeersConfig  # noqa: F401  (importing it registers the section)
+from rollpacker.peers.one_step_off import validate_one_step_off
+from rollpacker.peers.partial_rollout import validate_partial
 
-
-@dataclass
-class PeersConfig:
-    partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
-    """Partial rollout (scheduler.name=partial_rollout): over-provisioning and the staleness bound."""
-    one_step_off: OneStepOffConfig = field(default_factory=OneStepOffConfig)
-    """Asynchronous rollout (scheduler.name=one_step_off): how many steps it runs ahead of training."""
-
-
-register_section("peers", PeersConfig, "The peers tail batching is measured against (scheduler.name=partial_rollout "
-                                       "or one_step_off).")
 register_validator(validate_partial)
 register_validator(validate_one_step_off)
 register_scheduler("partial_rollout", "rollpacker.peers.partial_rollout:PartialRolloutScheduler")

@@ -28,31 +28,24 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from dataclasses import dataclass
 
 from megatron_rl.baseline import BaselineScheduler
 from megatron_rl.config import RunConfig
 from megatron_rl.config_io import ConfigError
 from megatron_rl.hooks import RolloutBatch, RolloutContext, RolloutScheduler
 from megatron_rl.plugins import scheduler_path
+from rollpacker.peers.config import PeersConfig
 
 ROUND_TYPE = "one_step_off"
-
-
-@dataclass
-class OneStepOffConfig:
-    max_staleness: int = 1
-    """Steps the rollout runs ahead of training, which is the staleness bound the scheduler
-    declares: 1 is veRL's one-step-off (step t+1's batch is generated while step t trains); k > 1
-    generates step t+k's batch during step t, so up to k batches wait, generated and scored. >= 1."""
 
 
 def validate_one_step_off(cfg: RunConfig) -> None:
     """One-step-off needs awake engines while the trainer trains (the next rollout runs then) and
     a staleness bound of at least one step."""
-    if cfg.peers.one_step_off.max_staleness < 1:
+    ahead = cfg.section(PeersConfig).one_step_off.max_staleness
+    if ahead < 1:
         raise ConfigError(f"peers.one_step_off.max_staleness: must be >= 1 (steps the rollout runs ahead), "
-                          f"got {cfg.peers.one_step_off.max_staleness}")
+                          f"got {ahead}")
     if scheduler_path(cfg.scheduler.name) != f"{__name__}:OneStepOffScheduler":
         return
     if cfg.rollout.sleep_during_train:
@@ -80,7 +73,7 @@ class OneStepOffScheduler(RolloutScheduler):
         """Generated batches by the step that trains them (training state: saved in checkpoints)."""
 
     def max_staleness(self, cfg: RunConfig) -> int:
-        return cfg.peers.one_step_off.max_staleness
+        return cfg.section(PeersConfig).one_step_off.max_staleness
 
     def next_round_type(self, cfg: RunConfig) -> str:
         return ROUND_TYPE
@@ -114,7 +107,7 @@ class OneStepOffScheduler(RolloutScheduler):
         ctx.on_round_start(ROUND_TYPE, len(batch.groups))
         for group in batch.groups:
             ctx.on_group_complete(group)
-        last = min(ctx.step + ctx.cfg.peers.one_step_off.max_staleness, ctx.cfg.trainer.steps - 1)
+        last = min(ctx.step + ctx.cfg.section(PeersConfig).one_step_off.max_staleness, ctx.cfg.trainer.steps - 1)
         ahead = [s for s in range(ctx.step + 1, last + 1) if s not in self.ready]
         if ahead:
             self._ahead = asyncio.ensure_future(self._generate_ahead(ctx, ahead))

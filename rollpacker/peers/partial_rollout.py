@@ -34,30 +34,24 @@ from megatron_rl.config_io import ConfigError
 from megatron_rl.hooks import RolloutBatch, RolloutContext, RolloutScheduler
 from megatron_rl.rollout.engine import GenerationRequest
 from megatron_rl.sample import Prompt, Sample
-from megatron_rl.sampling import InFlight, accept_completion, submit_continuation, submit_prompt
+from megatron_rl.sampling import (
+    Aborted,
+    Finished,
+    GroupScored,
+    InFlight,
+    RoundWaiter,
+    submit_continuation,
+    submit_prompt,
+)
+from rollpacker.peers.config import PeersConfig
 
 ROUND_TYPE = "partial"
 """Round type of every step (metrics, and speculative decoding's ``rollout.speculative.rounds``)."""
 
 
-@dataclass
-class PartialRolloutConfig:
-    over_provision: float = 1.25
-    """Groups in flight per step: ceil(over_provision x P0), the carried ones first, then fresh
-    prompts; the first P0 to complete form the batch and the rest are aborted and carried. In
-    [1, 2]; 1 means no over-provisioning (nothing is ever aborted)."""
-    max_continuations: int = 2
-    """Most steps a group may be carried before it is trained: the staleness bound the scheduler
-    declares (no token is older than this many policy versions). A group carried this often is
-    finished in its next step, whatever it takes. >= 1."""
-    drop_on_resume: bool = False
-    """A resumed run drops the carried responses (counted as rollout/partial/dropped_* and
-    wasted tokens) and generates their prompts again, instead of continuing them."""
-
-
 def validate_partial(cfg: RunConfig) -> None:
     """``peers.partial.*``: the over-provisioning factor and the staleness bound."""
-    pc = cfg.peers.partial
+    pc = cfg.section(PeersConfig).partial
     if not 1.0 <= pc.over_provision <= 2.0:
         raise ConfigError(f"peers.partial.over_provision: must be in [1, 2] (the groups carried must fit in one "
                           f"batch), got {pc.over_provision}")
@@ -121,7 +115,7 @@ class PartialRolloutScheduler(RolloutScheduler):
         self._resumed = False
 
     def max_staleness(self, cfg: RunConfig) -> int:
-        return cfg.peers.partial.max_continuations
+        return cfg.section(PeersConfig).partial.max_continuations
 
     def next_round_type(self, cfg: RunConfig) -> str:
         return ROUND_TYPE
@@ -138,15 +132,16 @@ class PartialRolloutScheduler(RolloutScheduler):
     async def next_batch(self, ctx: RolloutContext) -> RolloutBatch:
         cfg = ctx.cfg
         p0, r0 = cfg.data.prompts_per_step, cfg.data.responses_per_prompt
+        pc = cfg.section(PeersConfig).partial
         start = time.monotonic()
         rnd = _Round()
-        restart = self._drop_carried(rnd) if self._resumed and cfg.peers.partial.drop_on_resume else []
+        restart = self._drop_carried(rnd) if self._resumed and pc.drop_on_resume else []
         self._resumed = False
         ctx.on_round_start(ROUND_TYPE, p0)
         carried, self.carried = self.carried, []
         for group in carried:
             await self._continue(ctx, rnd, group)
-        in_flight = math.ceil(cfg.peers.partial.over_provision * p0)
+        in_flight = math.ceil(pc.over_provision * p0)
         # Restarted prompts (drop_on_resume) first: they were carried, so they fit in the round.
         prompts = restart + ctx.next_prompts(max(0, in_flight - len(carried) - len(restart)))
         fresh = []
@@ -158,10 +153,10 @@ class PartialRolloutScheduler(RolloutScheduler):
             fresh.append(group)
         rnd.fresh_prompts, rnd.fresh_responses = len(prompts), len(prompts) * r0
         groups = carried + fresh
-        due = [g for g in carried if g.carries >= cfg.peers.partial.max_continuations]
+        due = [g for g in carried if g.carries >= pc.max_continuations]
         rnd.due = len(due)
         batch = await self._collect(ctx, rnd, groups, {g.key for g in due}, p0, r0)
-        await self._stop(ctx, rnd, r0)
+        await self._await_rewards(rnd)
         in_batch = {id(g) for g in batch}
         for group in groups:
             if id(group) not in in_batch:
@@ -199,74 +194,41 @@ class PartialRolloutScheduler(RolloutScheduler):
                        r0: int) -> list[_Group]:
         """Consume completions until the batch holds P0 groups: every due group, and the first
         others to complete (all R0 finished and scored) in the places left. Stops early only
-        when nothing is left to wait for (the data ran out)."""
-        flight = rnd.flight
+        when nothing is left to wait for (the data ran out); then aborts what still runs."""
         batch: list[_Group] = []
         others_room = p0 - len(due)
-        stream = ctx.engine.completions()
-        next_done: asyncio.Future | None = None
-        waiting: dict[asyncio.Future, _Group] = {}
-
-        def watch(group: _Group) -> None:
-            """The group's R0 responses are in: complete once their rewards are. A continued
-            response is scored under its continuation's request id, not the sample's first one."""
-            mine = {id(s) for s in group.finished}
-            tasks = [flight.scoring[rid] for rid, s in flight.finished.items() if id(s) in mine]
-            waiting[asyncio.ensure_future(asyncio.gather(*tasks))] = group
-
-        for group in groups:
-            if len(group.finished) == r0:  # carried whole, or every continuation already finished
-                watch(group)
-        try:
-            while len(batch) < p0 and (flight.samples or waiting):
-                waiters = set(waiting)
-                if flight.samples:
-                    if next_done is None:
-                        next_done = asyncio.ensure_future(stream.__anext__())
-                    waiters.add(next_done)
-                done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-                if next_done is not None and next_done in done:
-                    completion, next_done = next_done.result(), None
-                    group = self._on_completion(ctx, rnd, completion)
-                    if group is not None and len(group.finished) == r0:
-                        watch(group)
-                for task in [t for t in done if t in waiting]:
-                    group = waiting.pop(task)
-                    task.result()
-                    if group.key in due or others_room > 0:
-                        others_room -= group.key not in due
-                        batch.append(group)
-                        ctx.on_group_complete(sorted(group.finished, key=lambda s: s.response_index))
-        finally:
-            if next_done is not None:
-                next_done.cancel()
+        with RoundWaiter(ctx, rnd.flight) as waiter:
+            for group in groups:
+                if len(group.finished) == r0:  # carried whole, or every continuation already finished
+                    waiter.watch(group, group.finished)
+            while len(batch) < p0 and waiter.busy:
+                for event in await waiter.next():
+                    if isinstance(event, GroupScored):
+                        group = event.key
+                        if group.key in due or others_room > 0:
+                            others_room -= group.key not in due
+                            batch.append(group)
+                            ctx.on_group_complete(event.group)
+                        continue
+                    group = self._on_event(rnd, event)
+                    if isinstance(event, Finished) and len(group.finished) == r0:
+                        waiter.watch(group, group.finished)
+            # Abort every request still running, keeping what each generated.
+            for event in await waiter.abort_rest():
+                self._on_event(rnd, event)
         return batch
 
-    def _on_completion(self, ctx: RolloutContext, rnd: _Round, completion) -> _Group | None:
+    def _on_event(self, rnd: _Round, event: Finished | Aborted) -> _Group:
         """Record one completion with its group: a finished response (scoring started) or an
-        aborted one (its tokens kept for the next step). Returns the group it finished a
-        response of, else None."""
-        group = rnd.owner.get(completion.request_id)
-        if group is None or completion.request_id not in rnd.flight.samples:
-            return None  # not this round's
-        rnd.generated_tokens += len(completion.token_ids)
-        sample = accept_completion(ctx, rnd.flight, completion)
-        if sample is None:
-            group.partial.append(rnd.flight.aborted[completion.request_id])
-            return None
-        group.finished.append(sample)
+        aborted one (its tokens kept for the next step). Returns the group."""
+        group = rnd.owner[event.completion.request_id]
+        rnd.generated_tokens += len(event.completion.token_ids)
+        (group.finished if isinstance(event, Finished) else group.partial).append(event.sample)
         return group
 
-    async def _stop(self, ctx: RolloutContext, rnd: _Round, r0: int) -> None:
-        """Abort every request still running, keeping what each generated; then wait for the
-        rewards of every finished response (they are trained later, with those rewards)."""
-        flight = rnd.flight
-        if flight.samples:
-            await ctx.engine.abort(list(flight.samples))
-            stream = ctx.engine.completions()
-            while flight.samples:
-                self._on_completion(ctx, rnd, await stream.__anext__())
-        pending = [t for t in flight.scoring.values() if not t.done()]
+    async def _await_rewards(self, rnd: _Round) -> None:
+        """Wait for the rewards of every finished response (they are trained later, with those rewards)."""
+        pending = [t for t in rnd.flight.scoring.values() if not t.done()]
         if pending:
             await asyncio.gather(*pending)
 

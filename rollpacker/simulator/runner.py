@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from megatron_rl.config import RunConfig
 from megatron_rl.planning.architectures import ModelShape
 from megatron_rl.planning.memory import GpuSpec
+from rollpacker.config import PlannerConfig
 from rollpacker.planner import legal_tp_sizes, planner_for_run
 from rollpacker.simulator.costs import RewardModel, TrainModel
 from rollpacker.simulator.engine_model import EngineModel, GpuEfficiency
@@ -112,7 +113,7 @@ def planner_tp_sizes(cfg: RunConfig, shape: ModelShape, engine_for_tp: Callable[
     ``max_model_len`` beyond its KV cache), which the simulator cannot model, so it leaves those out."""
     r = cfg.rollout
     legal = legal_tp_sizes(shape.arch, cfg.cluster.gpus_per_node, r.tensor_parallel_size * r.num_engines,
-                           cfg.planner.max_tp)
+                           cfg.section(PlannerConfig).max_tp)
     longest = cfg.data.max_prompt_tokens + r.max_new_tokens
     return [tp for tp in legal if engine_for_tp(tp).kv_capacity_tokens >= longest]
 

@@ -3,10 +3,10 @@ from pathlib import Path
 
 import pytest
 
-import rollpacker.plugins  # noqa: F401  (RollPacker's scheduler and sections, as megatron_rl.train registers them)
-from megatron_rl.config import RunConfig
+from megatron_rl.config import RunConfig, register_section
 from megatron_rl.config_io import ConfigError, load_config, validate
-from rollpacker.config import parse_initial_tp
+from rollpacker.config import PlannerConfig, StreamConfig, TailBatchingConfig, parse_initial_tp
+from rollpacker.peers.config import PeersConfig
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_ARCH = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
@@ -23,6 +23,31 @@ def test_recipe_loads_and_overrides_apply():
     assert (cfg.parallel.tensor_model_parallel_size, cfg.parallel.data_parallel_size) == (1, 2)
     validate(cfg, TINY_ARCH, device="cpu")
 
+
+
+def test_a_plugin_section_is_read_typed_as_its_dataclass_and_is_the_object_the_yaml_keys_set():
+    cfg = load_config(REPO / "examples/qwen2.5/tiny_cpu_full.yaml", ["tail_batching.eta_prompts=1.5",
+                                                                    "peers.partial.max_continuations=3"])
+    tb = cfg.section(TailBatchingConfig)
+    assert isinstance(tb, TailBatchingConfig) and tb is cfg.tail_batching and tb.eta_prompts == 1.5
+    assert cfg.section(PeersConfig).partial.max_continuations == 3
+    assert cfg.section(StreamConfig) is cfg.stream and cfg.section(PlannerConfig) is cfg.planner
+    # A config built in code: the section is made on first use, typed the same way.
+    assert cfg.section(TailBatchingConfig) is not RunConfig().section(TailBatchingConfig)
+
+
+def test_a_section_read_typed_fails_naming_what_is_wrong():
+    class Unregistered:
+        pass
+
+    with pytest.raises(AttributeError, match="no config section is registered with .*Unregistered"):
+        RunConfig().section(Unregistered)
+    cfg = RunConfig()
+    cfg.extensions["tail_batching"] = {"eta_prompts": 2.0}  # e.g. a section set by hand to a dict
+    with pytest.raises(TypeError, match="'tail_batching' holds a dict, not a TailBatchingConfig"):
+        cfg.section(TailBatchingConfig)
+    with pytest.raises(ValueError, match="would hide RunConfig.section"):
+        register_section("section", Unregistered, "a name taken by a RunConfig method")
 
 def test_the_full_cpu_recipe_turns_every_mechanism_on_and_validates():
     """examples/qwen2.5/tiny_cpu_full.yaml (CONFIG= of launch/local.sh): tail batching, the planner with a

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-import rollpacker.plugins  # noqa: F401  (RollPacker's sections, as megatron_rl.train registers them)
 from megatron_rl.config_io import ConfigError, load_config, validate
 from rollpacker.tp_profile import ProfileError, fastest_tp, load_profile, profile_from_runs, save_profile
 

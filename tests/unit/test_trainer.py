@@ -398,7 +398,9 @@ def test_sigterm_stops_at_the_step_boundary_with_a_checkpoint(tmp_path, tokenize
 def test_tail_batching_runs_through_the_same_loop(tmp_path, tokenizer, tokenizer_dir):
     """RollPacker's scheduler plugs in by name; a long tail of slow prompts goes to the queue and
     comes back in a long round (the scheduler's own logic is tested in test_tail_batching)."""
-    import rollpacker.plugins  # noqa: F401  (registers 'tail_batching', as megatron_rl.train does)
+    from megatron_rl.plugins import load_plugin_packages
+
+    load_plugin_packages()  # 'tail_batching' is RollPacker's, named by its entry point (as a run loads it)
 
     def length(req: GenerationRequest) -> int:
         if "q:" not in req.request_id:  # the warm-up request
