@@ -212,7 +212,7 @@ def test_the_ray_client_makes_each_remote_member_one_actor_call_and_the_actor_fo
         by_client = forwarded_members(ray_engine.RayEngineClient)
         by_actor = forwarded_members(engine_actor.EngineActor)
         assert {"submit", "abort", "stats", "sleep", "receive_weights"} <= set(by_client)
-        assert {"abort", "stats", "sleep", "receive_weights"} <= set(by_actor)
+        assert {"abort", "stats", "receive_weights"} <= set(by_actor)  # (sleep: answered, it holds a fault point)
         for obj, names in ((client, by_client), (actor, by_actor)):
             for name in names:
                 recorder.calls.clear()
