@@ -322,6 +322,8 @@ class Trainer:
         except Exception as exc:
             if not await self.engine.recover(exc):
                 raise  # no engine died: the push's own error
+            # The failed sync stopped before its last memory moves: finish them (trainer out, KV caches in).
+            await self.colocation.to_rollout()
             log.warning("the weight sync of policy version %d failed because the engines died (%s); their "
                         "replacement holds version %d", self.version, exc, self.version)
             return {"weight_sync/engine_replaced": 1.0}
