@@ -22,7 +22,8 @@ decode steps and the mechanism counters (planner switches and their time, releas
 accepted drafts), and beside it the simulator's cumulative figures for the 7B/14B/32B recipes
 (simulated H800 clusters, not measured). Writes every raw figure with the command line, date,
 commit, CPU and model hash to <out>/cumulative.json (``--record``: docs/results/cumulative.json,
-then ``python -m rollpacker.benchmarks.cumulative_table`` renders docs/results/cumulative.md).
+then ``python -m rollpacker.benchmarks.cumulative_table`` renders docs/results/cumulative.md), and
+each run's figures to <out>/runs.jsonl as it ends (kept when the benchmark is interrupted).
 """
 from __future__ import annotations
 
@@ -221,7 +222,21 @@ def main(argv: list[str] | None = None) -> int:
     names = NAMES[:args.columns]
     steps, num_prompts = run_shape(args)
     first_seed = args.seed
-    runs = run_columns(args, names, lambda a, col, seed, d: column_run_config(a, COLUMNS, col, seed, d, 2), run_figures)
+    log = Path(args.out) / "runs.jsonl"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    current: dict = {}
+
+    def config_for(a, column: str, seed: int, run_dir: Path):
+        current.update(column=column, seed=seed, run_dir=str(run_dir))
+        return column_run_config(a, COLUMNS, column, seed, run_dir, 2)
+
+    def figures_of(rows: list[dict]) -> dict:
+        fig = run_figures(rows)
+        with log.open("a") as f:  # what an interrupted benchmark measured stays on disk
+            f.write(json.dumps({**current, **fig}) + "\n")
+        return fig
+
+    runs = run_columns(args, names, config_for, figures_of)
     args.seed = first_seed
     print(f"\nmodel {args.model}; {args.seeds} seed(s) from {first_seed} x {args.runs} pass(es); {steps} steps per run; "
           f"P0={args.prompts_per_step}, R0={args.responses}, {num_prompts} prompts, max_new_tokens={args.max_new_tokens}")

@@ -110,6 +110,8 @@ def test_benchmark_records_the_runs_and_the_page_renders_them(monkeypatch, tmp_p
                                                                        "_spec", "_stream", "_planner", "tail"]
     assert seen["spec"] == (0.25, 4)  # the measured acceptance goes to the simulator
     result = json.loads((out / "cumulative.json").read_text())
+    logged = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert [(r["column"], r["seed"]) for r in logged] == [(n, 5) for n in NAMES] + [(n, 6) for n in NAMES[::-1]]
     assert result["command"].endswith(" ".join(argv[2:])) and result["hardware"]["cores"] >= 1
     assert len(result["model"]["weights_sha256"]) == 64 and list(result["columns"]) == NAMES
     cols = result["runs"]["seed 6, pass 0"]
