@@ -100,7 +100,8 @@ def test_benchmark_records_the_runs_and_the_page_renders_them(monkeypatch, tmp_p
     def fake_simulated(acceptance, spec_tokens):
         seen["spec"] = (acceptance, spec_tokens)
         return {"r.yaml": [{"policy": "baseline (veRL)", "step_s": 20.0, "speedup": 1.0},
-                           {"policy": "tail batching", "step_s": 10.0, "speedup": 2.0}]}
+                           {"policy": "tail batching", "step_s": 10.0, "speedup": 2.0},
+                           {"policy": "+ reward scheduler", "step_s": 8.0, "speedup": 2.5}]}
     monkeypatch.setattr(benchmark_cumulative, "simulated", fake_simulated)
     out = tmp_path / "out"
     argv = ["--compare", "cumulative", "--model", str(model), "--seeds", "2", "--runs", "1", "--seed", "5",
@@ -120,7 +121,7 @@ def test_benchmark_records_the_runs_and_the_page_renders_them(monkeypatch, tmp_p
     assert cols["+spec"]["acceptance"] == pytest.approx(0.25) and cols["tail"]["preemptions"] is None
     text = cumulative_table.render(result)
     assert "below 1): `+planner` 0.80x." in text and "| speedup vs `tail` | 1.00 | 0.80 | 1.00 | 1.25 |" in text
-    assert "**Simulated, not measured**" in text and "| tail batching | 10.0 s, x2.00 (x1.00) |" in text
+    assert "**Simulated, not measured**" in text and "| tail batching | 10.0 s, x2.00 (x0.80) |" in text
     page = tmp_path / "p.md"
     page.write_text(f"intro\n{cumulative_table.START}\nold\n{cumulative_table.END}\nrest\n")
     assert cumulative_table.main([str(out / "cumulative.json"), str(page)]) == 0
