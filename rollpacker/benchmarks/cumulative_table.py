@@ -22,9 +22,11 @@ response as it finishes (the reward scheduler is always on in the RL loop)."""
 
 ROWS = [("training-loop time (s)", "loop_time", "{:.1f}"), ("speedup vs `tail`", "speedup", "{:.2f}"),
         ("gain over the column before", "step_gain", "{:.2f}"),
+        ("training-loop time less TP switches (s)", "loop_less_switch", "{:.1f}"),
+        ("gain over the column before, TP switches excluded", "gain_less_switch", "{:.2f}"),
         ("rollout, short rounds (s)", "rollout_short", "{:.1f}"), ("rollout, long rounds (s)", "rollout_long", "{:.1f}"),
         ("scoring (s)", ("split", "scoring"), "{:.1f}"), ("training (s)", ("split", "train"), "{:.1f}"),
-        ("weight sync (s)", ("split", "weight_sync"), "{:.1f}"), ("rest of the step (s)", ("split", "other"), "{:.1f}"),
+        ("weight sync (s)", ("split", "weight_sync"), "{:.1f}"), ("rest of the step less TP switches (s)", "other_less_switch", "{:.1f}"),
         ("decode steps, short rounds", "short_decode_steps", "{:.0f}"),
         ("decode steps, long rounds", "long_decode_steps", "{:.0f}"),
         ("planner TP switches", "planner_switches", "{:.0f}"), ("engine switch time (s)", "engine_switch_s", "{:.1f}"),
@@ -51,22 +53,39 @@ def _value(fig: dict, key):
     return fig[key[0]][key[1]] if isinstance(key, tuple) else fig.get(key)
 
 
-def losers(result: dict) -> list[tuple[str, float, float, float]]:
-    """(column, median, min, max) of the gain over the column before, for each column whose
-    median gain is below 1: a mechanism that costs more than it saves in these runs."""
-    names = list(result["columns"])
+def derived_runs(result: dict) -> list[dict[str, dict]]:
+    """Every run's figures plus the loop time less the planner's TP switches (``engine_switch_s``:
+    a later column pays them too, and their length varies more than the other mechanisms' effect),
+    the gain over the column before on that time, and the step's rest less the switches."""
+    names, runs = list(result["columns"]), []
+    for cols in result["runs"].values():
+        out, prev = {}, None
+        for name in names:
+            fig = dict(cols[name])
+            fig["loop_less_switch"] = fig["loop_time"] - fig.get("engine_switch_s", 0.0)
+            fig["other_less_switch"] = fig["split"]["other"] - fig.get("engine_switch_s", 0.0)
+            fig["gain_less_switch"] = prev["loop_less_switch"] / fig["loop_less_switch"] if prev else 1.0
+            out[name] = prev = fig
+        runs.append(out)
+    return runs
+
+
+def losers(result: dict) -> list[tuple[str, list[float], list[float]]]:
+    """(column, its gains over the column before, the same with TP switches excluded) of each
+    column whose median gain is below 1: a mechanism that costs more than it saves in these runs."""
+    runs = derived_runs(result)
     out = []
-    for name in names[1:]:
-        gains = [cols[name]["step_gain"] for cols in result["runs"].values()]
+    for name in list(result["columns"])[1:]:
+        gains = [cols[name]["step_gain"] for cols in runs]
         if statistics.median(gains) < 1.0:
-            out.append((name, statistics.median(gains), min(gains), max(gains)))
+            out.append((name, gains, [cols[name]["gain_less_switch"] for cols in runs]))
     return out
 
 
 def render(result: dict) -> str:
     """The measured table, the verdict line and the simulated table of a recorded result."""
     names = list(result["columns"])
-    runs = list(result["runs"].values())
+    runs = derived_runs(result)
     hw, model, args = result["hardware"], result["model"], result["args"]
     lines = [f"Measured with `{result['command']}` on {hw['cpu']} ({hw['cores']} cores), {result['date_utc']}: model "
              f"`{Path(model['path']).name}` (weights sha256 `{model['weights_sha256'][:12]}`), {result['steps']} steps "
@@ -80,7 +99,8 @@ def render(result: dict) -> str:
             lines.append(f"| {title} | " + " | ".join(cells) + " |")
     bad = losers(result)
     lines += ["", "Costs more than it saves in these runs (median gain over the column before below 1): "
-              + ("; ".join(f"`{n}` {cell([m, lo, hi], '{:.2f}x')}" for n, m, lo, hi in bad) if bad else "none") + "."]
+              + ("; ".join(f"`{n}` {cell(gains, '{:.2f}x')} ({cell(less, '{:.2f}x')} with TP switches excluded)"
+                           for n, gains, less in bad) if bad else "none") + "."]
     sim = result.get("simulated", {})
     if sim:
         recipes = list(sim)
