@@ -176,7 +176,7 @@ def simulated(acceptance: float | None, spec_tokens: int, steps: int = 40) -> di
 
 
 def provenance(argv: list[str], model: str) -> dict:
-    """Command line, UTC date, commit, CPU and the model's hash of a recorded result."""
+    """Command line, UTC date, commit, CPU, load average and the model's hash of a recorded result."""
     from megatron_rl.model.fingerprint import model_record
 
     def git(*cmd: str) -> str:
@@ -184,7 +184,7 @@ def provenance(argv: list[str], model: str) -> dict:
 
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown") if Path("/proc/cpuinfo").is_file() else "unknown"
-    return {"command": "rollpacker-benchmark --compare cumulative " + " ".join(argv),
+    return {"command": "rollpacker-benchmark --compare cumulative " + " ".join(argv), "load_average_start": os.getloadavg(),
             "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
             "commit": git("rev-parse", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else ""),
             "hardware": {"cpu": cpu, "cores": os.cpu_count()}, "model": model_record(model)}
@@ -236,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             f.write(json.dumps({**current, **fig}) + "\n")
         return fig
 
+    started = provenance(argv, args.model)  # the commit and date the runs start from
     runs = run_columns(args, names, config_for, figures_of)
     args.seed = first_seed
     print(f"\nmodel {args.model}; {args.seeds} seed(s) from {first_seed} x {args.runs} pass(es); {steps} steps per run; "
@@ -259,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
           f"speculation at the acceptance measured above ({acceptance:.3f}):")
     for recipe, table in sim.items():
         print(f"  {Path(recipe).stem}: " + "; ".join(f"{s['policy']} x{s['speedup']:.2f}" for s in table))
-    result = {**provenance(argv, args.model), "args": vars(args), "steps": steps, "num_prompts": num_prompts,
+    result = {**started, "load_average_end": os.getloadavg(), "args": vars(args), "steps": steps, "num_prompts": num_prompts,
               "columns": {name: overrides for name, _, overrides in COLUMNS}, "runs": runs, "simulated": sim}
     path = REPO / "docs/results/cumulative.json" if args.record else Path(args.out) / "cumulative.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -10,12 +10,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import textwrap
 from pathlib import Path
 
 from rollpacker.benchmarks.common import REPO
 
 START = "<!-- cumulative-table:start (python -m rollpacker.benchmarks.cumulative_table) -->"
 END = "<!-- cumulative-table:end -->"
+WIDTH = 118
+"""Prose lines of the rendered text wrap at this width (the docs keep lines under 160 characters)."""
 SIM_REFERENCE = "+ reward scheduler"
 """The simulated policy the measured ``tail`` column matches: every measured column scores each
 response as it finishes (the reward scheduler is always on in the RL loop)."""
@@ -47,6 +50,10 @@ def cell(values: list, fmt: str) -> str:
         return "-"
     med, lo, hi = (fmt.format(x) for x in (statistics.median(values), min(values), max(values)))
     return med if lo == hi else f"{med} [{lo}-{hi}]"
+
+
+def _wrap(text: str) -> list[str]:
+    return textwrap.wrap(text, WIDTH, break_on_hyphens=False, break_long_words=False)
 
 
 def _value(fig: dict, key):
@@ -87,27 +94,30 @@ def render(result: dict) -> str:
     names = list(result["columns"])
     runs = derived_runs(result)
     hw, model, args = result["hardware"], result["model"], result["args"]
-    lines = [f"Measured with `{result['command']}` on {hw['cpu']} ({hw['cores']} cores), {result['date_utc']}: model "
-             f"`{Path(model['path']).name}` (weights sha256 `{model['weights_sha256'][:12]}`), {result['steps']} steps "
-             f"per run (P0={args['prompts_per_step']}, R0={args['responses']}, max_new_tokens={args['max_new_tokens']}), "
-             f"{args['seeds']} seed(s) x {args['runs']} pass(es) = {len(runs)} runs per column, interleaved. "
-             "Median [range] over the runs; ratios within each (pass, seed); times are run totals.", "",
+    intro = (f"Measured on {hw['cpu']} ({hw['cores']} cores), {result['date_utc']}: model `{Path(model['path']).name}` "
+             f"(weights sha256 `{model['weights_sha256'][:12]}`), {result['steps']} steps per run (P0={args['prompts_per_step']}, "
+             f"R0={args['responses']}, max_new_tokens={args['max_new_tokens']}), {args['seeds']} seed(s) x {args['runs']} "
+             f"pass(es) = {len(runs)} runs per column, interleaved. Median [range] over the runs; ratios within each "
+             "(pass, seed); times are run totals. The command:")
+    lines = [*_wrap(intro), "", "```bash", result["command"], "```", "",
              "| figure | " + " | ".join(f"`{n}`" for n in names) + " |", "|---|" + "---:|" * len(names)]
     for title, key, fmt in ROWS:
         cells = [cell([_value(cols[n], key) for cols in runs], fmt) for n in names]
         if any(c != "-" for c in cells):
             lines.append(f"| {title} | " + " | ".join(cells) + " |")
     bad = losers(result)
-    lines += ["", "Costs more than it saves in these runs (median gain over the column before below 1): "
-              + ("; ".join(f"`{n}` {cell(gains, '{:.2f}x')} ({cell(less, '{:.2f}x')} with TP switches excluded)"
-                           for n, gains, less in bad) if bad else "none") + "."]
+    verdict = ("Costs more than it saves in these runs (median gain over the column before below 1): "
+               + ("; ".join(f"`{n}` {cell(gains, '{:.2f}x')} ({cell(less, '{:.2f}x')} with TP switches excluded)"
+                            for n, gains, less in bad) if bad else "none") + ".")
+    lines += ["", *_wrap(verdict)]
     sim = result.get("simulated", {})
     if sim:
         recipes = list(sim)
-        lines += ["", "**Simulated, not measured**: `rollpacker.simulator` on the H800 clusters of the recipes below "
-                  "(its GPU cost model and paper-like lognormal lengths, eta_P = eta_R = 1.25, 40 steps); speedup over "
-                  f"veRL's baseline, and in brackets over `{SIM_REFERENCE}` (tail batching with the reward scheduler, as the "
-                  "measured `tail` column):", "",
+        note = ("**Simulated, not measured**: `rollpacker.simulator` on the H800 clusters of the recipes below "
+                "(its GPU cost model and paper-like lognormal lengths, eta_P = eta_R = 1.25, 40 steps, speculation at the "
+                "acceptance measured above); mean step time, speedup over veRL's baseline and, in brackets, over "
+                f"`{SIM_REFERENCE}` (tail batching with the reward scheduler, as the measured `tail` column):")
+        lines += ["", *_wrap(note), "",
                   "| policy | " + " | ".join(f"`{Path(r).stem}`" for r in recipes) + " |", "|---|" + "---:|" * len(recipes)]
         for i, row in enumerate(sim[recipes[0]]):
             cells = []
