@@ -40,6 +40,11 @@ batching / tail batching + speculation + history over ``--seeds`` seeds (3 by de
 on the re-checking model: speed, staleness and learning of the peers users would pick instead of
 tail batching; its last line is ``speedup (tail batching vs best peer):`` (docs/peers.md).
 
+``--compare cumulative`` (``benchmark_cumulative``): tail batching alone, + planner, + stream
+trainer, + speculation and history (each column the one before plus one mechanism) over 3 seeds x 2
+passes on the re-checking model, beside the simulator's cumulative figures for the 7B/14B/32B
+recipes; writes the raw figures with their provenance (docs/results/cumulative.md).
+
 ``--compare old_logprobs`` runs the baseline scheduler twice, ``algorithm.recompute_old_logprobs``
 true vs false (the separate scoring forward vs the training forward's own logprobs).
 
@@ -62,6 +67,7 @@ from pathlib import Path
 
 from rollpacker.benchmarks import (
     benchmark_arms,
+    benchmark_cumulative,
     benchmark_peers,
     benchmark_quantization,
     benchmark_speculative,
@@ -86,6 +92,7 @@ OWN_COMPARISONS: dict[str, Callable[[list[str]], int]] = {
     "quantization": benchmark_quantization.main,
     "arms": benchmark_arms.main,
     "peers": benchmark_peers.main,
+    "cumulative": benchmark_cumulative.main,
 }
 """Comparisons with a module and options of their own: ``--compare NAME`` calls ``main(rest)``
 with the command line less ``--compare NAME``."""

@@ -177,6 +177,7 @@ def test_compare_dispatch_hands_the_rest_of_the_command_line_to_the_registered_m
     from rollpacker.benchmarks import (
         benchmark,
         benchmark_arms,
+        benchmark_cumulative,
         benchmark_peers,
         benchmark_quantization,
         benchmark_speculative,
@@ -186,7 +187,7 @@ def test_compare_dispatch_hands_the_rest_of_the_command_line_to_the_registered_m
     assert benchmark.OWN_COMPARISONS == {"weight_sync": benchmark_weight_sync.main,
                                          "speculative": benchmark_speculative.main,
                                          "quantization": benchmark_quantization.main, "arms": benchmark_arms.main,
-                                         "peers": benchmark_peers.main}
+                                         "peers": benchmark_peers.main, "cumulative": benchmark_cumulative.main}
     assert benchmark.split_compare(["--periods", "2"]) == ("schedulers", ["--periods", "2"])
     assert benchmark.split_compare(["--seeds", "3", "--compare", "speculative", "x=1"]) == ("speculative",
                                                                                           ["--seeds", "3", "x=1"])
