@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_rl.config import RunConfig, register_section
-from megatron_rl.config_io import ConfigError, comma_list, register_validator
+from megatron_rl.config.schema import RunConfig, register_section
+from megatron_rl.config.validation import register_validator
+from megatron_rl.config.values import ConfigError, comma_list
 
 ROUND_TYPES = ("long", "short", "baseline")
 """Round types a scheduler reports: tail batching's short and long rounds, the baseline's."""

@@ -11,8 +11,8 @@
 """
 from __future__ import annotations
 
-from megatron_rl.hooks import PluginSet, PluginSetup, TrainerPlugin
-from megatron_rl.plugins import register_plugin_factory, register_scheduler
+from megatron_rl.config.plugins import register_plugin_factory, register_scheduler
+from megatron_rl.loop.hooks import PluginSet, PluginSetup, TrainerPlugin
 from rollpacker import config as _config  # noqa: F401  (registers the sections and their checks)
 
 

@@ -32,10 +32,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from megatron_rl.algorithms.filters import is_zero_variance
-from megatron_rl.config import RunConfig
-from megatron_rl.hooks import RolloutBatch, RolloutContext, RolloutScheduler
+from megatron_rl.config.schema import RunConfig
+from megatron_rl.loop.hooks import RolloutBatch, RolloutContext, RolloutScheduler
+from megatron_rl.loop.requests import InFlight, abort_all, accept_completion, cancel_scoring, submit_prompt
 from megatron_rl.sample import Prompt, Sample
-from megatron_rl.sampling import InFlight, abort_all, accept_completion, cancel_scoring, submit_prompt
 from rollpacker import config as _config  # noqa: F401  (registers the tail_batching section it reads)
 from rollpacker.history import Confusion, RolloutHistory
 

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_rl.fault_injection import fault_point
+from megatron_rl.runtime.fault_injection import fault_point
 
 MANIFEST = "manifest.json"
 DRIVER_STATE = "driver_state.pt"

@@ -2,15 +2,15 @@
 
 A scheduler is named by ``scheduler.name``: a registered short name (``baseline`` here;
 RollPacker registers ``tail_batching``) or an import path ``package.module:Class`` of a
-:class:`~megatron_rl.hooks.RolloutScheduler` subclass, the way slime names its rollout and
-reward functions. Plug-in factories (:data:`~megatron_rl.hooks.PluginFactory`) are registered by
+:class:`~megatron_rl.loop.hooks.RolloutScheduler` subclass, the way slime names its rollout and
+reward functions. Plug-in factories (:data:`~megatron_rl.loop.hooks.PluginFactory`) are registered by
 packages (RollPacker's builds the elastic-TP planner and the stream trainer from its config
 sections) or named in ``trainer.plugins`` as import paths ``package.module:function``.
 
 Registering happens when a package's registration module is imported. Packages name those
 modules in the entry-point group ``megatron_rl.plugins`` of their distribution (the way vLLM
 loads ``vllm.general_plugins``), and :func:`load_plugin_packages` imports every one before a
-config is parsed (``config_io.load_config`` calls it), so a package's own config sections,
+config is parsed (``config.loading.load_config`` calls it), so a package's own config sections,
 validators and scheduler names are known to the parser: ``peers.partial.max_continuations=2``
 works on the command line like a core key. RollPacker registers itself this way
 (``rollpacker`` and ``rollpacker_peers`` in pyproject.toml), exactly as a third-party package
@@ -25,9 +25,9 @@ import logging
 import os
 from typing import Any
 
-from megatron_rl.config import RunConfig
+from megatron_rl.config.schema import RunConfig
 
-_SCHEDULERS: dict[str, str] = {"baseline": "megatron_rl.baseline:BaselineScheduler"}
+_SCHEDULERS: dict[str, str] = {"baseline": "megatron_rl.loop.baseline:BaselineScheduler"}
 _FACTORIES: list[str] = []
 _LOADED: dict[str, str] = {}
 """Entry points loaded so far: name -> value."""

@@ -2,7 +2,7 @@
 
 Recipes are YAML files whose top-level keys are the sections of :class:`RunConfig` (the core
 ones below, and sections that plug-in packages register with :func:`register_section`);
-``megatron_rl.config_io`` loads them, applies dotted ``key=value`` overrides and validates
+``megatron_rl.config.loading`` loads them, applies dotted ``key=value`` overrides and validates
 everything before any process starts.
 """
 from __future__ import annotations
@@ -440,7 +440,7 @@ class TrainerConfig:
     reload_for_training). Costs a host round trip of the trainer state per step."""
     plugins: str = ""
     """Extra trainer plug-ins: comma-separated import paths 'package.module:factory' of functions
-    taking a ``megatron_rl.hooks.PluginSetup`` and returning a ``PluginSet`` (RollPacker's own
+    taking a ``megatron_rl.loop.hooks.PluginSetup`` and returning a ``PluginSet`` (RollPacker's own
     are always loaded and configured by their sections)."""
 
 

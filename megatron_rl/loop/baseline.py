@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import time
 
-from megatron_rl.hooks import RolloutBatch, RolloutContext, RolloutScheduler
+from megatron_rl.loop.hooks import RolloutBatch, RolloutContext, RolloutScheduler
+from megatron_rl.loop.requests import InFlight, accept_completion, submit_prompt
 from megatron_rl.sample import Sample
-from megatron_rl.sampling import InFlight, accept_completion, submit_prompt
 
 
 class BaselineScheduler(RolloutScheduler):

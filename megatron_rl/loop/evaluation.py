@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from megatron_rl.config import RunConfig
+from megatron_rl.config.schema import RunConfig
 from megatron_rl.rollout.engine import GenerationRequest, RolloutEngine
 from megatron_rl.sample import Prompt, Sample
 

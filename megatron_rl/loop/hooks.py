@@ -5,12 +5,12 @@ Three kinds of extension, all named in the config and assembled by ``megatron_rl
 * :class:`RolloutScheduler` (``scheduler.name``) decides which prompts are generated, how many
   responses each gets, when to stop and what to abort. It returns one training batch (P0
   complete groups) per step. The baseline (veRL-style: submit P0 x R0, wait for all) lives in
-  ``megatron_rl.baseline``; RollPacker's tail batching in ``rollpacker.tail_batching``; the
+  ``megatron_rl.loop.baseline``; RollPacker's tail batching in ``rollpacker.tail_batching``; the
   peers it is measured against (partial rollout, one-step-off async) in ``rollpacker.peers``.
   A scheduler declares how stale its data may be (:meth:`RolloutScheduler.max_staleness`, 0:
   strictly on-policy); the loop holds every trained token to that bound
-  (``megatron_rl.off_policy``) and trains older tokens with truncated importance weights.
-* :class:`TrainerPlugin` (built by plug-in factories, see ``megatron_rl.plugins``) gets named
+  (``megatron_rl.loop.off_policy``) and trains older tokens with truncated importance weights.
+* :class:`TrainerPlugin` (built by plug-in factories, see ``megatron_rl.config.plugins``) gets named
   points of every step, in this order::
 
       before_rollout(step, round_type)   e.g. rebuild the engines at another TP (elastic TP)
@@ -35,7 +35,7 @@ import abc
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Awaitable, Callable, Protocol
 
-from megatron_rl.config import RunConfig
+from megatron_rl.config.schema import RunConfig
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.sample import Prompt, Sample
 
@@ -167,7 +167,7 @@ class TrainResult:
 
 
 class LoopServices(Protocol):
-    """What the trainer offers its plug-ins (``megatron_rl.trainer.Trainer`` implements it)."""
+    """What the trainer offers its plug-ins (``megatron_rl.loop.trainer.Trainer`` implements it)."""
 
     cfg: RunConfig
     engine: RolloutEngine

@@ -13,9 +13,9 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
-from megatron_rl.config import RunConfig
-from megatron_rl.config_io import comma_list
-from megatron_rl.hooks import RolloutContext
+from megatron_rl.config.schema import RunConfig
+from megatron_rl.config.values import comma_list
+from megatron_rl.loop.hooks import RolloutContext
 from megatron_rl.rollout.driver.migration import continuation_request
 from megatron_rl.rollout.engine import Completion, GenerationRequest
 from megatron_rl.sample import Prompt, Sample

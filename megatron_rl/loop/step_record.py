@@ -4,10 +4,10 @@ Pure functions of a step's batch and timings, so the loop stays short and this s
 """
 from __future__ import annotations
 
-from megatron_rl.config import RunConfig
-from megatron_rl.hooks import RolloutBatch
-from megatron_rl.metrics import length_stats, occupancy
+from megatron_rl.config.schema import RunConfig
+from megatron_rl.loop.hooks import RolloutBatch
 from megatron_rl.rollout.engine import EngineStats
+from megatron_rl.runtime.metrics_logger import length_stats, occupancy
 from megatron_rl.sample import Sample
 
 

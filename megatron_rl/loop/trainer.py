@@ -6,7 +6,7 @@
     weight sync -> metrics, validation, checkpoint.
 
 The loop owns no policy: the scheduler picks prompts and decides when a step's rollout is done;
-plug-ins (``megatron_rl.hooks.TrainerPlugin``) get the named points above and reach the loop
+plug-ins (``megatron_rl.loop.hooks.TrainerPlugin``) get the named points above and reach the loop
 through the services it offers them (:class:`Trainer` implements ``hooks.LoopServices``). Device
 memory belongs to ``training.colocation.Colocation``, weight movement to
 ``rollout.weight_sync.sync.WeightSync``; the loop only asks them for named transitions.
@@ -18,24 +18,24 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from megatron_rl import evaluation, loop_metrics, off_policy
-from megatron_rl.aio import run_until_interrupted
 from megatron_rl.algorithms.advantages import compute_advantages
 from megatron_rl.algorithms.filters import filter_zero_variance
-from megatron_rl.checkpoint import CheckpointManager
-from megatron_rl.config import RunConfig
-from megatron_rl.config_io import config_to_dict
+from megatron_rl.checkpoint.store import CheckpointManager
+from megatron_rl.config.loading import config_to_dict
+from megatron_rl.config.schema import RunConfig
 from megatron_rl.data.cursor import PromptCursor
-from megatron_rl.graceful_stop import GracefulStop
-from megatron_rl.hooks import RolloutBatch, RolloutContext, RolloutScheduler, TrainerPlugin
-from megatron_rl.metrics import MetricsLogger, PhaseTimer
+from megatron_rl.loop import evaluation, off_policy, step_record
+from megatron_rl.loop.hooks import RolloutBatch, RolloutContext, RolloutScheduler, TrainerPlugin
+from megatron_rl.loop.step_log import StepLog
 from megatron_rl.rollout.engine import GenerationRequest, RolloutEngine
 from megatron_rl.rollout.weight_sync.factory import make_transport
 from megatron_rl.rollout.weight_sync.hf_files import engine_dtype
 from megatron_rl.rollout.weight_sync.interface import FanOut
 from megatron_rl.rollout.weight_sync.sync import WeightSync
+from megatron_rl.runtime.aio import run_until_interrupted
+from megatron_rl.runtime.graceful_stop import GracefulStop
+from megatron_rl.runtime.metrics_logger import MetricsLogger, PhaseTimer
 from megatron_rl.sample import Prompt, Sample
-from megatron_rl.step_log import StepLog
 from megatron_rl.training.colocation import Colocation
 from megatron_rl.training.policy import Policy
 
@@ -215,20 +215,20 @@ class Trainer:
             extra.update(await self._push_weights())
         extra.update(await self._fault_metrics())
         phases = {k: v for k, v in timer.as_dict().items() if k in _STEP_PHASES}
-        metrics = loop_metrics.step_metrics(self.cfg, step, self.version, batch, samples, phases,
+        metrics = step_record.step_metrics(self.cfg, step, self.version, batch, samples, phases,
                                             time.monotonic() - step_start)
         for key in [k for k in extra if k.startswith("time/")]:  # phases timed by their owners
             metrics[key] = extra.pop(key)
         metrics.update(prep_metrics)
-        metrics.update(loop_metrics.speculation_metrics(batch, engine_before, engine_after))
+        metrics.update(step_record.speculation_metrics(batch, engine_before, engine_after))
         metrics.update(extra)
-        metrics.update(loop_metrics.parity_metrics(samples, train_metrics))
+        metrics.update(step_record.parity_metrics(samples, train_metrics))
         metrics.update(off_policy.tis_metrics(train_metrics))
         metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
         # Reward scheduler: queue wait, busy workers, reward time hidden under rollout, scaling.
         metrics.update(self.p.rewards.step_metrics(batch.samples))
-        self.trained_log.append(step, **loop_metrics.trained_prompt_record(batch, samples))
-        self.timeline_log.append(step, **loop_metrics.timeline_record(batch, self.t0))
+        self.trained_log.append(step, **step_record.trained_prompt_record(batch, samples))
+        self.timeline_log.append(step, **step_record.timeline_record(batch, self.t0))
         return metrics
 
     def _training_owner(self, step: int) -> TrainerPlugin | None:
@@ -405,5 +405,5 @@ class Trainer:
 
 
 def run_trainer(parts: TrainerParts) -> list[dict]:
-    """Run the loop; Ctrl-C stops it with KeyboardInterrupt (megatron_rl.aio.run_until_interrupted)."""
+    """Run the loop; Ctrl-C stops it with KeyboardInterrupt (megatron_rl.runtime.aio.run_until_interrupted)."""
     return run_until_interrupted(Trainer(parts).run())

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_rl.config import RunConfig
+from megatron_rl.config.schema import RunConfig
 from megatron_rl.planning.architectures import ModelShape
 
 

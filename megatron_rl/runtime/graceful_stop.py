@@ -6,7 +6,7 @@ last periodic checkpoint are lost and nothing is torn down (engines, the /dev/sh
 :class:`GracefulStop` installed, the first SIGTERM lets the current step finish, the loop writes a
 checkpoint and returns, teardown runs, and the process exits with 143 (128 + SIGTERM): resume with
 ``trainer.resume=true``. A second SIGTERM stops at once (SystemExit, teardown still runs).
-SIGINT (Ctrl-C) stays immediate, with teardown (``megatron_rl.aio.run_until_interrupted``; exit 130). ``train.py`` installs
+SIGINT (Ctrl-C) stays immediate, with teardown (``megatron_rl.runtime.aio.run_until_interrupted``; exit 130). ``train.py`` installs
 the handler right after ``ray.init``, which replaces any SIGTERM handler with its own
 (``sys.exit``: immediate, with teardown), the behaviour before this one is installed.
 """

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-from megatron_rl.config import TrainerConfig
+from megatron_rl.config.schema import TrainerConfig
 
 REWARD_KEY = "reward/mean"
 """Mean shaped reward of the step's responses."""

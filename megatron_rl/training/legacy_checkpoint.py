@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl.checkpoint import CheckpointError
+from megatron_rl.checkpoint.store import CheckpointError
 
 LEGACY_GLOB = "megatron_rank*.pt"
 

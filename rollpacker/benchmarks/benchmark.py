@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
 
-    from megatron_rl.metrics import read_metrics
+    from megatron_rl.runtime.metrics_logger import read_metrics
     from megatron_rl.train import build_and_run
 
     probe = benchmark_config(args, "tail_batching", 1, Path(args.out))

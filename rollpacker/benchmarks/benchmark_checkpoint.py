@@ -53,7 +53,7 @@ def _timed(fn) -> float:
 def _rank_main(rank: int, args: argparse.Namespace, port: int, queue) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    from megatron_rl.config import RunConfig
+    from megatron_rl.config.schema import RunConfig
     from megatron_rl.sample import Prompt, Sample
     from megatron_rl.training.legacy_checkpoint import load_legacy, rank_file, save_legacy
     from megatron_rl.training.megatron_worker import MegatronWorker

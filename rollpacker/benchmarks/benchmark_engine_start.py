@@ -63,10 +63,10 @@ async def batch(engine, request):
 def main():
     import torch
     torch.set_num_threads(1)
-    from megatron_rl.import_cost import preimport
+    from megatron_rl.runtime.import_cost import preimport
     from megatron_rl.rollout.actor.vllm_engine import VLLM_MODULES, VLLMEngine
     preimport(*VLLM_MODULES)
-    from megatron_rl.config import RolloutConfig
+    from megatron_rl.config.schema import RolloutConfig
     from megatron_rl.rollout.engine import GenerationRequest
     model, method, tp, runtime = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     cfg = RolloutConfig(max_num_seqs=16, cpu_kv_cache_gib=0.125, tensor_parallel_size=tp, cpu_engine_start=method)

@@ -1,6 +1,6 @@
 """Benchmark: the CPU time of a process's start-up imports, before and after a change, side by side
 in one run: an engine's and a trainer rank's with CPython's cyclic collector on and paused
-(``megatron_rl.import_cost``, what the run does); a reward worker's with transformers' AutoTokenizer
+(``megatron_rl.runtime.import_cost``, what the run does); a reward worker's with transformers' AutoTokenizer
 and with the tokenizers library (``megatron_rl.reward.pool.response_decoder``, what the run does);
 a driver's and an actor's project modules from sources only and with the project compiled
 (``tools/setup_env.sh`` compiles it: an editable install does not, and under
@@ -43,7 +43,7 @@ import resource, sys
 kind, after_change = sys.argv[1], sys.argv[2] == "after"
 before = resource.getrusage(resource.RUSAGE_SELF)
 if kind == "engine":
-    from megatron_rl.import_cost import preimport
+    from megatron_rl.runtime.import_cost import preimport
     from megatron_rl.rollout.actor.vllm_engine import VLLM_MODULES
     preimport("torch", *VLLM_MODULES, pause=after_change)
 elif kind == "rank":
@@ -54,7 +54,7 @@ elif kind == "bytecode":
     for name in sys.argv[4].split(","):
         importlib.import_module(name)
 else:
-    from megatron_rl.config import RewardConfig
+    from megatron_rl.config.schema import RewardConfig
     from megatron_rl.reward.pool import response_decoder, worker
     if not after_change:
         worker.load_response_decoder = response_decoder.TransformersDecoder

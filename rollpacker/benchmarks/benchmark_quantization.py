@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from megatron_rl.aio import wait_for
+from megatron_rl.runtime.aio import wait_for
 from rollpacker.benchmarks.common import REPO, benchmark_config
 
 # The random models of the throughput part: (directory name, build_tiny_qwen2 arguments).
@@ -80,7 +80,7 @@ def _ensure_model(path: Path) -> None:
 
 
 def _engine(model_dir: Path, method: str, runtime: Path):
-    from megatron_rl.config import RolloutConfig
+    from megatron_rl.config.schema import RolloutConfig
     from megatron_rl.rollout.actor.vllm_engine import VLLMEngine
 
     class FixedLength(VLLMEngine):  # EOS ignored: both engines generate exactly --tokens per request
@@ -179,7 +179,7 @@ def _fp32_mb(model_dir: Path) -> float:
 
 # ----------------------------------------------------------------------------- curves
 def curve_runs(args, out: Path) -> dict:
-    from megatron_rl.metrics import read_metrics
+    from megatron_rl.runtime.metrics_logger import read_metrics
     from megatron_rl.train import build_and_run
 
     ns = SimpleNamespace(model=args.model, prompts_per_step=args.prompts_per_step, responses=args.responses,

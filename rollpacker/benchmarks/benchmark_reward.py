@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from megatron_rl.config import RewardConfig, RolloutConfig
+from megatron_rl.config.schema import RewardConfig, RolloutConfig
 from megatron_rl.rollout.engine import GenerationRequest
 from megatron_rl.sample import Prompt, Sample
 

@@ -85,7 +85,7 @@ class MegatronArm:
         import functools
 
         from megatron_rl.algorithms.losses import compute_policy_loss
-        from megatron_rl.config_io import apply_override, load_config
+        from megatron_rl.config.loading import apply_override, load_config
         from megatron_rl.distributed.cpu_shim import apply_cpu_shim, cpu_device_mode
         from megatron_rl.distributed.ports import free_port
         from megatron_rl.training.megatron_worker import MegatronWorker

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 import rollpacker.plugins  # noqa: F401  (RollPacker's config sections, as megatron_rl.train registers them)
-from megatron_rl.config_io import apply_override, load_config
+from megatron_rl.config.loading import apply_override, load_config
 from megatron_rl.tools import REPO_ROOT as REPO
 
 FORMATS = ("hf", "sharded", "tensor")

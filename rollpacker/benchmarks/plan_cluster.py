@@ -12,7 +12,8 @@ import argparse
 import sys
 
 import rollpacker.plugins  # noqa: F401  (RollPacker's config sections, as megatron_rl.train registers them)
-from megatron_rl.config_io import ConfigError, load_config
+from megatron_rl.config.loading import load_config
+from megatron_rl.config.values import ConfigError
 from megatron_rl.planning.memory import GPUS, MemoryAssumptions
 from megatron_rl.planning.plan import make_plan
 

@@ -39,7 +39,7 @@ from rollpacker.benchmarks.common import REPO, add_run_options, check_run_option
 
 def profile_column(args, column: str, out: Path) -> tuple[dict, dict]:
     """Run one column under the samplers; returns its profile and the engine's flame stacks."""
-    from megatron_rl.metrics import read_metrics
+    from megatron_rl.runtime.metrics_logger import read_metrics
     from megatron_rl.train import build_and_run
     from rollpacker.benchmarks.profiling.report import build_profile
     from rollpacker.benchmarks.profiling.sampling import ProcessSampler, SpyRecorders

@@ -41,7 +41,7 @@ import statistics
 import time
 from pathlib import Path
 
-from megatron_rl.aio import wait_for
+from megatron_rl.runtime.aio import wait_for
 from megatron_rl.tools import REPO_ROOT as REPO
 
 
@@ -116,7 +116,7 @@ def _prompts(tokenizer, n: int, offset: int) -> list[list[int]]:
 
 
 def _engine(args, out: Path, method: str, name: str):
-    from megatron_rl.config import RolloutConfig, SpeculativeConfig
+    from megatron_rl.config.schema import RolloutConfig, SpeculativeConfig
     from megatron_rl.rollout.actor.vllm_engine import VLLMEngine
 
     cfg = RolloutConfig(max_num_seqs=max(128, args.wide_prompts * args.wide_responses), cpu_kv_cache_gib=0.5,

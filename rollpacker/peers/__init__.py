@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_rl.config import register_section
-from megatron_rl.config_io import register_validator
-from megatron_rl.plugins import register_scheduler
+from megatron_rl.config.plugins import register_scheduler
+from megatron_rl.config.schema import register_section
+from megatron_rl.config.validation import register_validator
 from rollpacker.peers.one_step_off import OneStepOffConfig, validate_one_step_off
 from rollpacker.peers.partial_rollout import PartialRolloutConfig, validate_partial
 

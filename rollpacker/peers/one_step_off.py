@@ -30,11 +30,11 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from megatron_rl.baseline import BaselineScheduler
-from megatron_rl.config import RunConfig
-from megatron_rl.config_io import ConfigError
-from megatron_rl.hooks import RolloutBatch, RolloutContext, RolloutScheduler
-from megatron_rl.plugins import scheduler_path
+from megatron_rl.config.plugins import scheduler_path
+from megatron_rl.config.schema import RunConfig
+from megatron_rl.config.values import ConfigError
+from megatron_rl.loop.baseline import BaselineScheduler
+from megatron_rl.loop.hooks import RolloutBatch, RolloutContext, RolloutScheduler
 
 ROUND_TYPE = "one_step_off"
 

@@ -29,12 +29,12 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from megatron_rl.config import RunConfig
-from megatron_rl.config_io import ConfigError
-from megatron_rl.hooks import RolloutBatch, RolloutContext, RolloutScheduler
+from megatron_rl.config.schema import RunConfig
+from megatron_rl.config.values import ConfigError
+from megatron_rl.loop.hooks import RolloutBatch, RolloutContext, RolloutScheduler
+from megatron_rl.loop.requests import InFlight, accept_completion, submit_continuation, submit_prompt
 from megatron_rl.rollout.engine import GenerationRequest
 from megatron_rl.sample import Prompt, Sample
-from megatron_rl.sampling import InFlight, accept_completion, submit_continuation, submit_prompt
 
 ROUND_TYPE = "partial"
 """Round type of every step (metrics, and speculative decoding's ``rollout.speculative.rounds``)."""

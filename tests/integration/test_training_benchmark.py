@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600
 
 def _fake_run(run_dir, model_dir) -> None:
     """A finished run's three files, as the loop writes them, on the random-init tiny model."""
-    from megatron_rl.config_io import apply_override, config_to_dict, load_config
+    from megatron_rl.config.loading import apply_override, config_to_dict, load_config
 
     cfg = load_config(None)
     apply_override(cfg, f"model.hf_path={model_dir}")

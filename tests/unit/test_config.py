@@ -4,8 +4,10 @@ from pathlib import Path
 import pytest
 
 import rollpacker.plugins  # noqa: F401  (RollPacker's scheduler and sections, as megatron_rl.train registers them)
-from megatron_rl.config import RunConfig
-from megatron_rl.config_io import ConfigError, load_config, validate
+from megatron_rl.config.loading import load_config
+from megatron_rl.config.schema import RunConfig
+from megatron_rl.config.validation import validate
+from megatron_rl.config.values import ConfigError
 from rollpacker.config import parse_initial_tp
 
 REPO = Path(__file__).resolve().parents[2]
@@ -147,7 +149,7 @@ def test_every_field_has_a_docstring():
     import ast
     import inspect
 
-    import megatron_rl.config as mod
+    import megatron_rl.config.schema as mod
 
     tree = ast.parse(inspect.getsource(mod))
     missing = []
@@ -207,7 +209,7 @@ def test_config_reference_check_fails_on_a_stale_page_and_write_repairs_it(tmp_p
 
 
 def test_old_logprob_pass_is_skipped_by_default_only_with_one_optimizer_step(tmp_path):
-    from megatron_rl.config_io import apply_override, load_config
+    from megatron_rl.config.loading import apply_override, load_config
 
     cfg = load_config(None)
     assert cfg.algorithm.recompute_old_logprobs is None and not cfg.algorithm.recomputes_old_logprobs()

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import rollpacker.plugins  # noqa: F401  (the stream / planner sections, as megatron_rl.train registers them)
-from megatron_rl.config_io import load_config
+from megatron_rl.config.loading import load_config
 from megatron_rl.planning.architectures import resolve_shape
 from megatron_rl.planning.memory import GPUS, estimate_memory
 from megatron_rl.planning.moments import plan_moments

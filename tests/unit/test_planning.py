@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 import rollpacker.plugins  # noqa: F401  (RollPacker's scheduler and sections, as megatron_rl.train registers them)
-from megatron_rl.config_io import ConfigError, load_config
+from megatron_rl.config.loading import load_config
+from megatron_rl.config.values import ConfigError
 from megatron_rl.planning.architectures import BUILTIN_SHAPES, resolve_shape
 from megatron_rl.planning.memory import (
     GIB,

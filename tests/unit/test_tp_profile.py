@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 import rollpacker.plugins  # noqa: F401  (RollPacker's sections, as megatron_rl.train registers them)
-from megatron_rl.config_io import ConfigError, load_config, validate
+from megatron_rl.config.loading import load_config
+from megatron_rl.config.validation import validate
+from megatron_rl.config.values import ConfigError
 from rollpacker.tp_profile import ProfileError, fastest_tp, load_profile, profile_from_runs, save_profile
 
 

@@ -47,11 +47,11 @@ from typing import Any
 
 import torch
 
-from megatron_rl.fault_injection import fault_point
 from megatron_rl.quantization.scheme import QuantSpec, quantize_slices
 from megatron_rl.resharding.layouts import EMBED, LM_HEAD, logical_shapes
 from megatron_rl.resharding.push_plan import PushBucket, PushPlan, build_push_plan, piece_shape
 from megatron_rl.rollout.weight_sync.push.channels import NetworkGroup, ShmRing, ticket
+from megatron_rl.runtime.fault_injection import fault_point
 
 log = logging.getLogger(__name__)
 
