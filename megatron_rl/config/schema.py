@@ -195,10 +195,10 @@ class RolloutConfig:
     the others) or 'network' (the push group for every engine; on GPU a worker that shares a trainer
     rank's GPU still takes that rank's buckets over CUDA IPC: NCCL refuses two processes of one GPU)."""
     max_engine_restarts: int = 3
-    """Engines that died (engine-core process or its Ray actor gone) are replaced inside the
-    step: a new engine on the same placement takes the current weights and the step's unfinished
-    requests are submitted again from their prompts. After this many restarts within one run the
-    next death stops the run with an error instead; 0 stops at the first death."""
+    """An engine that died (engine-core process or its Ray actor gone) is replaced alone, inside the
+    step, on the same placement; its unfinished requests continue on the other engines (see
+    [faults.md](faults.md)). After this many replacements within one run the next death stops the
+    run with an error instead; 0 stops at the first."""
     engine_health_check_s: float = 2.0
     """While requests are in flight, how often the engines' health is checked (a death that no
     completion reports, e.g. an actor that stopped answering, is noticed within this plus
