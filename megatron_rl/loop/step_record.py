@@ -68,7 +68,7 @@ def step_metrics(cfg: RunConfig, step: int, version: int, batch: RolloutBatch, t
     }
     if phases.get("train"):
         # Training throughput (prompt + response tokens through forward and backward): what
-        # rollpacker/benchmarks/benchmark_training.py holds against a plain torch step over the same shapes.
+        # megatron_rl/benchmarks/benchmark_training.py holds against a plain torch step over the same shapes.
         m["train/tokens_per_s"] = m["batch/tokens_trained"] / phases["train"]
     stats = length_stats(lengths)
     m.update({f"response_length/{k}": v for k, v in stats.items()})
@@ -123,7 +123,7 @@ def trained_prompt_record(batch: RolloutBatch, trained: list[Sample]) -> dict[st
     kept = set(prompt_ids)
     filtered = list(batch.filtered_prompt_ids) + [g[0].prompt.prompt_id for g in batch.groups
                                                   if g[0].prompt.prompt_id not in kept]
-    # The trained shapes (prompt, response tokens per sample): rollpacker/benchmarks/benchmark_training.py
+    # The trained shapes (prompt, response tokens per sample): megatron_rl/benchmarks/benchmark_training.py
     # replays them through a plain torch step.
     return {"prompt_ids": prompt_ids, "filtered_ids": filtered,
             "lengths": [[len(s.prompt.token_ids), len(s.response_ids)] for s in trained]}

@@ -6,7 +6,7 @@ hundreds of thousands of container objects (modules, classes, functions, dicts),
 none of it is garbage. Every engine actor and trainer rank pays that at start-up, on GPUs as on
 CPU. :func:`preimport` imports such modules first thing in those processes with the collector
 paused, then restores it; the cycles created meanwhile are collected by the next collection as
-usual. Measured side by side (``python -m rollpacker.benchmarks.benchmark_imports``, which
+usual. Measured side by side (``python -m megatron_rl.benchmarks.benchmark_imports``, which
 alternates fresh interpreters with and without the pause) in docs/tests.md.
 """
 from __future__ import annotations

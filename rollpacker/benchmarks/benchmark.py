@@ -19,10 +19,10 @@ Ray/engines/trainer is excluded because it is identical for both). Results go to
 
 The comparisons with a module and options of their own (:data:`OWN_COMPARISONS`) get the rest of
 the command line (``--compare NAME`` taken out); ``python -m rollpacker.benchmarks.<module> --help``
-lists their options:
+(``megatron-rl-benchmark NAME --help`` for the core's) lists their options:
 
-``--compare weight_sync`` (``benchmark_weight_sync``) times the weight sync alone, three formats
-in one run (hf files, sharded files, tensor push; ``--repeats`` pushes each) against an in-memory
+``--compare weight_sync`` (the core's ``megatron_rl.benchmarks.benchmark_weight_sync``, also
+``megatron-rl-benchmark weight_sync``) times the weight sync alone, three formats in one run (hf files, sharded files, tensor push; ``--repeats`` pushes each) against an in-memory
 copy of the same bytes, with each push split into transport and the engine's own load; its
 default model is the 70M random one of docs/weight_sync.md, large enough for the sync to move bytes worth
 measuring. Its last two lines are ``weight-sync speedup (tensor vs sharded):`` and ``tensor
@@ -43,7 +43,7 @@ tail batching; its last line is ``speedup (tail batching vs best peer):`` (docs/
 ``--compare old_logprobs`` runs the baseline scheduler twice, ``algorithm.recompute_old_logprobs``
 true vs false (the separate scoring forward vs the training forward's own logprobs).
 
-``--compare quantization`` (``benchmark_quantization``): full-precision vs int8 rollout: engine
+``--compare quantization`` (the core's ``megatron_rl.benchmarks.benchmark_quantization``): full-precision vs int8 rollout: engine
 throughput on larger random models and training curves on the tiny model.
 
 ``--compare stream`` runs tail batching twice, stream trainer off and on (``stream.enabled``),
@@ -60,13 +60,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rollpacker.benchmarks import (
-    benchmark_arms,
-    benchmark_peers,
-    benchmark_quantization,
-    benchmark_speculative,
-    benchmark_weight_sync,
-)
+from megatron_rl.benchmarks import benchmark_quantization, benchmark_weight_sync
+from rollpacker.benchmarks import benchmark_arms, benchmark_peers, benchmark_speculative
 from rollpacker.benchmarks.common import REPO, benchmark_config, period_steps, spread
 from rollpacker.benchmarks.plot_timeline import plot_timeline
 

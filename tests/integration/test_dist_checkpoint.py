@@ -242,7 +242,7 @@ def test_device_check_of_the_distributed_optimizer_passes_on_cpu(tmp_path):
 
 
 def test_benchmark_tool_prints_both_formats(tiny_model_dir, tmp_path, capsys):
-    from rollpacker.benchmarks import benchmark_checkpoint as bench
+    from megatron_rl.benchmarks import benchmark_checkpoint as bench
 
     assert bench.main(["--model", str(tiny_model_dir), "--repeats", "1", "--out", str(tmp_path / "out")]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -1,4 +1,5 @@
-"""rollpacker/benchmarks: the period arithmetic and summaries, the --compare dispatch, the timeline picture."""
+"""rollpacker/benchmarks: the period arithmetic and summaries, the --compare dispatch, the timeline picture;
+the core's megatron-rl-benchmark dispatch (megatron_rl/benchmarks/cli.py)."""
 import argparse
 import json
 
@@ -58,7 +59,7 @@ def test_plot_timeline_missing_file_is_clear(tmp_path):
 
 
 def test_weight_sync_benchmark_splits_pushes_and_ends_with_speedup_and_bandwidth(capsys):
-    from rollpacker.benchmarks.benchmark_weight_sync import report, split
+    from megatron_rl.benchmarks.benchmark_weight_sync import report, split
 
     # Files: transport = the push without the engine's load; the tensor push: without the tail
     # after the last byte reached the engine (its loaders' busy time may overlap the transport).
@@ -140,7 +141,7 @@ def test_arms_benchmark_parses_arms_and_sums_figures():
 
 
 def test_quantization_benchmark_summary_report_and_last_line(capsys):
-    from rollpacker.benchmarks.benchmark_quantization import print_report, speedup_line, summarize_curve
+    from megatron_rl.benchmarks.benchmark_quantization import print_report, speedup_line, summarize_curve
 
     rows = [{"step": s, "reward/mean": 0.1 * s, "reward/accuracy": 0.05 * s, "rollout/logprob_abs_diff_mean": 0.01,
              "rollout/logprob_abs_diff_max": 0.1 + s, "rollout/tokens_per_s": 100.0 + s, "time/step": 2.0,
@@ -173,14 +174,8 @@ def test_spread_cells():
 
 
 def test_compare_dispatch_hands_the_rest_of_the_command_line_to_the_registered_module(monkeypatch):
-    from rollpacker.benchmarks import (
-        benchmark,
-        benchmark_arms,
-        benchmark_peers,
-        benchmark_quantization,
-        benchmark_speculative,
-        benchmark_weight_sync,
-    )
+    from megatron_rl.benchmarks import benchmark_quantization, benchmark_weight_sync
+    from rollpacker.benchmarks import benchmark, benchmark_arms, benchmark_peers, benchmark_speculative
 
     assert benchmark.OWN_COMPARISONS == {"weight_sync": benchmark_weight_sync.main,
                                          "speculative": benchmark_speculative.main,
@@ -197,6 +192,28 @@ def test_compare_dispatch_hands_the_rest_of_the_command_line_to_the_registered_m
     assert benchmark.main(["--runs", "2", "--compare=speculative"]) == 7
     assert calls == [("quantization", ["--repeats", "3"]), ("speculative", ["--runs", "2"])]
     assert benchmark.main(["--compare", "nonsense"]) == 2
+
+
+def test_core_benchmark_command_runs_the_named_module_with_the_rest_of_the_command_line(monkeypatch, capsys):
+    """megatron-rl-benchmark NAME: every registered name is a core module with a main; the rest of
+    the command line goes to it; an unknown name is refused with the list."""
+    import importlib
+    import types
+
+    from megatron_rl.benchmarks import cli
+
+    for name, module in cli.BENCHMARKS.items():
+        assert module.startswith("megatron_rl.benchmarks."), name
+        assert importlib.util.find_spec(module) is not None, module
+    assert importlib.import_module(cli.BENCHMARKS["imports"]).main  # a light one really imports
+    calls = []
+    fake = types.SimpleNamespace(main=lambda argv: calls.append(argv) or 7)
+    monkeypatch.setattr(cli.importlib, "import_module", lambda path: calls.append(path) or fake)
+    monkeypatch.setattr(cli.sys, "argv", ["megatron-rl-benchmark"])
+    assert cli.main(["weight_sync", "--repeats", "3", "x=1"]) == 7
+    assert calls == ["megatron_rl.benchmarks.benchmark_weight_sync", ["--repeats", "3", "x=1"]]
+    assert cli.main(["nonsense"]) == 2 and "unknown benchmark 'nonsense'" in capsys.readouterr().err
+    assert cli.main([]) == 0 and "weight_sync" in capsys.readouterr().out
 
 
 def test_benchmark_modules_import_no_circle():
@@ -221,7 +238,7 @@ def test_training_benchmark_replays_the_recorded_shapes(tmp_path, tiny_model_dir
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rollpacker.benchmarks.benchmark_training import step_shapes, torch_step
+    from megatron_rl.benchmarks.benchmark_training import step_shapes, torch_step
 
     (tmp_path / "trained_prompts.jsonl").write_text(
         _json.dumps({"step": 0, "prompt_ids": ["a"], "lengths": [[5, 3], [5, 7]]}) + "\n"

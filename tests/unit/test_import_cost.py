@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_rl.benchmarks import benchmark_imports
 from megatron_rl.runtime.import_cost import collector_paused, preimport
-from rollpacker.benchmarks import benchmark_imports
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Attribute what :mod:`rollpacker.benchmarks.profiling.sampling` saw to the loop's phases and to what each
+"""Attribute what :mod:`megatron_rl.benchmarks.profiling.sampling` saw to the loop's phases and to what each
 process was doing (pure functions over files: tested without a run).
 
 * **Phases** come from the run's ``phases.jsonl`` (the trainer writes every phase's start and

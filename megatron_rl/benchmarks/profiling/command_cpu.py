@@ -3,7 +3,7 @@ and sample, once a second, the CPU time and thread count of every process it sta
 one row per kind (vLLM engine core, engine front-end, trainer rank, reward worker, the driver,
 Ray's own processes, other Python)::
 
-    python -m rollpacker.benchmarks.profiling.command_cpu --out cpu.json -- bash tests/run.sh
+    python -m megatron_rl.benchmarks.profiling.command_cpu --out cpu.json -- bash tests/run.sh
 
 ``--host`` counts every process that started on the machine after the command did (Ray nodes
 started with ``ray start`` and Slurm's job steps are not the command's descendants); without it,
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import psutil
 
-from rollpacker.benchmarks.profiling.sampling import ProcessSampler, started_since
+from megatron_rl.benchmarks.profiling.sampling import ProcessSampler, started_since
 
 KINDS = {
     "engine core": "vLLM engine core (VLLM::EngineCore)",

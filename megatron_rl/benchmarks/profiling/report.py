@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from rollpacker.benchmarks.profiling.attribution import (
+from megatron_rl.benchmarks.profiling.attribution import (
     BETWEEN,
     attribute_cpu,
     collapsed_stacks,

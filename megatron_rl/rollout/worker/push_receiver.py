@@ -153,7 +153,7 @@ def overlap_loads(device: torch.device) -> bool:
     """Whether a worker loads finished tensors on a second thread while it receives the next
     buckets: on a GPU (the loaders mostly queue device work) and on CPU hosts with cores to spare.
     On a small CPU box the trainer ranks and every engine worker already compete for the cores,
-    and the extra thread measured no faster (rollpacker/benchmarks/benchmark_weight_sync.py), so it loads inline."""
+    and the extra thread measured no faster (megatron_rl/benchmarks/benchmark_weight_sync.py), so it loads inline."""
     import os
 
     return device.type == "cuda" or (os.cpu_count() or 1) >= 8
