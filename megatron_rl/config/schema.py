@@ -2,8 +2,8 @@
 
 Recipes are YAML files whose top-level keys are the sections of :class:`RunConfig` (the core
 ones below, and sections that plug-in packages register with :func:`register_section`);
-``megatron_rl.config.loading`` loads them, applies dotted ``key=value`` overrides and validates
-everything before any process starts.
+``megatron_rl.config.loading`` loads them and applies dotted ``key=value`` overrides, and
+``megatron_rl.config.validation`` checks everything before any process starts.
 """
 from __future__ import annotations
 
