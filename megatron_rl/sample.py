@@ -44,7 +44,7 @@ class Sample:
     """Trainer step whose weights generated this response (its newest tokens, for a response
     continued across steps)."""
     token_versions: list[int] = field(default_factory=list)
-    """Policy version that generated each response token (``sampling.accept_completion`` records
+    """Policy version that generated each response token (``loop.requests.accept_completion`` records
     it). A response continued across steps (a partial rollout) holds several. Empty: every token
     is of ``policy_version``."""
     round_type: str = "baseline"
@@ -64,7 +64,7 @@ class Sample:
     staleness: list[int] = field(default_factory=list)
     """Per response token: how many versions the policy that generated it lags behind the one
     being trained. Set by the loop before training, and only when some token of the batch is
-    stale (``megatron_rl.off_policy``); empty means every token is on-policy."""
+    stale (``megatron_rl.loop.off_policy``); empty means every token is on-policy."""
     timings: dict = field(default_factory=dict)
     """Wall-clock stamps: submitted, finished, reward_done (seconds, time.monotonic())."""
 

@@ -4,7 +4,7 @@ Validates the whole configuration before any process starts, then places the tra
 rollout engines and reward workers with Ray, builds the scheduler and the plug-ins the config
 names, and runs the loop. Plug-in packages (RollPacker among them) register their schedulers,
 config sections and plug-in factories through the ``megatron_rl.plugins`` entry-point group,
-loaded before the command line is parsed (``megatron_rl.plugins.load_plugin_packages``): no
+loaded before the command line is parsed (``megatron_rl.config.plugins.load_plugin_packages``): no
 module of ``megatron_rl`` names RollPacker.
 """
 from __future__ import annotations
@@ -19,21 +19,15 @@ import signal
 import sys
 from pathlib import Path
 
-from megatron_rl.config import RunConfig
-from megatron_rl.config_io import (
-    ConfigError,
-    config_to_dict,
-    load_config,
-    read_hf_architecture,
-    resolve_device,
-    resolve_off_policy_tis,
-    resolve_quantization_tis,
-    validate,
-)
-from megatron_rl.graceful_stop import GracefulStop
-from megatron_rl.hooks import PluginSetup, TrainerPlugin
-from megatron_rl.plugins import PluginError, load_plugin_packages, make_scheduler, plugin_factories
+from megatron_rl.config.loading import config_to_dict, load_config
+from megatron_rl.config.plugins import PluginError, load_plugin_packages, make_scheduler, plugin_factories
+from megatron_rl.config.schema import RunConfig
+from megatron_rl.config.tis import resolve_off_policy_tis, resolve_quantization_tis
+from megatron_rl.config.validation import read_hf_architecture, resolve_device, validate
+from megatron_rl.config.values import ConfigError
+from megatron_rl.loop.hooks import PluginSetup, TrainerPlugin
 from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.runtime.graceful_stop import GracefulStop
 
 log = logging.getLogger("megatron_rl")
 
@@ -102,10 +96,10 @@ def build_and_run(cfg: RunConfig, stop: GracefulStop | None = None) -> list[dict
     from megatron_rl.distributed.cluster import check_engine_nodes, place_run, start_ray
     from megatron_rl.distributed.local_state import sweep_dead_engine_shm
     from megatron_rl.distributed.ports import free_port
+    from megatron_rl.loop.trainer import TrainerParts, run_trainer
     from megatron_rl.reward.pool.reward_pool import RewardPool
     from megatron_rl.rollout.driver.engine_factory import EngineFactory
     from megatron_rl.rollout.weight_sync.sync_dir import default_sync_dir, sweep_dead_sync_dirs
-    from megatron_rl.trainer import TrainerParts, run_trainer
     from megatron_rl.training.policy_group import PolicyGroup
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
@@ -214,7 +208,7 @@ def _remove_weights(sync_dir: Path, fanout_source: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from megatron_rl.data.datasets import DatasetError
-    from megatron_rl.trainer import StepFailed
+    from megatron_rl.loop.trainer import StepFailed
 
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = GracefulStop()
@@ -234,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"run stopped: {exc} (the last checkpoint is intact: resume with trainer.resume=true)",
               file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # Ctrl-C: the loop stopped mid-step (megatron_rl.aio), teardown has run
+    except KeyboardInterrupt:  # Ctrl-C: the loop stopped mid-step (megatron_rl.runtime.aio), teardown has run
         print("run interrupted (Ctrl-C): the step in progress is lost, the last checkpoint is intact: resume with "
               "trainer.resume=true", file=sys.stderr)
         return 128 + signal.SIGINT  # 130, the shell's code for a run ended by Ctrl-C (as GracefulStop's 143)

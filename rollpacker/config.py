@@ -2,7 +2,7 @@
 its settings.
 
 The sections are registered with the core config (``megatron_rl.config.register_section``) and
-the checks with its validation (``megatron_rl.config_io.register_validator``) when this module is
+the checks with its validation (``megatron_rl.config.validation.register_validator``) when this module is
 imported, so recipes set ``tail_batching.*`` / ``stream.*`` / ``planner.*`` like any core key, the
 config reference lists them, and a bad value is refused before any process starts. The core's
 ``scheduler.name`` picks the scheduler (``tail_batching`` is RollPacker's); the settings of tail
@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_rl.config import RunConfig, register_section
-from megatron_rl.config_io import ConfigError, comma_list, register_validator
+from megatron_rl.config.schema import RunConfig, register_section
+from megatron_rl.config.validation import register_validator
+from megatron_rl.config.values import ConfigError, comma_list
 
 ROUND_TYPES = ("long", "short", "baseline")
 """Round types a scheduler reports: tail batching's short and long rounds, the baseline's."""

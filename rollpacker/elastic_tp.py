@@ -24,8 +24,8 @@ import logging
 import time
 from typing import Callable
 
-from megatron_rl.config import RunConfig
-from megatron_rl.hooks import LoopServices, RolloutBatch, TrainerPlugin
+from megatron_rl.config.schema import RunConfig
+from megatron_rl.loop.hooks import LoopServices, RolloutBatch, TrainerPlugin
 from megatron_rl.rollout.driver.elastic import ElasticRollout
 from rollpacker.planner import ElasticTPPlanner
 

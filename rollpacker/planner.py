@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_rl.config import RunConfig
+from megatron_rl.config.schema import RunConfig
 from megatron_rl.model.qwen2 import Qwen2Arch
 from megatron_rl.resharding.layouts import VLLMLayout
 from rollpacker.config import PlannerConfig, parse_initial_tp

@@ -8,13 +8,13 @@
   can rebuild them at another TP) when ``planner.enabled``.
 
 The ``rollpacker`` entry point of the ``megatron_rl.plugins`` group names this module, so
-``megatron_rl.plugins.load_plugin_packages`` imports it before a config is parsed; nothing in
+``megatron_rl.config.plugins.load_plugin_packages`` imports it before a config is parsed; nothing in
 ``megatron_rl`` names RollPacker.
 """
 from __future__ import annotations
 
-from megatron_rl.hooks import PluginSet, PluginSetup, TrainerPlugin
-from megatron_rl.plugins import register_plugin_factory, register_scheduler
+from megatron_rl.config.plugins import register_plugin_factory, register_scheduler
+from megatron_rl.loop.hooks import PluginSet, PluginSetup, TrainerPlugin
 from rollpacker.config import PlannerConfig, StreamConfig  # importing it registers the sections and their checks
 
 

@@ -16,7 +16,7 @@ and, on CPU, the trainer ranks get ``stream.train_threads`` threads. Everything 
 when the round's training is done, before the weight sync (if the pool sleeps through training,
 the released engines rejoin it asleep and the sync's wake_up wakes them with the rest).
 
-It is a trainer plug-in (``megatron_rl.hooks.TrainerPlugin``): it sees groups complete through
+It is a trainer plug-in (``megatron_rl.loop.hooks.TrainerPlugin``): it sees groups complete through
 the rollout hooks, takes over the training of the steps it streams (``takes_over_training`` /
 ``train``, which checks that exactly the step's prepared samples were trained, each once), and
 reaches the loop only through its services: ``train_groups`` / ``apply_gradients`` for the
@@ -32,9 +32,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from megatron_rl.config import RunConfig
-from megatron_rl.config_io import comma_list
-from megatron_rl.hooks import LoopServices, RolloutBatch, TrainerPlugin, TrainResult
+from megatron_rl.config.schema import RunConfig
+from megatron_rl.config.values import comma_list
+from megatron_rl.loop.hooks import LoopServices, RolloutBatch, TrainerPlugin, TrainResult
 from megatron_rl.sample import Sample
 from rollpacker.config import StreamConfig
 

@@ -31,10 +31,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from megatron_rl.algorithms.filters import is_zero_variance
-from megatron_rl.config import RunConfig
-from megatron_rl.hooks import RolloutBatch, RolloutContext, RolloutScheduler
+from megatron_rl.config.schema import RunConfig
+from megatron_rl.loop.hooks import RolloutBatch, RolloutContext, RolloutScheduler
+from megatron_rl.loop.requests import Finished, GroupScored, InFlight, RoundWaiter, cancel_scoring, submit_prompt
 from megatron_rl.sample import Prompt, Sample
-from megatron_rl.sampling import Finished, GroupScored, InFlight, RoundWaiter, cancel_scoring, submit_prompt
 from rollpacker.config import TailBatchingConfig
 from rollpacker.history import Confusion, RolloutHistory
 

@@ -37,7 +37,7 @@ data-parallel ranks, with an all-reduce SUM) by adding them:
   the tokens an older policy generated: their ratio is those tokens' mean weight) and
   ``tis_stale_weight_max``.
 
-Off-policy tokens (a scheduler with a staleness bound > 0, see ``megatron_rl.off_policy``) need
+Off-policy tokens (a scheduler with a staleness bound > 0, see ``megatron_rl.loop.off_policy``) need
 nothing else: ``engine_logp`` is then the behaviour policy's logprob and ``old_logp`` the current
 policy's, so ``w`` is the truncated importance weight between the two, whichever way the old
 logprobs come (a scoring pass or the training forward).
@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megatron_rl.config import AlgorithmConfig
+from megatron_rl.config.schema import AlgorithmConfig
 
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 KL_TYPES = ("k1", "k3")

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from megatron_rl.config import DataConfig
+from megatron_rl.config.schema import DataConfig
 from megatron_rl.data import arithmetic
 from megatron_rl.sample import Prompt
 

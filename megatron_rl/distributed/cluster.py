@@ -26,12 +26,12 @@ from typing import Any
 
 import ray
 
-from megatron_rl.config import RunConfig
+from megatron_rl.config.schema import RunConfig
 from megatron_rl.distributed.gpu_bundles import NODE_ID_LABEL, reserve_gpus
 from megatron_rl.distributed.gpu_layout import GpuLayout, run_layout, world_size
 from megatron_rl.distributed.local_state import ray_temp_dir
 from megatron_rl.distributed.ray_start import init_local_ray
-from megatron_rl.fault_injection import FAULTS_DIR_ENV, FAULTS_ENV
+from megatron_rl.runtime.fault_injection import FAULTS_DIR_ENV, FAULTS_ENV
 
 log = logging.getLogger(__name__)
 

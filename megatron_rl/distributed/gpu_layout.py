@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_rl.config import RunConfig
-from megatron_rl.config_io import ConfigError
+from megatron_rl.config.schema import RunConfig
+from megatron_rl.config.values import ConfigError
 
 
 class LayoutError(ConfigError):

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_rl.config_io import ConfigError
+from megatron_rl.config.values import ConfigError
 from megatron_rl.model.arch import Qwen2Arch, arch_from_hf_config
 
 
@@ -45,7 +45,7 @@ class ModelShape:
         return 2 * self.arch.num_layers * self.arch.num_kv_heads * self.arch.head_dim * 2
 
     def as_hf_dict(self) -> dict:
-        """The config.json keys that ``megatron_rl.config_io.validate`` checks."""
+        """The config.json keys that ``megatron_rl.config.validation.validate`` checks."""
         a = self.arch
         return {"num_attention_heads": a.num_heads, "num_key_value_heads": a.num_kv_heads,
                 "num_hidden_layers": a.num_layers, "max_position_embeddings": a.max_position_embeddings}

@@ -34,8 +34,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_rl.config import RunConfig
-from megatron_rl.config_io import ConfigError
+from megatron_rl.config.schema import RunConfig
+from megatron_rl.config.values import ConfigError
 from megatron_rl.planning.architectures import ModelShape
 
 GIB = 1024 ** 3

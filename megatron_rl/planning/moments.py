@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_rl.config import RunConfig
+from megatron_rl.config.schema import RunConfig
 from megatron_rl.planning.architectures import ModelShape
 from megatron_rl.planning.memory import GIB, MemoryEstimate
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_rl.config import RunConfig
+from megatron_rl.config.schema import RunConfig
 from megatron_rl.distributed.gpu_layout import LayoutError, run_layout
 from megatron_rl.planning.memory import PlanError
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_rl.config import RunConfig
-from megatron_rl.config_io import validate
+from megatron_rl.config.schema import RunConfig
+from megatron_rl.config.validation import validate
 from megatron_rl.planning.architectures import ModelShape, resolve_shape
 from megatron_rl.planning.memory import (
     GPUS,

@@ -3,7 +3,7 @@ bandwidth model of the three paths as they are implemented (torch-free; the simu
 every step, ``rollpacker-simulate`` prints it).
 
 Every figure rests on the stated link speeds of :class:`SyncAssumptions` (none is measured on a
-GPU here; the CPU benchmark measures the same paths on one box, ``rollpacker/benchmarks/benchmark_weight_sync.py``).
+GPU here; the CPU benchmark measures the same paths on one box, ``megatron_rl/benchmarks/benchmark_weight_sync.py``).
 Phases of a file sync run one after another (the loop waits for each); the tensor push streams,
 so its time is its slowest link. B is one copy of the weights in the engines' layout (bf16).
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_rl.config import RunConfig
+from megatron_rl.config.schema import RunConfig
 from megatron_rl.planning.architectures import ModelShape
 
 

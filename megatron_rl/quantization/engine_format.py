@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_rl.files import replace_dir
 from megatron_rl.quantization.scheme import QuantSpec, quantize_tensors
+from megatron_rl.runtime.files import replace_dir
 
 IGNORED_MODULES = ["lm_head"]
 """Linear modules left unquantized (the output layer); embeddings and norms are not Linear."""

@@ -95,7 +95,7 @@ def find_dist_checkpoint(directory: str | Path) -> Path:
     what is wrong (nothing there, an interrupted save, a legacy format)."""
     from megatron.core.dist_checkpointing import check_is_distributed_checkpoint
 
-    from megatron_rl.checkpoint import CheckpointError
+    from megatron_rl.checkpoint.store import CheckpointError
 
     path = Path(directory)
     for candidate in (path, path / TRAINER_SUBDIR):

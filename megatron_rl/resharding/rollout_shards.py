@@ -25,13 +25,13 @@ from typing import Mapping
 
 import torch
 
-from megatron_rl.files import replace_dir
 from megatron_rl.model.qwen2 import Qwen2Arch
 from megatron_rl.quantization.engine_format import attention_scale_params, write_model_files
 from megatron_rl.quantization.scheme import QuantSpec, quantize_tensors
 from megatron_rl.resharding.execute import ReshardStats, allocate_destinations, execute_plan
 from megatron_rl.resharding.layouts import EMBED, LM_HEAD, MegatronLayout, VLLMLayout
 from megatron_rl.resharding.plan import ReshardPlan, build_plan
+from megatron_rl.runtime.files import replace_dir
 
 MANIFEST = "rollout_shards.json"
 FORMAT = "megatron_rl.rollout_shards/1"

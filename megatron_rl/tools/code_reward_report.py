@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from megatron_rl.config import RewardConfig
+from megatron_rl.config.schema import RewardConfig
 from megatron_rl.reward.pool.worker import RewardWorker
 from megatron_rl.tools import REPO_ROOT
 

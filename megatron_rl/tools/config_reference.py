@@ -1,5 +1,5 @@
 """Print the configuration reference (every section and field with its default and docstring)
-as Markdown, straight from the config dataclasses (megatron_rl/config.py, then the sections
+as Markdown, straight from the config dataclasses (megatron_rl/config/schema.py, then the sections
 plug-in packages register, e.g. rollpacker/config.py), so the reference page cannot drift from
 the code. The page (docs/configuration.md) holds the table between two marker lines.
 
@@ -9,7 +9,7 @@ the code. The page (docs/configuration.md) holds the table between two marker li
     bash tools/update_config_reference.sh                        # the same, for docs/configuration.md
 
 The sections are those ``megatron-rl-train`` accepts: the installed plug-in packages register
-them (``megatron_rl.plugins.load_plugin_packages``, RollPacker's among them), so this module
+them (``megatron_rl.config.plugins.load_plugin_packages``, RollPacker's among them), so this module
 names no plug-in package itself.
 """
 from __future__ import annotations
@@ -22,9 +22,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-import megatron_rl.config as config_module
-from megatron_rl.config import RunConfig, plugin_sections
-from megatron_rl.plugins import load_plugin_packages
+import megatron_rl.config.schema as config_module
+from megatron_rl.config.plugins import load_plugin_packages
+from megatron_rl.config.schema import RunConfig, plugin_sections
 
 BEGIN, END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
 

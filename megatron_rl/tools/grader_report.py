@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from megatron_rl.config import RewardConfig
+from megatron_rl.config.schema import RewardConfig
 from megatron_rl.reward.graders.math_reward import MathReward
 from megatron_rl.tools import REPO_ROOT
 

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from megatron_rl.metrics import (
+from megatron_rl.runtime.metrics_logger import (
     ACCURACY_KEY,
     RESPONSE_LENGTH_PREFIX,
     REWARD_KEY,

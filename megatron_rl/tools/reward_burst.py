@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
-    from megatron_rl.config import AlgorithmConfig, RewardConfig
+    from megatron_rl.config.schema import AlgorithmConfig, RewardConfig
     from megatron_rl.distributed.ray_start import init_local_ray
     from megatron_rl.model.tiny import build_tokenizer
     from megatron_rl.reward.pool.reward_pool import RewardPool

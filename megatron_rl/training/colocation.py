@@ -34,7 +34,7 @@ import contextlib
 import time
 from typing import AsyncIterator, Awaitable, Callable, Protocol
 
-from megatron_rl.config import RunConfig
+from megatron_rl.config.schema import RunConfig
 from megatron_rl.rollout.engine import RolloutEngine
 
 

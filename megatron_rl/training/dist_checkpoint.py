@@ -8,7 +8,7 @@ loading are fully parallel (``FullyParallelSaveStrategyWrapper`` /
 ``FullyParallelLoadStrategyWrapper`` over the data-parallel group): DP replicas split the
 writing and the reading instead of DP rank 0 doing it all.
 
-Inside a step directory of ``megatron_rl/checkpoint.py``::
+Inside a step directory of ``megatron_rl/checkpoint/store.py``::
 
     step_000123/
         manifest.json, driver_state.pt   the driver's (CheckpointManager.commit)
@@ -44,10 +44,10 @@ from typing import Any
 
 import torch
 
-from megatron_rl.checkpoint import CheckpointError
-from megatron_rl.fault_injection import fault_point
+from megatron_rl.checkpoint.store import CheckpointError
 from megatron_rl.resharding.checkpoint_format import TRAINER_SUBDIR as SUBDIR
 from megatron_rl.resharding.checkpoint_format import find_dist_checkpoint
+from megatron_rl.runtime.fault_injection import fault_point
 
 log = logging.getLogger(__name__)
 

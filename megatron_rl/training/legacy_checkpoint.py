@@ -9,7 +9,7 @@ that wrote them, so :func:`load_legacy` refuses any other TP/PP/CP or world size
 once at the old layout and saving again writes the layout-independent format.
 
 :func:`save_legacy` is kept only so that tests can produce a checkpoint of the old format and
-``rollpacker/benchmarks/benchmark_checkpoint.py`` can time both formats side by side; the trainer never calls it.
+``megatron_rl/benchmarks/benchmark_checkpoint.py`` can time both formats side by side; the trainer never calls it.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl.checkpoint import CheckpointError
+from megatron_rl.checkpoint.store import CheckpointError
 
 LEGACY_GLOB = "megatron_rank*.pt"
 

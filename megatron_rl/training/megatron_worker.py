@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from megatron_rl.config import RunConfig
+from megatron_rl.config.schema import RunConfig
 from megatron_rl.distributed.cpu_shim import with_cpu_device_mode
 from megatron_rl.distributed.process_groups import (
     ParallelLayout,
@@ -34,8 +34,8 @@ from megatron_rl.distributed.process_groups import (
     init_distributed,
     init_model_parallel,
 )
-from megatron_rl.fault_injection import fault_point_in_backward
 from megatron_rl.model.qwen2 import build_gpt_model, build_transformer_config, read_qwen2_arch
+from megatron_rl.runtime.fault_injection import fault_point_in_backward
 from megatron_rl.sample import Sample
 from megatron_rl.training.dist_checkpoint import load_model_weights, load_trainer_state, save_trainer_state
 from megatron_rl.training.legacy_checkpoint import is_legacy, load_legacy

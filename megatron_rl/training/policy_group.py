@@ -23,10 +23,10 @@ from typing import Any
 
 import ray
 
-from megatron_rl.aio import wait_for
-from megatron_rl.config import RunConfig
+from megatron_rl.config.schema import RunConfig
 from megatron_rl.distributed.errors import one_line
-from megatron_rl.import_cost import collector_paused, preimport
+from megatron_rl.runtime.aio import wait_for
+from megatron_rl.runtime.import_cost import collector_paused, preimport
 from megatron_rl.sample import Sample
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ _TAKES_LOSS_FN = ("train_step", "accumulate_gradients")
 
 
 def import_rank_modules(device: str, pause: bool = True) -> None:
-    """A rank's first imports, with the collector paused (``megatron_rl.import_cost``): torch, on CPU
+    """A rank's first imports, with the collector paused (``megatron_rl.runtime.import_cost``): torch, on CPU
     the CUDA-to-CPU shim (it imports and patches parts of Megatron-Core, so it comes first), then
     :data:`RANK_MODULES`."""
     with collector_paused(pause):

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl.fault_injection import fault_point
 from megatron_rl.resharding.push_plan import build_push_plan
 from megatron_rl.rollout.weight_sync.push.protocol import PushSpec
 from megatron_rl.rollout.weight_sync.push.sender import PushSender
+from megatron_rl.runtime.fault_injection import fault_point
 from megatron_rl.training.memory_offload import with_training_state
 from megatron_rl.training.weights_io import local_views
 

@@ -1,16 +1,18 @@
 """RollPacker's benchmarks, simulator front-ends and profiling tools (console entry points in
-pyproject.toml; the others run as ``python -m rollpacker.benchmarks.<module>``).
+pyproject.toml; the others run as ``python -m rollpacker.benchmarks.<module>``). The core's own
+benchmarks (weight sync, quantization, training, resharding, rewards, checkpoints, engine start,
+imports, the speculative engine check) and the profiler's parts live in ``megatron_rl.benchmarks``
+(``megatron-rl-benchmark NAME``); RollPacker's import from there, never the reverse.
 
 * ``benchmark`` (``rollpacker-benchmark``): baseline vs RollPacker on the real stack, and every
   other ``--compare``: its own two-run comparisons and, through one registry
-  (``OWN_COMPARISONS``), ``benchmark_speculative``, ``benchmark_weight_sync``,
-  ``benchmark_quantization`` and ``benchmark_arms``;
-* ``common``: what those share (the run config, the period arithmetic, the run options, table
-  cells); a leaf, so the dispatch and the benchmarks import it without a circle;
-* ``benchmark_training``, ``benchmark_resharding``, ``benchmark_reward``, ``benchmark_checkpoint``:
-  one part of the loop each;
-* ``speculative_engine_check`` (``rollpacker-speculative-engine-check``): drafts off vs on, one engine;
-* ``profile_loop`` (``rollpacker-profile-loop``) and ``profiling/``: where the loop's time goes;
+  (``OWN_COMPARISONS``), ``benchmark_speculative``, ``benchmark_arms``, ``benchmark_peers`` and
+  the core's ``weight_sync`` and ``quantization``;
+* ``common``: what those share (the period arithmetic, the run options, table cells, the column
+  runs; the run config itself is ``megatron_rl.benchmarks.run_config``); a leaf, so the dispatch
+  and the benchmarks import it without a circle;
+* ``profile_loop`` (``rollpacker-profile-loop``, with ``megatron_rl.benchmarks.profiling``): where
+  the loop's time goes, column by column;
 * ``plot_timeline`` (``rollpacker-plot-timeline``), ``rollout_profile`` (``rollpacker-rollout-profile``);
 * ``simulate``, ``calibrate_simulator``, ``plan_cluster`` (``rollpacker-simulate``,
   ``rollpacker-calibrate-simulator``, ``rollpacker-plan-cluster``): the command lines of

@@ -65,14 +65,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rollpacker.benchmarks import (
-    benchmark_arms,
-    benchmark_cumulative,
-    benchmark_peers,
-    benchmark_quantization,
-    benchmark_speculative,
-    benchmark_weight_sync,
-)
+from megatron_rl.benchmarks import benchmark_quantization, benchmark_weight_sync
+from rollpacker.benchmarks import benchmark_arms, benchmark_cumulative, benchmark_peers, benchmark_speculative
 from rollpacker.benchmarks.common import REPO, benchmark_config, period_steps, spread
 from rollpacker.benchmarks.plot_timeline import plot_timeline
 from rollpacker.config import TailBatchingConfig
@@ -249,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
 
-    from megatron_rl.metrics import read_metrics
+    from megatron_rl.runtime.metrics_logger import read_metrics
     from megatron_rl.train import build_and_run
 
     probe = benchmark_config(args, "tail_batching", 1, Path(args.out))

@@ -154,7 +154,7 @@ def simulated(acceptance: float | None, spec_tokens: int, steps: int = 40) -> di
     """The simulator's cumulative table (rollpacker.simulator.runner.cumulative) for each of
     :data:`SIM_RECIPES` on H800s with its paper-like lengths; speculation is added with the
     acceptance measured here, when there is one."""
-    from megatron_rl.config_io import load_config
+    from megatron_rl.config.loading import load_config
     from megatron_rl.planning.architectures import resolve_shape
     from megatron_rl.planning.memory import GPUS
     from rollpacker.simulator.lengths import LogNormalLengths
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         print_table(label, [cols])
     print_table(f"median [range] over {len(every)} runs", every)
     acceptance = statistics.median([c["+spec"]["acceptance"] for c in every if c["+spec"]["acceptance"]] or [0.0])
-    from megatron_rl.config import SpeculativeConfig
+    from megatron_rl.config.schema import SpeculativeConfig
     sim = simulated(acceptance or None, SpeculativeConfig().num_speculative_tokens)
     print(f"\nSIMULATED (H800 clusters of the 7B/14B/32B recipes, paper-like lengths; not measured here); "
           f"speculation at the acceptance measured above ({acceptance:.3f}):")

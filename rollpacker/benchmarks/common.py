@@ -12,8 +12,8 @@ import math
 import statistics
 from pathlib import Path
 
-from megatron_rl.config import RunConfig
-from megatron_rl.config_io import apply_override, load_config
+from megatron_rl.config.loading import apply_override, load_config
+from megatron_rl.config.schema import RunConfig
 from megatron_rl.tools import REPO_ROOT as REPO
 from rollpacker.config import TailBatchingConfig
 
@@ -149,7 +149,7 @@ def run_columns(args, names: list[str], config_for, figures_of) -> dict[str, dic
     turns its metrics rows into the figures (plus ``wall_time_with_startup``)."""
     import time
 
-    from megatron_rl.metrics import read_metrics
+    from megatron_rl.runtime.metrics_logger import read_metrics
     from megatron_rl.train import build_and_run
 
     steps, num_prompts = run_shape(args)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_rl.config_io import ConfigError, load_config
+from megatron_rl.config.loading import load_config
+from megatron_rl.config.values import ConfigError
 from megatron_rl.planning.memory import GPUS, MemoryAssumptions
 from megatron_rl.planning.plan import make_plan
 

@@ -39,10 +39,10 @@ from rollpacker.benchmarks.common import REPO, add_run_options, check_run_option
 
 def profile_column(args, column: str, out: Path) -> tuple[dict, dict]:
     """Run one column under the samplers; returns its profile and the engine's flame stacks."""
-    from megatron_rl.metrics import read_metrics
+    from megatron_rl.benchmarks.profiling.report import build_profile
+    from megatron_rl.benchmarks.profiling.sampling import ProcessSampler, SpyRecorders
+    from megatron_rl.runtime.metrics_logger import read_metrics
     from megatron_rl.train import build_and_run
-    from rollpacker.benchmarks.profiling.report import build_profile
-    from rollpacker.benchmarks.profiling.sampling import ProcessSampler, SpyRecorders
 
     col_dir = out / column.replace("+", "_")
     run_dir = col_dir / "run"
@@ -64,8 +64,8 @@ def profile_column(args, column: str, out: Path) -> tuple[dict, dict]:
 
 
 def write_report(profiles: list[dict], flames: dict[str, dict], out: Path) -> str:
-    from rollpacker.benchmarks.profiling.flamegraph import flame_svg
-    from rollpacker.benchmarks.profiling.report import category_table, engine_table, plot, process_table, thread_table
+    from megatron_rl.benchmarks.profiling.flamegraph import flame_svg
+    from megatron_rl.benchmarks.profiling.report import category_table, engine_table, plot, process_table, thread_table
 
     parts = ["# Loop profile", "", engine_table(profiles), ""]
     for prof in profiles:

@@ -20,7 +20,8 @@ import re
 import sys
 from dataclasses import replace
 
-from megatron_rl.config_io import ConfigError, load_config
+from megatron_rl.config.loading import load_config
+from megatron_rl.config.values import ConfigError
 from megatron_rl.planning.architectures import resolve_shape
 from megatron_rl.planning.memory import GPUS
 from megatron_rl.planning.weight_sync_cost import describe as describe_sync

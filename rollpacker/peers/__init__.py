@@ -11,8 +11,8 @@ What users of the field's systems turn on when the long tail hurts, instead of t
 
 Both buy speed with off-policy tokens: each declares its staleness bound
 (``RolloutScheduler.max_staleness``) and the loop trains the older tokens with truncated
-importance weights (``megatron_rl.off_policy``). They import only the loop's public seam
-(``megatron_rl.hooks``, the shared rollout mechanics of ``megatron_rl.sampling``, the baseline
+importance weights (``megatron_rl.loop.off_policy``). They import only the loop's public seam
+(``megatron_rl.loop.hooks``, the shared rollout mechanics of ``megatron_rl.loop.requests``, the baseline
 scheduler), nothing of tail batching; ``rollpacker-benchmark --compare peers`` runs them beside
 it (docs/peers.md).
 
@@ -22,8 +22,8 @@ config section (``peers.partial.*``, ``peers.one_step_off.*``).
 """
 from __future__ import annotations
 
-from megatron_rl.config_io import register_validator
-from megatron_rl.plugins import register_scheduler
+from megatron_rl.config.plugins import register_scheduler
+from megatron_rl.config.validation import register_validator
 from rollpacker.peers.config import PeersConfig  # noqa: F401  (importing it registers the section)
 from rollpacker.peers.one_step_off import validate_one_step_off
 from rollpacker.peers.partial_rollout import validate_partial

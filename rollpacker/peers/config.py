@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_rl.config import register_section
+from megatron_rl.config.schema import register_section
 
 
 @dataclass

@@ -2,7 +2,7 @@
 peer tail batching is measured against.
 
 The rollout of step t+1 runs while step t trains. Each generation is the baseline's (P0 prompts
-x R0 responses, wait for all: ``megatron_rl.baseline``), started as soon as step t's batch is
+x R0 responses, wait for all: ``megatron_rl.loop.baseline``), started as soon as step t's batch is
 handed to the loop, on the weights of version t still in the engine; it must end before the
 weights change, so the loop's ``before_weight_sync`` waits for it (the wait is the rollout time
 training did not hide, ``time/rollout_wait``). Step t+1 then trains that batch with the policy
@@ -29,11 +29,11 @@ import asyncio
 import dataclasses
 import time
 
-from megatron_rl.baseline import BaselineScheduler
-from megatron_rl.config import RunConfig
-from megatron_rl.config_io import ConfigError
-from megatron_rl.hooks import RolloutBatch, RolloutContext, RolloutScheduler
-from megatron_rl.plugins import scheduler_path
+from megatron_rl.config.plugins import scheduler_path
+from megatron_rl.config.schema import RunConfig
+from megatron_rl.config.values import ConfigError
+from megatron_rl.loop.baseline import BaselineScheduler
+from megatron_rl.loop.hooks import RolloutBatch, RolloutContext, RolloutScheduler
 from rollpacker.peers.config import PeersConfig
 
 ROUND_TYPE = "one_step_off"

@@ -7,7 +7,7 @@ are complete (all R0 responses finished and scored), every request still running
 nothing is thrown away: each unfinished group is carried to the next step with its finished
 responses and, for every aborted response, the tokens generated so far. The next step continues
 each such response from where it stopped (prompt + partial response as the prefix, what is left
-of the token budget: ``megatron_rl.sampling.submit_continuation``) under the newer weights, so a
+of the token budget: ``megatron_rl.loop.requests.submit_continuation``) under the newer weights, so a
 response can hold tokens of several policy versions (``Sample.token_versions``). Groups that
 complete beyond P0 in the same instant are carried whole.
 
@@ -29,12 +29,10 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from megatron_rl.config import RunConfig
-from megatron_rl.config_io import ConfigError
-from megatron_rl.hooks import RolloutBatch, RolloutContext, RolloutScheduler
-from megatron_rl.rollout.engine import GenerationRequest
-from megatron_rl.sample import Prompt, Sample
-from megatron_rl.sampling import (
+from megatron_rl.config.schema import RunConfig
+from megatron_rl.config.values import ConfigError
+from megatron_rl.loop.hooks import RolloutBatch, RolloutContext, RolloutScheduler
+from megatron_rl.loop.requests import (
     Aborted,
     Finished,
     GroupScored,
@@ -43,6 +41,8 @@ from megatron_rl.sampling import (
     submit_continuation,
     submit_prompt,
 )
+from megatron_rl.rollout.engine import GenerationRequest
+from megatron_rl.sample import Prompt, Sample
 from rollpacker.peers.config import PeersConfig
 
 ROUND_TYPE = "partial"

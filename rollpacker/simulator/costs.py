@@ -17,7 +17,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from megatron_rl.config import RunConfig
+from megatron_rl.config.schema import RunConfig
 from megatron_rl.planning.architectures import ModelShape
 from megatron_rl.planning.memory import GpuSpec
 from megatron_rl.planning.weight_sync_cost import SyncAssumptions, sync_seconds

@@ -11,7 +11,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from megatron_rl.config import RunConfig
+from megatron_rl.config.schema import RunConfig
 from megatron_rl.planning.architectures import ModelShape
 from megatron_rl.planning.memory import GpuSpec
 from rollpacker.config import PlannerConfig

@@ -75,7 +75,7 @@ def check_distributed_optimizer_round_trip(work_dir: str | Path, dtype: str = "b
     one; it must not be in a torch.distributed job yet). ``build_context`` wraps the model and
     optimizer construction (the CPU test passes its CUDA-type patch). Returns the measured
     values; raises AssertionError naming the first check that fails."""
-    from megatron_rl.config import RunConfig
+    from megatron_rl.config.schema import RunConfig
     from megatron_rl.model.tiny import build_tiny_qwen2
     from megatron_rl.training.megatron_worker import MegatronWorker
 

@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
 
 def _cuda_logprobs(rank: int, world: int, port: int, model_dir: str, samples):
-    from megatron_rl.config import RunConfig
+    from megatron_rl.config.schema import RunConfig
     from megatron_rl.training.megatron_worker import MegatronWorker
 
     torch.cuda.set_device(rank)

@@ -117,7 +117,7 @@ def save_then_die(rank: int, world: int, port: int, hf_dir: str, probe, run_dir:
     a CheckpointManager) and a legacy-format copy; then a second step whose save is killed
     (every rank exits with KILLED) after the tensor files are written and before the
     checkpoint's metadata. What was saved goes to ``out_dir/saved{rank}.pkl`` first."""
-    from megatron_rl.checkpoint import CheckpointManager
+    from megatron_rl.checkpoint.store import CheckpointManager
     from megatron_rl.training.legacy_checkpoint import save_legacy
 
     worker = new_worker(worker_cfg(*layout, reference=True), rank, world, port, hf_dir)

@@ -14,7 +14,7 @@ def fake_loop_runs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, columns: lis
     """Patches the loop so that a run records its config and its metrics are
     ``rows_of(column, seed - 5, steps)`` (the column found by its run dir's name, ``+`` as ``_``).
     Returns (the configs, in run order; a model dir with an empty config.json)."""
-    import megatron_rl.metrics
+    import megatron_rl.runtime.metrics_logger
     import megatron_rl.train
 
     configs = []
@@ -27,7 +27,7 @@ def fake_loop_runs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, columns: lis
         return []
 
     monkeypatch.setattr(megatron_rl.train, "build_and_run", build_and_run)
-    monkeypatch.setattr(megatron_rl.metrics, "read_metrics", lambda run_dir: rows_of(*by_dir[str(run_dir)]))
+    monkeypatch.setattr(megatron_rl.runtime.metrics_logger, "read_metrics", lambda run_dir: rows_of(*by_dir[str(run_dir)]))
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")

@@ -1,7 +1,7 @@
 """Whole-loop attempts with armed fault points, for tests/integration/test_faults.py.
 
 An :class:`Attempt` is one ``python -m megatron_rl.train`` subprocess (``train_runs.run_train``)
-with faults armed through the environment (``megatron_rl.fault_injection``). While the test waits
+with faults armed through the environment (``megatron_rl.runtime.fault_injection``). While the test waits
 on it, it keeps a list of every process the run had (pid and name, polled once a second) and of
 the ``psm_*`` segments its engine processes mapped, so that after the run ended the test can ask
 what is left behind. The run's log lines carry wall-clock times, and every fault that fired
@@ -26,7 +26,7 @@ import psutil
 import pytest
 
 from megatron_rl.distributed.local_state import HOST_TAG_ENV, mapped_segments
-from megatron_rl.fault_injection import FAULTS_DIR_ENV, FAULTS_ENV
+from megatron_rl.runtime.fault_injection import FAULTS_DIR_ENV, FAULTS_ENV
 from tests.helpers.processes import describe, left_behind, run_processes
 from tests.helpers.train_runs import overrides, read_jsonl, run_train
 
@@ -220,7 +220,7 @@ class Chain:
 
     def assert_last_checkpoint(self, step: int) -> None:
         """The newest complete checkpoint is ``step_<step>`` and every file of it is intact."""
-        from megatron_rl.checkpoint import latest, load_driver_state
+        from megatron_rl.checkpoint.store import latest, load_driver_state
 
         path = latest(self.run_dir)
         assert path is not None and path.name == f"step_{step:06d}", f"last checkpoint {path}, expected step {step}"

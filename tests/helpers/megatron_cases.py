@@ -19,7 +19,7 @@ def policy_loss_cfg(tp: int, pp: int, loss_agg: str, kl_coef: float, tis_cap: fl
     """A worker config for comparing two ways of taking one step: several microbatches per rank
     (micro_batch_tokens 24), no clipping (the exported gradient is the raw one), lr 1e-3, and the
     given layout and loss terms."""
-    from megatron_rl.config import RunConfig
+    from megatron_rl.config.schema import RunConfig
 
     cfg = RunConfig()
     cfg.parallel.tensor_model_parallel_size = tp
@@ -163,7 +163,7 @@ def hf_reference(model_dir: str, samples) -> tuple[list[list[float]], float, dic
 
 # ----------------------------------------------------------------------------- scenarios
 def _cfg(tp: int, pp: int, budget: int):
-    from megatron_rl.config import RunConfig
+    from megatron_rl.config.schema import RunConfig
 
     cfg = RunConfig()
     cfg.parallel.tensor_model_parallel_size = tp

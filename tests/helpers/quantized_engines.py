@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl.config import RolloutConfig
+from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.quantization.scheme import quant_spec
 
 INT8 = quant_spec("int8", "float32")

@@ -132,7 +132,7 @@ def trainer_from_converted(rank: int, world: int, port: int, hf_dir: str, conver
     export, and a trainer checkpoint saved to ``ckpt_dir`` (rank 0 returns the results)."""
     import os
 
-    from megatron_rl.config import RunConfig
+    from megatron_rl.config.schema import RunConfig
     from megatron_rl.training.megatron_worker import MegatronWorker
 
     cfg = RunConfig()
@@ -156,7 +156,7 @@ def rollout_shards_from_trainer(rank: int, world: int, port: int, hf_dirs: list[
     """A Megatron TP2 x PP2 trainer writes its weights as vLLM rollout shards (policy version 7)
     for every TP in ``rollout_tps``, for each model in ``hf_dirs``, into
     ``out_root/<model dir name>/tp<N>``. Returns this rank's resharding stats per (model, TP)."""
-    from megatron_rl.config import RunConfig
+    from megatron_rl.config.schema import RunConfig
     from megatron_rl.training.megatron_worker import MegatronWorker
 
     cfg = RunConfig()

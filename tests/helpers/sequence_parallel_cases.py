@@ -28,7 +28,7 @@ def sp_scenario(rank: int, world: int, port: int, model_dir: str, layouts: list,
     metrics and its HF-named gradient (gathered to full shape). Rank 0 returns the results."""
     from megatron.core.utils import get_model_config
 
-    from megatron_rl.config import RunConfig
+    from megatron_rl.config.schema import RunConfig
     from megatron_rl.training.megatron_worker import MegatronWorker
     from tests.helpers.megatron_cases import toy_loss
 

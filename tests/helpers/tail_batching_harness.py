@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-from megatron_rl.config import RunConfig
+from megatron_rl.config.schema import RunConfig
 from megatron_rl.data.cursor import PromptCursor
-from megatron_rl.hooks import RolloutContext
+from megatron_rl.loop.hooks import RolloutContext
 from megatron_rl.sample import Prompt
 
 P0, R0 = 4, 4

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from megatron_rl.algorithms.losses import compute_policy_loss
-from megatron_rl.config import RunConfig
+from megatron_rl.config.schema import RunConfig
 from megatron_rl.rollout.engine import Completion, GenerationRequest
 from megatron_rl.training.step_metrics import parity_metrics
 from tests.helpers.fake_engine import FakeEngine

@@ -32,7 +32,7 @@ TIED_SAVED = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tiny_untied_model_dir, tmp_path_factory):
-    from megatron_rl.checkpoint import latest
+    from megatron_rl.checkpoint.store import latest
     from megatron_rl.model.tiny import build_tiny_qwen2
 
     root = tmp_path_factory.mktemp("distckpt")
@@ -95,7 +95,7 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 def test_killed_save_leaves_no_step_and_the_previous_one_loads(runs, tmp_path):
-    from megatron_rl.checkpoint import CheckpointError, CheckpointManager, latest, load_driver_state
+    from megatron_rl.checkpoint.store import CheckpointError, CheckpointManager, latest, load_driver_state
     from megatron_rl.resharding.checkpoint_format import find_dist_checkpoint
 
     kill = runs["after_kill"]
@@ -242,7 +242,7 @@ def test_device_check_of_the_distributed_optimizer_passes_on_cpu(tmp_path):
 
 
 def test_benchmark_tool_prints_both_formats(tiny_model_dir, tmp_path, capsys):
-    from rollpacker.benchmarks import benchmark_checkpoint as bench
+    from megatron_rl.benchmarks import benchmark_checkpoint as bench
 
     assert bench.main(["--model", str(tiny_model_dir), "--repeats", "1", "--out", str(tmp_path / "out")]) == 0
     lines = capsys.readouterr().out.splitlines()

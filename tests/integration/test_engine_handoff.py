@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from megatron_rl.config import RolloutConfig
+from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.rollout.driver.engine_pool import EnginePool
 from megatron_rl.rollout.driver.ray_engine import create_ray_engines
 from megatron_rl.rollout.engine import GenerationRequest

@@ -1,7 +1,7 @@
 """Fault injection on the real stack: parts killed, stalled or lost mid-work.
 
 The whole loop (``python -m megatron_rl.train``), one run directory in seven attempts, faults
-injected at exact points by ``megatron_rl.fault_injection`` (armed through the environment). The
+injected at exact points by ``megatron_rl.runtime.fault_injection`` (armed through the environment). The
 chain runs first, before the module's Ray session exists:
 
 1. the engine core SIGKILLed while it receives a tensor weight push, and again while it holds
@@ -227,7 +227,7 @@ def test_ctrl_c_stops_cleanly_and_the_last_resume_trains_every_prompt_once(chain
         rc, exited_at = run.wait_exit(120)
     finally:
         run.kill()
-    # Exit 0 once on a slow box: Python 3.11's asyncio.wait_for lost the cancellation (megatron_rl.aio).
+    # Exit 0 once on a slow box: Python 3.11's asyncio.wait_for lost the cancellation (megatron_rl.runtime.aio).
     assert rc == 130, (f"exit {rc}, expected 130 (Ctrl-C; 0: the run went on after it) (checkpoint 4 seen "
                        f"{seen_at - run.started_at:.1f} s after the start, SIGINT {interrupted_at - seen_at:.1f} s "
                        f"later, exit {exited_at - interrupted_at:.1f} s after it):\n{run.tail()}")

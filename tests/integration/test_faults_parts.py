@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from megatron_rl.config import RolloutConfig, RunConfig
+from megatron_rl.config.schema import RolloutConfig, RunConfig
 from megatron_rl.rollout.driver.engine_health import EngineRestartsExhausted, Supervision
 from megatron_rl.rollout.driver.engine_pool import EnginePool
 from megatron_rl.rollout.driver.ray_engine import create_engine_client
@@ -229,7 +229,7 @@ def test_reward_worker_killed_under_load_keeps_every_verdict(ray_session, tokeni
     import ray
     from transformers import AutoTokenizer
 
-    from megatron_rl.config import AlgorithmConfig, RewardConfig
+    from megatron_rl.config.schema import AlgorithmConfig, RewardConfig
     from megatron_rl.reward.pool.reward_pool import RewardPool
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -287,7 +287,7 @@ def test_reward_workers_dying_past_their_restarts_stop_scoring_with_a_clear_erro
     import ray
     from transformers import AutoTokenizer
 
-    from megatron_rl.config import AlgorithmConfig, RewardConfig
+    from megatron_rl.config.schema import AlgorithmConfig, RewardConfig
     from megatron_rl.reward.pool.dispatch import RewardPoolExhausted
     from megatron_rl.reward.pool.reward_pool import RewardPool
 
@@ -338,7 +338,7 @@ def test_reward_pool_burst_beyond_its_workers_keeps_every_verdict(ray_session, t
     every verdict arrives and is the expected one, attacks included; memory stays bounded."""
     from transformers import AutoTokenizer
 
-    from megatron_rl.config import AlgorithmConfig, RewardConfig
+    from megatron_rl.config.schema import AlgorithmConfig, RewardConfig
     from megatron_rl.reward.pool.reward_pool import RewardPool
     from megatron_rl.tools.reward_burst import build_burst, run_burst
     from tests.helpers.fault_figures import record_burst

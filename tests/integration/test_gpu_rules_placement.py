@@ -56,7 +56,7 @@ def stand_ins(monkeypatch):
 
 
 def _recipe(name: str, *overrides: str):
-    from megatron_rl.config_io import load_config
+    from megatron_rl.config.loading import load_config
 
     return load_config(next(RECIPES.glob(f"qwen2.5_{name}_math_*.yaml")), [*overrides, "cluster.device=cuda"])
 

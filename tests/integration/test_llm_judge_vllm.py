@@ -6,7 +6,7 @@ import asyncio
 import pytest
 import torch
 
-from megatron_rl.config import RolloutConfig
+from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.reward.graders.llm_judge import LLMJudge, parse_verdict
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]

@@ -37,7 +37,7 @@ RTOL = 1e-6
 
 
 def _cfg(tp: int, pp: int = 1, recompute: str = "none"):
-    from megatron_rl.config import RunConfig
+    from megatron_rl.config.schema import RunConfig
 
     cfg = RunConfig()
     cfg.parallel.tensor_model_parallel_size = tp
@@ -296,7 +296,9 @@ def test_offload_refuses_pending_accumulated_gradients(runs):
 
 
 def test_recompute_granularity_is_validated():
-    from megatron_rl.config_io import ConfigError, load_config, validate
+    from megatron_rl.config.loading import load_config
+    from megatron_rl.config.validation import validate
+    from megatron_rl.config.values import ConfigError
 
     for value in GRANULARITIES:
         validate(load_config(None, [f"parallel.recompute_granularity={value}"]), device="cpu")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.checkpoint import load_driver_state
+from megatron_rl.checkpoint.store import load_driver_state
 from tests.helpers.train_runs import run_train
 
 pytestmark = [pytest.mark.integration, pytest.mark.loop, pytest.mark.slow]

@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600
 
 def _update_direction(rank: int, world: int, port: int, model_dir: str, samples):
     from megatron_rl.algorithms.losses import compute_policy_loss
-    from megatron_rl.config import RunConfig
+    from megatron_rl.config.schema import RunConfig
     from megatron_rl.distributed.cpu_shim import apply_cpu_shim
     from megatron_rl.training.megatron_worker import MegatronWorker
 

@@ -111,8 +111,8 @@ def test_int8_engine_runs_int8_kernels_and_reloads_through_both_syncs(models, lo
 
 
 def test_int8_engine_on_the_70m_benchmark_model(loop, tmp_path, tmp_path_factory):
+    from megatron_rl.benchmarks.benchmark_quantization import THROUGHPUT_MODELS
     from megatron_rl.model.tiny import build_tiny_qwen2
-    from rollpacker.benchmarks.benchmark_quantization import THROUGHPUT_MODELS
 
     model = build_tiny_qwen2(tmp_path / "sync-bench-70m", **THROUGHPUT_MODELS["sync-bench-70m"])
     engine = quantized_engine(quantize_hf_checkpoint(model, tmp_path / "int8", INT8), tmp_path_factory, "int8")
@@ -122,7 +122,7 @@ def test_int8_engine_on_the_70m_benchmark_model(loop, tmp_path, tmp_path_factory
         assert {row["gemm"] for row in linear.values()} == {"_apply_weights_onednn"}, linear
         tokens, logprobs, _ = run(loop, sample(engine, "70m", max_tokens=32))
         gap = _gap(logprobs, model, tokens)
-        # rollpacker/benchmarks/benchmark_quantization.py measured mean 2.0e-2 / max 7.4e-2 on this model.
+        # megatron_rl/benchmarks/benchmark_quantization.py measured mean 2.0e-2 / max 7.4e-2 on this model.
         assert float(gap.max()) > 1e-3 and float(gap.mean()) < 0.05, gap
     finally:
         loop.run_until_complete(asyncio.wait_for(engine.shutdown(), timeout=60))

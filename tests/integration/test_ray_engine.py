@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from megatron_rl.config import RolloutConfig, RunConfig
+from megatron_rl.config.schema import RolloutConfig, RunConfig
 from megatron_rl.rollout.driver.ray_engine import RayEngineClient, create_engine_client
 from megatron_rl.rollout.engine import GenerationRequest
 from megatron_rl.rollout.weight_sync.hf_files import write_hf_weights

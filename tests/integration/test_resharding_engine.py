@@ -13,7 +13,7 @@ import asyncio
 import pytest
 import torch
 
-from megatron_rl.config import RolloutConfig
+from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.model.hf_weights import hf_to_megatron_shard
 from megatron_rl.model.qwen2 import read_qwen2_arch
 from megatron_rl.model.tiny import build_tiny_qwen2

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.config import RewardConfig
+from megatron_rl.config.schema import RewardConfig
 from megatron_rl.reward.pool.reward_pool import RewardPool
 from megatron_rl.reward.pool.worker import CONTROL_GROUP
 from megatron_rl.sample import Prompt, Sample

@@ -121,7 +121,7 @@ def test_bad_shard_directories_are_named(tmp_path):
 
 def test_tp2_engine_starts_from_shards_reloads_shards_in_place_then_takes_an_hf_sync(written, tmp_path,
                                                                                      tmp_path_factory):
-    from megatron_rl.config import RolloutConfig
+    from megatron_rl.config.schema import RolloutConfig
     from megatron_rl.rollout.actor.vllm_engine import VLLMEngine
     from megatron_rl.rollout.weight_sync.hf_files import write_hf_weights
     from megatron_rl.training.weights_io import LazySafetensors

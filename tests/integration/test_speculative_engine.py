@@ -25,7 +25,7 @@ import time
 import pytest
 import torch
 
-from megatron_rl.config import RolloutConfig, SpeculativeConfig
+from megatron_rl.config.schema import RolloutConfig, SpeculativeConfig
 from megatron_rl.rollout.actor.vllm_engine import VLLMEngine
 from megatron_rl.rollout.driver.migration import continuation_request
 from megatron_rl.rollout.engine import GenerationRequest

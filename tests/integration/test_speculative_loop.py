@@ -19,7 +19,7 @@ def test_loop_speculates_stays_on_policy_and_keeps_history_over_epochs(sft_model
     epochs (8 prompts, P0=4: the data cursor wraps after two short rounds, so later rounds see
     prompts of an earlier epoch; history routing and the drafter's references run on the real
     stack, the prediction is scored, and the final checkpoint holds the history)."""
-    from megatron_rl.checkpoint import CheckpointManager
+    from megatron_rl.checkpoint.store import CheckpointManager
 
     run_dir, steps = tmp_path / "run", 6
     args = overrides(sft_model_dir, run_dir, steps, [

@@ -319,7 +319,7 @@ def test_policy_group_call_times_out(monkeypatch):
 
 
 def test_trainer_rank_forwards_to_the_worker_or_answers_itself():
-    from megatron_rl.config import RunConfig
+    from megatron_rl.config.schema import RunConfig
     from megatron_rl.training.policy_group import TrainerRank
 
     class _Worker:

@@ -20,7 +20,7 @@ import asyncio
 import pytest
 import torch
 
-from megatron_rl.config import RolloutConfig
+from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.rollout.actor.vllm_engine import VLLMEngine
 from megatron_rl.rollout.weight_sync.push.transport import PushOptions, TensorTransport, WeightPushError
 from tests.helpers import shm

@@ -6,7 +6,7 @@ batching) goes through both ways a run ends early and its resumes: it is SIGKILL
 the first resume gets a SIGTERM (Slurm's time limit, scancel), finishes the step, checkpoints,
 tears down and exits 143; the second resumes at another parallel layout (TP1) and completes. The
 run as a whole loses and repeats no prompt and keeps its rollout history; the two resumes log to
-one W&B run. On the way, its engine core is SIGKILLed (``megatron_rl.fault_injection``) in the
+one W&B run. On the way, its engine core is SIGKILLed (``megatron_rl.runtime.fault_injection``) in the
 first short round and again in the long round: each is replaced inside its round and the steps
 stay on-policy.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.checkpoint import CheckpointManager
+from megatron_rl.checkpoint.store import CheckpointManager
 from megatron_rl.data.cursor import PromptCursor
 from tests.helpers.fault_figures import record
 from tests.helpers.fault_runs import Attempt

@@ -1,4 +1,4 @@
-"""rollpacker.benchmarks.benchmark_training end to end: a recorded run's shapes replayed through
+"""megatron_rl.benchmarks.benchmark_training end to end: a recorded run's shapes replayed through
 plain torch and the trainer's own Megatron-Core step, one arm per thread count, in a child
 process (the Megatron arm initializes torch.distributed, which must not leak into pytest)."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600
 
 def _fake_run(run_dir, model_dir) -> None:
     """A finished run's three files, as the loop writes them, on the random-init tiny model."""
-    from megatron_rl.config_io import apply_override, config_to_dict, load_config
+    from megatron_rl.config.loading import apply_override, config_to_dict, load_config
 
     cfg = load_config(None)
     apply_override(cfg, f"model.hf_path={model_dir}")
@@ -30,7 +30,7 @@ def _fake_run(run_dir, model_dir) -> None:
 def test_each_thread_count_gets_a_plain_and_a_megatron_arm_and_the_fraction_is_printed(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
     _fake_run(run_dir, tiny_model_dir)
-    proc = subprocess.run([sys.executable, "-m", "rollpacker.benchmarks.benchmark_training", "--run", str(run_dir),
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.benchmarks.benchmark_training", "--run", str(run_dir),
                            "--threads", "1,2", "--steps", "2"], capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in proc.stdout.splitlines()

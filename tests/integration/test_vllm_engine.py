@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from megatron_rl.config import RolloutConfig
+from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.rollout.engine import GenerationRequest
 from megatron_rl.rollout.weight_sync.hf_files import LM_HEAD_KEY, write_hf_weights
 from tests.helpers.engine_io import LongRequestsIgnoreEOS, collect, generate, model_logprobs

@@ -83,7 +83,7 @@ def test_the_copies_are_removed_on_the_other_node_at_the_end(two_nodes, tmp_path
 def test_a_tensor_push_reaches_an_engine_on_each_node(two_nodes, tmp_path, tmp_path_factory):
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from megatron_rl.config import RolloutConfig
+    from megatron_rl.config.schema import RolloutConfig
     from megatron_rl.model.tiny import build_tiny_qwen2
     from megatron_rl.rollout.driver.engine_pool import EnginePool
     from megatron_rl.rollout.driver.ray_engine import RayEngineClient

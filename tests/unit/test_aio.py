@@ -1,4 +1,4 @@
-"""megatron_rl.aio: a cancellation is never lost (wait_for), and Ctrl-C always ends the loop
+"""megatron_rl.runtime.aio: a cancellation is never lost (wait_for), and Ctrl-C always ends the loop
 (run_until_interrupted), even when the running code absorbs the first cancellation."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from megatron_rl.aio import wait_for
+from megatron_rl.runtime.aio import wait_for
 
 
 def _cancel_as_the_call_finishes(waiter) -> str:
@@ -36,7 +36,7 @@ def test_wait_for_keeps_a_cancellation_that_lands_as_the_call_finishes() -> None
 
 @pytest.mark.skipif(sys.version_info >= (3, 12), reason="Python 3.12's asyncio.wait_for keeps it")
 def test_the_standard_wait_for_of_this_python_loses_it() -> None:
-    """Why megatron_rl.aio.wait_for exists (and ruff bans asyncio.wait_for outside the tests)."""
+    """Why megatron_rl.runtime.aio.wait_for exists (and ruff bans asyncio.wait_for outside the tests)."""
     assert _cancel_as_the_call_finishes(asyncio.wait_for) == "returned 'result'"
 
 
@@ -55,7 +55,7 @@ def test_wait_for_returns_and_times_out() -> None:
 # The loop under test runs in a child process: the test sends it real SIGINTs, as a terminal does.
 _CHILD = textwrap.dedent("""
     import asyncio, os, signal, sys, time
-    from megatron_rl.aio import run_until_interrupted
+    from megatron_rl.runtime.aio import run_until_interrupted
 
     mode, interrupts = sys.argv[1], int(sys.argv[2])
 

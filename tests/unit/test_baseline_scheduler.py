@@ -4,11 +4,11 @@ import asyncio
 
 import pytest
 
-from megatron_rl.baseline import BaselineScheduler
-from megatron_rl.config import RunConfig
-from megatron_rl.hooks import RolloutContext
+from megatron_rl.config.schema import RunConfig
+from megatron_rl.loop.baseline import BaselineScheduler
+from megatron_rl.loop.hooks import RolloutContext
+from megatron_rl.loop.requests import request_seed
 from megatron_rl.sample import Prompt
-from megatron_rl.sampling import request_seed
 from tests.helpers.fake_engine import FakeEngine
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.config_io import load_config
+from megatron_rl.config.loading import load_config
 from rollpacker.benchmarks import benchmark, benchmark_cumulative, cumulative_table
 from rollpacker.benchmarks.benchmark_cumulative import COLUMNS, NAMES, column_run_config, parse_args, run_order
 from tests.helpers.fake_loop_runs import fake_loop_runs

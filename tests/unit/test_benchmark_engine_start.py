@@ -1,10 +1,10 @@
-"""rollpacker.benchmarks.benchmark_engine_start: its table and its argument checks (the
+"""megatron_rl.benchmarks.benchmark_engine_start: its table and its argument checks (the
 benchmark itself runs real engines: docs/tests.md gives its figures and command)."""
 from __future__ import annotations
 
 import pytest
 
-from rollpacker.benchmarks import benchmark_engine_start as bench
+from megatron_rl.benchmarks import benchmark_engine_start as bench
 
 
 def _runs(*cpu_s):

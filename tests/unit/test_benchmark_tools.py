@@ -59,7 +59,7 @@ def test_plot_timeline_missing_file_is_clear(tmp_path):
 
 
 def test_weight_sync_benchmark_splits_pushes_and_ends_with_speedup_and_bandwidth(capsys):
-    from rollpacker.benchmarks.benchmark_weight_sync import report, split
+    from megatron_rl.benchmarks.benchmark_weight_sync import report, split
 
     # Files: transport = the push without the engine's load; the tensor push: without the tail
     # after the last byte reached the engine (its loaders' busy time may overlap the transport).
@@ -141,7 +141,7 @@ def test_arms_benchmark_parses_arms_and_sums_figures():
 
 
 def test_quantization_benchmark_summary_report_and_last_line(capsys):
-    from rollpacker.benchmarks.benchmark_quantization import print_report, speedup_line, summarize_curve
+    from megatron_rl.benchmarks.benchmark_quantization import print_report, speedup_line, summarize_curve
 
     rows = [{"step": s, "reward/mean": 0.1 * s, "reward/accuracy": 0.05 * s, "rollout/logprob_abs_diff_mean": 0.01,
              "rollout/logprob_abs_diff_max": 0.1 + s, "rollout/tokens_per_s": 100.0 + s, "time/step": 2.0,
@@ -174,14 +174,13 @@ def test_spread_cells():
 
 
 def test_compare_dispatch_hands_the_rest_of_the_command_line_to_the_registered_module(monkeypatch):
+    from megatron_rl.benchmarks import benchmark_quantization, benchmark_weight_sync
     from rollpacker.benchmarks import (
         benchmark,
         benchmark_arms,
         benchmark_cumulative,
         benchmark_peers,
-        benchmark_quantization,
         benchmark_speculative,
-        benchmark_weight_sync,
     )
 
     assert benchmark.OWN_COMPARISONS == {"weight_sync": benchmark_weight_sync.main,
@@ -223,7 +222,7 @@ def test_training_benchmark_replays_the_recorded_shapes(tmp_path, tiny_model_dir
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rollpacker.benchmarks.benchmark_training import step_shapes, torch_step
+    from megatron_rl.benchmarks.benchmark_training import step_shapes, torch_step
 
     (tmp_path / "trained_prompts.jsonl").write_text(
         _json.dumps({"step": 0, "prompt_ids": ["a"], "lengths": [[5, 3], [5, 7]]}) + "\n"

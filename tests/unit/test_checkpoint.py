@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_rl.checkpoint import (
+from megatron_rl.checkpoint.store import (
     CheckpointError,
     CheckpointManager,
     capture_rng_state,
@@ -173,7 +173,7 @@ _WRITER = textwrap.dedent(
     """
     import sys, torch
     torch.set_num_threads(1)
-    from megatron_rl.checkpoint import CheckpointManager
+    from megatron_rl.checkpoint.store import CheckpointManager
     run_dir, ready = sys.argv[1], sys.argv[2]
     manager = CheckpointManager(run_dir, keep=2)
     manager.save(1, {"step": 1})

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from megatron_rl.config import RunConfig
+from megatron_rl.config.schema import RunConfig
 from megatron_rl.rollout.weight_sync.interface import WeightTransport
 from megatron_rl.rollout.weight_sync.sync import WeightSync
 from megatron_rl.training.colocation import Colocation

@@ -1,11 +1,11 @@
-"""rollpacker.benchmarks.profiling.command_cpu: processes sorted into the table's kinds, and a real
+"""megatron_rl.benchmarks.profiling.command_cpu: processes sorted into the table's kinds, and a real
 command sampled (its CPU found in its own row, its exit code passed on)."""
 from __future__ import annotations
 
 import json
 import sys
 
-from rollpacker.benchmarks.profiling.command_cpu import KINDS, Seen, kind_of, main, markdown, table
+from megatron_rl.benchmarks.profiling.command_cpu import KINDS, Seen, kind_of, main, markdown, table
 
 
 def test_loop_roles_and_command_lines_get_their_kinds():

@@ -3,8 +3,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.config import RunConfig, register_section
-from megatron_rl.config_io import ConfigError, load_config, validate
+from megatron_rl.config.loading import load_config
+from megatron_rl.config.schema import RunConfig, register_section
+from megatron_rl.config.validation import validate
+from megatron_rl.config.values import ConfigError
 from rollpacker.config import PlannerConfig, StreamConfig, TailBatchingConfig, parse_initial_tp
 from rollpacker.peers.config import PeersConfig
 
@@ -232,7 +234,7 @@ def test_config_reference_check_fails_on_a_stale_page_and_write_repairs_it(tmp_p
 
 
 def test_old_logprob_pass_is_skipped_by_default_only_with_one_optimizer_step(tmp_path):
-    from megatron_rl.config_io import apply_override, load_config
+    from megatron_rl.config.loading import apply_override, load_config
 
     cfg = load_config(None)
     assert cfg.algorithm.recompute_old_logprobs is None and not cfg.algorithm.recomputes_old_logprobs()

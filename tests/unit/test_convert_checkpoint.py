@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_rl.checkpoint import CheckpointError  # noqa: E402
+from megatron_rl.checkpoint.store import CheckpointError  # noqa: E402
 from megatron_rl.distributed.process_groups import ParallelLayout  # noqa: E402
 from megatron_rl.model.hf_weights import hf_to_megatron_shard, to_te_names  # noqa: E402
 from megatron_rl.model.qwen2 import read_qwen2_arch  # noqa: E402

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.config import DataConfig
+from megatron_rl.config.schema import DataConfig
 from megatron_rl.data.datasets import (
     DatasetError,
     apply_chat_template,

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from megatron_rl.config import RunConfig
-from megatron_rl.hooks import RolloutBatch
+from megatron_rl.config.schema import RunConfig
+from megatron_rl.loop.hooks import RolloutBatch
 from megatron_rl.rollout.driver.elastic import ElasticRollout
 from megatron_rl.rollout.engine import EngineStats, GenerationRequest
 from megatron_rl.rollout.weight_sync.file_transports import ShardedFiles
@@ -334,7 +334,9 @@ def test_parse_initial_tp():
     (["planner.quiet_rounds=0"], "planner.quiet_rounds"),
 ])
 def test_bad_planner_config_names_the_key(overrides, key):
-    from megatron_rl.config_io import ConfigError, load_config, validate
+    from megatron_rl.config.loading import load_config
+    from megatron_rl.config.validation import validate
+    from megatron_rl.config.values import ConfigError
 
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         validate(load_config(None, overrides), device="cpu")

@@ -1,4 +1,4 @@
-"""Fault points (megatron_rl/fault_injection.py): the spec, inertness, once-per-run firing across
+"""Fault points (megatron_rl/runtime/fault_injection.py): the spec, inertness, once-per-run firing across
 processes, and each action on real processes (no mocks: a child Python process arms a point from
 its environment and is killed or stopped by it)."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from megatron_rl import fault_injection as fi
+from megatron_rl.runtime import fault_injection as fi
 
 
 @pytest.fixture
@@ -92,7 +92,7 @@ def test_the_backward_point_fires_inside_the_backward_pass(armed):
 
 CHILD = """
 import sys, time
-from megatron_rl.fault_injection import fault_point
+from megatron_rl.runtime.fault_injection import fault_point
 print("ready", flush=True)
 fault_point("weight_push.send", step=int(sys.argv[1]), rank=0)
 print("continued", flush=True)

@@ -1,6 +1,6 @@
 """megatron_rl.rollout.engine.generate_all: one batch in, each request's completion out (the
 tools' way to drive an engine), on the fake engine; the real engine runs it in the tools'
-benchmarks and rollpacker-speculative-engine-check."""
+benchmarks and ``megatron-rl-benchmark speculative_engine_check``."""
 from __future__ import annotations
 
 import asyncio

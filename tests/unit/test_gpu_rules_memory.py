@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.config_io import ConfigError, load_config, validate
+from megatron_rl.config.loading import load_config
+from megatron_rl.config.validation import validate
+from megatron_rl.config.values import ConfigError
 from megatron_rl.planning.architectures import resolve_shape
 from megatron_rl.planning.memory import GPUS, PlanError, estimate_memory
 from megatron_rl.planning.moments import plan_moments, push_staging_gib

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_rl.config_io import load_config
+from megatron_rl.config.loading import load_config
 from megatron_rl.distributed.cluster import RunPlacement, at_rollout_tp
 from megatron_rl.distributed.gpu_layout import LayoutError, gpu_layout, run_layout
 

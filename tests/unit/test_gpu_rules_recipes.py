@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.config_io import load_config
+from megatron_rl.config.loading import load_config
 from megatron_rl.planning.architectures import resolve_shape
 from megatron_rl.planning.memory import GPUS, estimate_memory
 from megatron_rl.planning.moments import plan_moments

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl.config_io import load_config
+from megatron_rl.config.loading import load_config
 from megatron_rl.distributed.process_groups import ParallelLayout
 from megatron_rl.sample import Prompt, Sample
 from megatron_rl.training.megatron_worker import MegatronWorker

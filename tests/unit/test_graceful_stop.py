@@ -4,7 +4,7 @@ import signal
 
 import pytest
 
-from megatron_rl.graceful_stop import GracefulStop
+from megatron_rl.runtime.graceful_stop import GracefulStop
 
 
 def test_first_signal_requests_a_stop_second_exits_at_once():

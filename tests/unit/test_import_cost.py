@@ -1,4 +1,4 @@
-"""The collector pause around big imports (megatron_rl.import_cost) and its benchmark's table."""
+"""The collector pause around big imports (megatron_rl.runtime.import_cost) and its benchmark's table."""
 from __future__ import annotations
 
 import gc
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.import_cost import collector_paused, preimport
-from rollpacker.benchmarks import benchmark_imports
+from megatron_rl.benchmarks import benchmark_imports
+from megatron_rl.runtime.import_cost import collector_paused, preimport
 
 
 @pytest.fixture

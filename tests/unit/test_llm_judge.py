@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from megatron_rl.config import RewardConfig
+from megatron_rl.config.schema import RewardConfig
 from megatron_rl.reward.graders.llm_judge import LLMJudge, parse_verdict
 from megatron_rl.reward.pool.reward_pool import RewardPool
 from megatron_rl.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine

@@ -1,4 +1,4 @@
-"""The loop profiler's attribution (rollpacker/benchmarks/profiling): phases from phases.jsonl, CPU split at
+"""The loop profiler's attribution (megatron_rl/benchmarks/profiling): phases from phases.jsonl, CPU split at
 phase boundaries, py-spy Chrome traces turned into intervals, idle and category rules, the flame
 graph, and a real py-spy recording of a process whose work is known."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from rollpacker.benchmarks.profiling import attribution as att
-from rollpacker.benchmarks.profiling.flamegraph import flame_svg
+from megatron_rl.benchmarks.profiling import attribution as att
+from megatron_rl.benchmarks.profiling.flamegraph import flame_svg
 
 
 def _phases_file(run_dir: Path, records: list[dict]) -> None:
@@ -108,7 +108,7 @@ def test_a_real_recording_attributes_a_known_workload(tmp_path, monkeypatch):
     stretches the wall time, not the figure), then sleeps ~1 s in another:
     the kernel's CPU lands on the computing function; the sleeping one, blocked in C below a
     Python frame py-spy cannot tell from work, gets (almost) none, because its windows had none."""
-    from rollpacker.benchmarks.profiling.sampling import ProcessRecord, SpyRecorders
+    from megatron_rl.benchmarks.profiling.sampling import ProcessRecord, SpyRecorders
 
     monkeypatch.setitem(att.CATEGORIES, "test", [("crunch", ("crunch",)), ("rest", ("rest",))])
     script = tmp_path / "work.py"

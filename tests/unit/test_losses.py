@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_rl.algorithms.losses import compute_policy_loss, kl_penalty
-from megatron_rl.config import AlgorithmConfig
+from megatron_rl.config.schema import AlgorithmConfig
 
 # Ratios r and advantages A shared by several tests (clip_low 0.2, clip_high 0.28):
 #   t0: r=1.0, A= 1: max(-1.0, -1.0)               = -1.0

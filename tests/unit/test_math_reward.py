@@ -233,7 +233,7 @@ def test_math_reward_bounds_every_adversarial_input() -> None:
 
 def test_reward_pool_scores_and_counts_a_math_timeout(tmp_path: Path) -> None:
     """Through the reward worker path: a timed-out response scores timeout_reward and is counted."""
-    from megatron_rl.config import RewardConfig
+    from megatron_rl.config.schema import RewardConfig
     from megatron_rl.model.tiny import build_tokenizer
     from megatron_rl.reward.pool.reward_pool import RewardPool
     from megatron_rl.sample import Prompt, Sample

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_rl.config import TrainerConfig
-from megatron_rl.metrics import MetricsLogger, PhaseTimer, Timer, length_stats, occupancy, read_metrics
+from megatron_rl.config.schema import TrainerConfig
+from megatron_rl.runtime.metrics_logger import MetricsLogger, PhaseTimer, Timer, length_stats, occupancy, read_metrics
 
 
 def _cfg(**overrides) -> TrainerConfig:
@@ -90,7 +90,7 @@ def test_wandb_offline_run_records_metrics_and_resumes_the_same_run(tmp_path):
     """The real wandb package, offline: metrics reach the run file, config too, and a resumed
     logger (start_step > 0) continues the same run id."""
     pytest.importorskip("wandb", reason="wandb is in requirements/cpu.lock; this venv lacks it")
-    from megatron_rl.metrics import new_wandb_run_id
+    from megatron_rl.runtime.metrics_logger import new_wandb_run_id
     from tests.helpers.wandb_offline import offline_runs
 
     cfg = _cfg(wandb_project="demo", wandb_mode="offline")
@@ -135,7 +135,7 @@ def test_length_stats_hand_computed():
 
 def test_timer_accumulates_phases(monkeypatch):
     clock = iter([0.0, 1.0, 3.0, 4.0, 4.5, 10.0])  # reset, start, stop, start, stop, summary
-    monkeypatch.setattr("megatron_rl.metrics.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("megatron_rl.runtime.metrics_logger.time.perf_counter", lambda: next(clock))
     timer = PhaseTimer()
     with timer("rollout"):
         pass

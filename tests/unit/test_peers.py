@@ -11,10 +11,12 @@ import pickle
 
 import pytest
 
-from megatron_rl.config_io import ConfigError, load_config, validate
+from megatron_rl.config.loading import load_config
+from megatron_rl.config.validation import validate
+from megatron_rl.config.values import ConfigError
 from megatron_rl.data.cursor import PromptCursor
-from megatron_rl.hooks import RolloutContext
-from megatron_rl.off_policy import check_staleness, token_versions
+from megatron_rl.loop.hooks import RolloutContext
+from megatron_rl.loop.off_policy import check_staleness, token_versions
 from megatron_rl.sample import Prompt
 from rollpacker.peers.one_step_off import OneStepOffScheduler
 from rollpacker.peers.partial_rollout import PartialRolloutScheduler

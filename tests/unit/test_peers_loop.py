@@ -22,12 +22,13 @@ import signal
 
 import pytest
 
-from megatron_rl.config import RunConfig
-from megatron_rl.config_io import apply_override, resolve_off_policy_tis
+from megatron_rl.config.loading import apply_override
+from megatron_rl.config.plugins import load_plugin_packages, make_scheduler
+from megatron_rl.config.schema import RunConfig
+from megatron_rl.config.tis import resolve_off_policy_tis
 from megatron_rl.data.datasets import apply_chat_template
-from megatron_rl.plugins import load_plugin_packages, make_scheduler
+from megatron_rl.loop.trainer import Trainer, TrainerParts
 from megatron_rl.sample import Prompt, Sample
-from megatron_rl.trainer import Trainer, TrainerParts
 from tests.helpers.versioned_fakes import AnsweringEngine, VersionedPolicy
 
 P0, R0 = 4, 2
@@ -135,7 +136,7 @@ def test_one_step_off_trains_one_version_old_batches_and_never_syncs_under_runni
 def test_one_step_off_two_steps_ahead_trains_each_batch_at_its_lag_and_resumes_with_both_waiting(
         tmp_path, tokenizer, tokenizer_dir):
     k2 = "peers.one_step_off.max_staleness=2"
-    from megatron_rl.graceful_stop import GracefulStop
+    from megatron_rl.runtime.graceful_stop import GracefulStop
 
     # A SIGTERM before the run: it stops after step 0, whose checkpoint holds steps 1 and 2's batches.
     first = make_parts(tmp_path, tokenizer, tokenizer_dir, "one_step_off", steps=5, overrides=[k2])
@@ -160,7 +161,7 @@ def test_one_step_off_two_steps_ahead_trains_each_batch_at_its_lag_and_resumes_w
 @pytest.mark.parametrize("scheduler", ["partial_rollout", "one_step_off"])
 def test_resume_keeps_what_each_peer_carries_and_trains_every_prompt_once(tmp_path, tokenizer, tokenizer_dir,
                                                                           scheduler):
-    from megatron_rl.graceful_stop import GracefulStop
+    from megatron_rl.runtime.graceful_stop import GracefulStop
 
     # A SIGTERM before the run: it stops after step 0 with a checkpoint (step_000001) holding
     # the carried responses (partial) or step 1's prefetched batch (one-step-off).

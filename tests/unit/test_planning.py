@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.config_io import ConfigError, load_config
+from megatron_rl.config.loading import load_config
+from megatron_rl.config.values import ConfigError
 from megatron_rl.planning.architectures import BUILTIN_SHAPES, resolve_shape
 from megatron_rl.planning.memory import (
     GIB,

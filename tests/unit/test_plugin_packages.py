@@ -21,8 +21,9 @@ ACME_SITE = REPO / "tests/helpers/acme_site"
 
 _PARSE = """
 import json, sys
-from megatron_rl.config_io import ConfigError, validate
-from megatron_rl.plugins import load_plugin_packages, make_scheduler
+from megatron_rl.config.validation import validate
+from megatron_rl.config.values import ConfigError
+from megatron_rl.config.plugins import load_plugin_packages, make_scheduler
 from megatron_rl.train import parse_args
 try:
     cfg = parse_args(sys.argv[1:])

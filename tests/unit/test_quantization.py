@@ -12,8 +12,11 @@ import json
 import pytest
 import torch
 
-from megatron_rl.config import RunConfig
-from megatron_rl.config_io import ConfigError, apply_override, resolve_quantization_tis, validate
+from megatron_rl.config.loading import apply_override
+from megatron_rl.config.schema import RunConfig
+from megatron_rl.config.tis import resolve_quantization_tis
+from megatron_rl.config.validation import validate
+from megatron_rl.config.values import ConfigError
 from megatron_rl.quantization.engine_format import quantization_config, write_model_files
 from megatron_rl.quantization.scheme import (
     QuantSpec,

@@ -102,7 +102,7 @@ def test_a_wordpiece_tokenizer_with_clean_up_goes_through_transformers(tmp_path)
 
 
 def test_a_directory_without_a_tokenizer_is_an_error_naming_it(tmp_path):
-    from megatron_rl.config import RewardConfig
+    from megatron_rl.config.schema import RewardConfig
     from megatron_rl.reward.pool.worker import RewardWorker
 
     with pytest.raises(ValueError, match=str(tmp_path)):

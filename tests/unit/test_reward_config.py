@@ -1,7 +1,9 @@
 """Validation of the reward-scheduler keys of RewardConfig (each error names its key)."""
 import pytest
 
-from megatron_rl.config_io import ConfigError, load_config, validate
+from megatron_rl.config.loading import load_config
+from megatron_rl.config.validation import validate
+from megatron_rl.config.values import ConfigError
 
 
 @pytest.mark.parametrize("overrides, key", [

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_rl.config import RewardConfig
+from megatron_rl.config.schema import RewardConfig
 from megatron_rl.reward.pool.handles import RewardHandle
 from megatron_rl.reward.pool.metrics import RewardStats
 from megatron_rl.reward.pool.reward_pool import RewardPool

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.config import AlgorithmConfig, RewardConfig
+from megatron_rl.config.schema import AlgorithmConfig, RewardConfig
 from megatron_rl.reward.pool.reward_pool import RewardPool
 from megatron_rl.sample import Prompt, Sample
 

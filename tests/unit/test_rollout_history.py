@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from megatron_rl.hooks import RolloutContext
+from megatron_rl.loop.hooks import RolloutContext
 from rollpacker.history import RolloutHistory
 from rollpacker.tail_batching import TailBatchingScheduler
 from tests.helpers.fake_engine import FakeEngine

@@ -45,7 +45,7 @@ def resolve(path):
     obj = getattr(importlib.import_module(module), attr)
     return f"{obj.__module__}.{obj.__qualname__}"
 
-from megatron_rl.config import RolloutConfig, SpeculativeConfig
+from megatron_rl.config.schema import RolloutConfig, SpeculativeConfig
 from megatron_rl.rollout.actor import speculative, vllm_engine_args
 from megatron_rl.rollout.worker import push_receiver, vllm_worker_ext
 from vllm.distributed.weight_transfer import WeightTransferEngineFactory

@@ -1,4 +1,4 @@
-"""The round wait every scheduler uses (``megatron_rl.sampling.RoundWaiter``) on a hand-driven engine:
+"""The round wait every scheduler uses (``megatron_rl.loop.requests.RoundWaiter``) on a hand-driven engine:
 which event each completion makes, when a watched group counts as scored, what aborting the rest
 returns, and the cases the schedulers' own tests do not reach (a completion read but not yet
 reported when the round stops, a stale completion, a failed reward)."""
@@ -8,11 +8,9 @@ import asyncio
 
 import pytest
 
-from megatron_rl.config import RunConfig
-from megatron_rl.hooks import RolloutContext
-from megatron_rl.rollout.engine import Completion
-from megatron_rl.sample import Prompt
-from megatron_rl.sampling import (
+from megatron_rl.config.schema import RunConfig
+from megatron_rl.loop.hooks import RolloutContext
+from megatron_rl.loop.requests import (
     Aborted,
     Finished,
     GroupScored,
@@ -21,6 +19,8 @@ from megatron_rl.sampling import (
     submit_continuation,
     submit_prompt,
 )
+from megatron_rl.rollout.engine import Completion
+from megatron_rl.sample import Prompt
 
 
 class HandEngine:

@@ -59,7 +59,7 @@ def test_confined_modules_import_only_the_standard_library_and_each_other() -> N
 
 def test_the_check_sees_a_project_import(tmp_path: Path) -> None:
     bad = tmp_path / "sandbox_bad.py"
-    bad.write_text("import os\n\ndef main():\n    from megatron_rl.config import RunConfig\n")
+    bad.write_text("import os\n\ndef main():\n    from megatron_rl.config.schema import RunConfig\n")
     assert top_level_imports(bad) - sys.stdlib_module_names == {"megatron_rl"}
 
 
@@ -82,7 +82,7 @@ def attempt(name, extra_path=None):
 
 
 PLAIN = attempt("megatron_rl")
-FROM_REPO = attempt("megatron_rl.config", {repo!r})
+FROM_REPO = attempt("megatron_rl.config.schema", {repo!r})
 THIRD_PARTY = [attempt(name) for name in ("numpy", "yaml", "torch")]
 PATH = list(sys.path)
 """

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.config_io import load_config
+from megatron_rl.config.loading import load_config
 from megatron_rl.planning.architectures import BUILTIN_SHAPES
 from megatron_rl.planning.memory import GPUS
 from rollpacker.simulator.costs import TrainModel
@@ -151,7 +151,7 @@ def test_train_model_charges_recompute_and_offload():
 
 
 def test_recipe_with_offload_gets_a_host_round_trip():
-    from megatron_rl.config_io import load_config
+    from megatron_rl.config.loading import load_config
     from megatron_rl.planning.architectures import BUILTIN_SHAPES
     from megatron_rl.planning.memory import GPUS
 

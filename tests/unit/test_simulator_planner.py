@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.config_io import load_config
+from megatron_rl.config.loading import load_config
 from megatron_rl.planning.architectures import BUILTIN_SHAPES
 from megatron_rl.planning.memory import GPUS
 from rollpacker import planner as planner_mod

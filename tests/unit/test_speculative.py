@@ -10,16 +10,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_rl.config import RunConfig, SpeculativeConfig
-from megatron_rl.config_io import ConfigError, validate
-from megatron_rl.hooks import RolloutBatch
-from megatron_rl.loop_metrics import spec_counter_metrics, speculation_metrics
+from megatron_rl.config.schema import RunConfig, SpeculativeConfig
+from megatron_rl.config.validation import validate
+from megatron_rl.config.values import ConfigError
+from megatron_rl.loop.hooks import RolloutBatch
+from megatron_rl.loop.requests import speculates, trim_references
+from megatron_rl.loop.step_record import spec_counter_metrics, speculation_metrics
 from megatron_rl.rollout.actor import speculative
 from megatron_rl.rollout.driver.migration import continuation_request
 from megatron_rl.rollout.engine import EngineStats, GenerationRequest
 from megatron_rl.rollout.worker.suffix_index import SuffixIndex, match_lengths
 from megatron_rl.rollout.worker.vllm_cpu_fixes import expand_at_dtype
-from megatron_rl.sampling import speculates, trim_references
 
 
 def test_engine_kwargs_and_env_follow_the_method():

@@ -1,11 +1,11 @@
-"""rollpacker/benchmarks/speculative_engine_check.py: argument checks and the report's figures (the engine part
-runs the real vLLM engine: `rollpacker-speculative-engine-check`, docs/speculation.md
+"""megatron_rl/benchmarks/speculative_engine_check.py: argument checks and the report's figures (the engine part
+runs the real vLLM engine: `megatron-rl-benchmark speculative_engine_check`, docs/speculation.md
 "Benchmarks")."""
 from __future__ import annotations
 
 import pytest
 
-from rollpacker.benchmarks import speculative_engine_check as check
+from megatron_rl.benchmarks import speculative_engine_check as check
 
 
 def _model(tmp_path):

@@ -11,8 +11,8 @@ import asyncio
 
 import pytest
 
-from megatron_rl.config import RunConfig
-from megatron_rl.hooks import RolloutBatch
+from megatron_rl.config.schema import RunConfig
+from megatron_rl.loop.hooks import RolloutBatch
 from megatron_rl.rollout.engine import EngineStats
 from megatron_rl.sample import Prompt, Sample
 from megatron_rl.training.colocation import Colocation
@@ -268,7 +268,9 @@ def test_release_starts_at_the_last_mark_even_when_requests_never_fit():
     (["stream.min_new_groups=0"], "stream.min_new_groups"),
 ])
 def test_bad_stream_config_names_the_key(overrides, key):
-    from megatron_rl.config_io import ConfigError, load_config, validate
+    from megatron_rl.config.loading import load_config
+    from megatron_rl.config.validation import validate
+    from megatron_rl.config.values import ConfigError
 
     cfg = load_config(None, overrides)
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -276,7 +278,8 @@ def test_bad_stream_config_names_the_key(overrides, key):
 
 
 def test_good_stream_config_validates():
-    from megatron_rl.config_io import load_config, validate
+    from megatron_rl.config.loading import load_config
+    from megatron_rl.config.validation import validate
 
     cfg = load_config(None, ["stream.enabled=true", "stream.release_engines=1", "rollout.num_engines=2",
                              "stream.rounds=long,baseline"])

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from megatron_rl.config import RunConfig
+from megatron_rl.config.schema import RunConfig
 from rollpacker.tail_batching import RefillLimitError, TailBatchingScheduler
 from tests.helpers.fake_engine import FakeEngine
 from tests.helpers.tail_batching_harness import P0, R0, Harness, lengths, make_prompts
@@ -130,7 +130,7 @@ TAIL_BATCHING_KEYS = ("eta_prompts", "eta_responses", "max_refills", "history_ro
 def test_tail_batching_settings_are_rollpackers_section_not_the_cores():
     from dataclasses import fields
 
-    from megatron_rl.config import SchedulerConfig, plugin_sections
+    from megatron_rl.config.schema import SchedulerConfig, plugin_sections
 
     assert [f.name for f in fields(SchedulerConfig)] == ["name"]
     section, _ = plugin_sections()["tail_batching"]
@@ -141,7 +141,8 @@ def test_tail_batching_settings_are_rollpackers_section_not_the_cores():
 
 @pytest.mark.parametrize("key", TAIL_BATCHING_KEYS)
 def test_an_old_scheduler_key_fails_naming_its_new_key(key, tmp_path):
-    from megatron_rl.config_io import ConfigError, load_config
+    from megatron_rl.config.loading import load_config
+    from megatron_rl.config.values import ConfigError
 
     value = "true" if key == "history_routing" else "2"
     new = rf"did you mean 'tail_batching\.{key}'\?"
@@ -158,7 +159,9 @@ def test_an_old_scheduler_key_fails_naming_its_new_key(key, tmp_path):
                                       "tail_batching.max_refills=-1", "tail_batching.history_responses=-1",
                                       "tail_batching.history_response_tokens=0", "tail_batching.history_prompts=0"])
 def test_bad_tail_batching_settings_are_refused_naming_the_key(override):
-    from megatron_rl.config_io import ConfigError, load_config, validate
+    from megatron_rl.config.loading import load_config
+    from megatron_rl.config.validation import validate
+    from megatron_rl.config.values import ConfigError
 
     key = override.split("=")[0]
     cfg = load_config(None, [override])

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from megatron_rl.config import RunConfig
+from megatron_rl.config.schema import RunConfig
 from megatron_rl.rollout.driver.elastic import ElasticRollout
 from megatron_rl.rollout.driver.engine_pool import EnginePool
 from megatron_rl.rollout.weight_sync.factory import make_transport

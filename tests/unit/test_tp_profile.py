@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.config_io import ConfigError, load_config, validate
+from megatron_rl.config.loading import load_config
+from megatron_rl.config.validation import validate
+from megatron_rl.config.values import ConfigError
 from rollpacker.tp_profile import ProfileError, fastest_tp, load_profile, profile_from_runs, save_profile
 
 

@@ -17,15 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.checkpoint import CheckpointManager
-from megatron_rl.config import RunConfig
+from megatron_rl.checkpoint.store import CheckpointManager
+from megatron_rl.config.plugins import make_scheduler
+from megatron_rl.config.schema import RunConfig
 from megatron_rl.data.datasets import apply_chat_template
-from megatron_rl.graceful_stop import GracefulStop
-from megatron_rl.hooks import LoopServices, RolloutBatch, TrainerPlugin, TrainResult
-from megatron_rl.plugins import make_scheduler
+from megatron_rl.loop.hooks import LoopServices, RolloutBatch, TrainerPlugin, TrainResult
+from megatron_rl.loop.trainer import Trainer, TrainerParts
 from megatron_rl.rollout.engine import Completion, GenerationRequest
+from megatron_rl.runtime.graceful_stop import GracefulStop
 from megatron_rl.sample import Prompt, Sample
-from megatron_rl.trainer import Trainer, TrainerParts
 from tests.helpers.fake_engine import FakeEngine
 
 P0, R0 = 4, 2
@@ -221,7 +221,7 @@ class TakeOver(TrainerPlugin):
 
 def make_parts(tmp_path, tokenizer, tokenizer_dir, events, *, plugins=(), steps=3, stop=None,
                overrides=(), scheduler="baseline", length_fn=lambda r: 12) -> TrainerParts:
-    from megatron_rl.config_io import apply_override
+    from megatron_rl.config.loading import apply_override
     from megatron_rl.reward.pool.reward_pool import RewardPool
 
     cfg = RunConfig()
@@ -398,7 +398,7 @@ def test_sigterm_stops_at_the_step_boundary_with_a_checkpoint(tmp_path, tokenize
 def test_tail_batching_runs_through_the_same_loop(tmp_path, tokenizer, tokenizer_dir):
     """RollPacker's scheduler plugs in by name; a long tail of slow prompts goes to the queue and
     comes back in a long round (the scheduler's own logic is tested in test_tail_batching)."""
-    from megatron_rl.plugins import load_plugin_packages
+    from megatron_rl.config.plugins import load_plugin_packages
 
     load_plugin_packages()  # 'tail_batching' is RollPacker's, named by its entry point (as a run loads it)
 
@@ -418,9 +418,9 @@ def test_an_exhausted_reward_pool_stops_the_step_and_keeps_the_last_checkpoint(t
     resubmissions (the Ray pool's own test: tests/integration/test_faults_parts.py). In the loop
     that is a failed step: StepFailed names the step, the phase and the pool's error; the step's
     responses are not trained on a made-up reward, and the checkpoint of the step before stays."""
-    from megatron_rl.checkpoint import list_checkpoints
+    from megatron_rl.checkpoint.store import list_checkpoints
+    from megatron_rl.loop.trainer import StepFailed
     from megatron_rl.reward.pool.dispatch import RewardPoolExhausted
-    from megatron_rl.trainer import StepFailed
 
     parts = make_parts(tmp_path, tokenizer, tokenizer_dir, [], steps=4, overrides=["trainer.save_every=1"])
     real_score, calls = parts.rewards.score, []

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.config import RolloutConfig
+from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.rollout.actor.vllm_engine_args import engine_process_env, scoped_env
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.config_io import load_config
+from megatron_rl.config.loading import load_config
 from megatron_rl.planning.architectures import resolve_shape
 from megatron_rl.planning.weight_sync_cost import SyncAssumptions, sync_seconds
 

@@ -19,9 +19,9 @@ import re
 import time
 from typing import Any
 
-from megatron_rl.aio import wait_for
 from megatron_rl.reward.graders.result import RewardResult
 from megatron_rl.rollout.engine import GenerationRequest, RolloutEngine
+from megatron_rl.runtime.aio import wait_for
 
 DEFAULT_TEMPLATE = (
     "You are grading an answer.\n\nQuestion:\n{question}\n\nReference answer:\n{reference}\n\n"

@@ -32,7 +32,7 @@ import logging
 import time
 from typing import Any
 
-from megatron_rl.config import RewardConfig
+from megatron_rl.config.schema import RewardConfig
 from megatron_rl.reward.pool.adaptive_timeout import AdaptiveTimeouts
 from megatron_rl.reward.pool.handles import RewardHandle, apply_outcome, response_label
 from megatron_rl.reward.pool.metrics import RewardStats

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from megatron_rl.config import AlgorithmConfig
+from megatron_rl.config.schema import AlgorithmConfig
 from megatron_rl.reward.pool.handles import RewardHandle
 from megatron_rl.reward.pool.worker import RewardOutcome, make_outcome
 

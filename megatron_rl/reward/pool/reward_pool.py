@@ -23,7 +23,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from megatron_rl.config import AlgorithmConfig, RewardConfig, RunConfig
+from megatron_rl.config.schema import AlgorithmConfig, RewardConfig, RunConfig
 from megatron_rl.reward.pool import cancellation
 from megatron_rl.reward.pool.adaptive_timeout import AdaptiveTimeouts, TimeoutPolicy
 from megatron_rl.reward.pool.dispatch import Dispatcher

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 
 from megatron_rl.algorithms.shaping import shaped_reward
-from megatron_rl.config import AlgorithmConfig, RewardConfig
+from megatron_rl.config.schema import AlgorithmConfig, RewardConfig
 from megatron_rl.reward.graders.code_reward import CODE_FORMATS, CodeReward
 from megatron_rl.reward.graders.math_reward import MathReward
 from megatron_rl.reward.graders.result import RewardResult

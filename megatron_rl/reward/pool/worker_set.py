@@ -25,7 +25,7 @@ import logging
 import time
 from typing import Any
 
-from megatron_rl.config import AlgorithmConfig, RewardConfig
+from megatron_rl.config.schema import AlgorithmConfig, RewardConfig
 from megatron_rl.reward.pool.autoscale import ScalePolicy
 from megatron_rl.reward.pool.metrics import RewardStats
 from megatron_rl.reward.pool.worker import CONTROL_GROUP, RewardWorker

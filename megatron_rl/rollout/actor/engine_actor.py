@@ -12,9 +12,7 @@ import os
 import socket
 from typing import Any
 
-from megatron_rl.aio import wait_for
-from megatron_rl.config import RolloutConfig
-from megatron_rl.fault_injection import fault_point
+from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.rollout.engine import (
     ENGINE_CONTRACT,
     SINGLE_ENGINE_DEFAULTS,
@@ -24,6 +22,8 @@ from megatron_rl.rollout.engine import (
     forward_completions,
 )
 from megatron_rl.rollout.engine_wrapper import forwards
+from megatron_rl.runtime.aio import wait_for
+from megatron_rl.runtime.fault_injection import fault_point
 
 ANSWERED_BY_THE_CLIENT: dict[str, str] = {
     "completions": "a stream cannot be returned by an actor call: the client long-polls EngineActor.drain",

@@ -14,14 +14,14 @@ Lossless: vLLM verifies drafts by rejection sampling against the target model's 
 rejection the token is drawn from p with x removed), so the sampled tokens have the target
 distribution whatever is drafted, and the logprob returned for every token is the target's.
 What changes is how many tokens one decode step produces: :class:`SpecCounters` counts it, and the
-loop reports it (``loop_metrics.spec_counter_metrics``).
+loop reports it (``loop.step_record.spec_counter_metrics``).
 """
 from __future__ import annotations
 
 import importlib
 import json
 
-from megatron_rl.config import SpeculativeConfig
+from megatron_rl.config.schema import SpeculativeConfig
 from megatron_rl.rollout.engine import EngineStats, GenerationRequest
 
 

@@ -22,9 +22,8 @@ import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, TypeVar
 
-from megatron_rl.config import RolloutConfig
+from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.distributed.local_state import engine_shm_ident, remove_engine_shm
-from megatron_rl.import_cost import preimport
 from megatron_rl.rollout.actor import speculative
 from megatron_rl.rollout.actor.engine_start import engine_processes
 from megatron_rl.rollout.actor.vllm_engine_args import default_runtime_root, engine_args, engine_process_env, scoped_env
@@ -32,11 +31,12 @@ from megatron_rl.rollout.actor.vllm_stats import StatsSink, stat_logger_factory
 from megatron_rl.rollout.engine import SINGLE_ENGINE_DEFAULTS, Completion, EngineStats, GenerationRequest, RolloutEngine
 from megatron_rl.rollout.weight_sync.push.engine_methods import TensorPushReceiver, completion_version
 from megatron_rl.rollout.weight_sync.push.start_dir import read_push_manifest
+from megatron_rl.runtime.import_cost import preimport
 
 logger = logging.getLogger(__name__)
 
 VLLM_MODULES = ("vllm.v1.engine.async_llm", "vllm.engine.arg_utils")
-"""What an engine's process imports of vLLM before it starts one (see ``megatron_rl.import_cost``)."""
+"""What an engine's process imports of vLLM before it starts one (see ``megatron_rl.runtime.import_cost``)."""
 
 T = TypeVar("T")
 DEATH_POLL_S = 0.5

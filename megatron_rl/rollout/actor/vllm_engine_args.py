@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
-from megatron_rl.config import RolloutConfig
+from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.distributed.local_state import ENGINE_SHM_STORE_ENV
 from megatron_rl.rollout.actor import speculative
 

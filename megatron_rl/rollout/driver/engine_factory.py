@@ -14,7 +14,7 @@ import asyncio
 import time
 from typing import Any, Callable
 
-from megatron_rl.config import RunConfig
+from megatron_rl.config.schema import RunConfig
 from megatron_rl.rollout.driver.engine_health import Supervision
 from megatron_rl.rollout.driver.engine_pool import EnginePool
 

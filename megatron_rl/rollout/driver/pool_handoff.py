@@ -13,8 +13,8 @@ import asyncio
 import logging
 import time
 
-from megatron_rl.aio import wait_for
 from megatron_rl.rollout.driver.engine_health import MemberHealth
+from megatron_rl.runtime.aio import wait_for
 
 logger = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ import asyncio
 import logging
 import time
 
-from megatron_rl.aio import wait_for
 from megatron_rl.rollout.driver.engine_health import SHUTDOWN_WAIT_S, MemberHealth, RestartRecord, is_dead
 from megatron_rl.rollout.engine import CUMULATIVE_COUNTERS, Completion, WeightsRestorer
+from megatron_rl.runtime.aio import wait_for
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,7 @@ import logging
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from megatron_rl.aio import wait_for
-from megatron_rl.config import RolloutConfig, RunConfig
+from megatron_rl.config.schema import RolloutConfig, RunConfig
 from megatron_rl.rollout.actor.engine_actor import REMOTE_MEMBERS, EngineActor
 from megatron_rl.rollout.driver.engine_pool import EnginePool
 from megatron_rl.rollout.engine import (
@@ -26,6 +25,7 @@ from megatron_rl.rollout.engine import (
     read_completions,
 )
 from megatron_rl.rollout.engine_wrapper import forwards
+from megatron_rl.runtime.aio import wait_for
 
 log = logging.getLogger(__name__)
 

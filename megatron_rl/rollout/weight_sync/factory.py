@@ -9,7 +9,7 @@ from megatron_rl.rollout.weight_sync.interface import WeightTransport, WeightWri
 from megatron_rl.rollout.weight_sync.push.transport import TensorTransport
 
 if TYPE_CHECKING:
-    from megatron_rl.config import RunConfig
+    from megatron_rl.config.schema import RunConfig
 
 TRANSPORTS: dict[str, type[WeightTransport]] = {cls.name: cls for cls in (HFFiles, ShardedFiles, TensorTransport)}
 """``rollout.weight_sync_format`` -> transport class ('hf', 'sharded', 'tensor')."""

@@ -6,7 +6,7 @@ a node-local directory, /dev/shm by default, on global rank 0's node; an engine 
 directory on its own node. In a multi-node run the engines on the other nodes would find
 nothing there, so after each write the directory is fanned out: one task pinned to the source
 node reads each file into the object store, one task pinned to each other node writes it into
-a temp directory beside the target, then swaps it in (``megatron_rl.files.replace_dir``), so an
+a temp directory beside the target, then swaps it in (``megatron_rl.runtime.files.replace_dir``), so an
 engine never sees half a directory. Files travel one at a time (the weight sync writes files
 of at most 4 GiB), so the object store holds one file at a time, and Ray moves each between
 nodes once per node.
@@ -62,7 +62,7 @@ def _write_file(tmp: str, name: str, data: np.ndarray) -> int:
 @ray.remote(num_cpus=0)
 def _finish(tmp: str, directory: str) -> str:
     """Swap the completed temp directory in; returns this node's id (for the caller's check)."""
-    from megatron_rl.files import replace_dir
+    from megatron_rl.runtime.files import replace_dir
 
     replace_dir(tmp, directory)
     return ray.get_runtime_context().get_node_id()

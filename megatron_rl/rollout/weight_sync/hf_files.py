@@ -15,7 +15,7 @@ from typing import Mapping
 
 import torch
 
-from megatron_rl.files import replace_dir
+from megatron_rl.runtime.files import replace_dir
 
 EMBED_KEY = "model.embed_tokens.weight"
 LM_HEAD_KEY = "lm_head.weight"

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, AsyncContextManager, Awaitable, Callable, Prot
 from megatron_rl.rollout.engine import CapabilityAbsent, RolloutEngine
 
 if TYPE_CHECKING:
-    from megatron_rl.config import RunConfig
+    from megatron_rl.config.schema import RunConfig
 
 
 class WeightWriter(Protocol):

@@ -47,11 +47,11 @@ from typing import Any
 
 import torch
 
-from megatron_rl.fault_injection import fault_point
 from megatron_rl.quantization.scheme import QuantSpec, quantize_slices
 from megatron_rl.resharding.layouts import EMBED, LM_HEAD, logical_shapes
 from megatron_rl.resharding.push_plan import PushBucket, PushPlan, build_push_plan, piece_shape
 from megatron_rl.rollout.weight_sync.push.channels import NetworkGroup, ShmRing, ticket
+from megatron_rl.runtime.fault_injection import fault_point
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ def overlap_loads(device: torch.device) -> bool:
     """Whether a worker loads finished tensors on a second thread while it receives the next
     buckets: on a GPU (the loaders mostly queue device work) and on CPU hosts with cores to spare.
     On a small CPU box the trainer ranks and every engine worker already compete for the cores,
-    and the extra thread measured no faster (rollpacker/benchmarks/benchmark_weight_sync.py), so it loads inline."""
+    and the extra thread measured no faster (megatron_rl/benchmarks/benchmark_weight_sync.py), so it loads inline."""
     import os
 
     return device.type == "cuda" or (os.cpu_count() or 1) >= 8

@@ -214,7 +214,7 @@ def worker_config(ctx: Context, *, dtype: str, micro_batch_tokens: int, recomput
                   distributed_optimizer: bool = False, impl: str = "local", lr: float = 1e-4) -> Any:
     """A trainer config for one rank: no grad clipping (the gradients stay raw), the training
     forward's own old logprobs (ratio 1: the loss gradient is -A * grad log p / N)."""
-    from megatron_rl.config import RunConfig
+    from megatron_rl.config.schema import RunConfig
 
     cfg = RunConfig()
     cfg.cluster.device = "cuda" if ctx.gpu else "cpu"

@@ -9,7 +9,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from megatron_rl.files import replace_dir
+from megatron_rl.runtime.files import replace_dir
 
 PUSH_MANIFEST = "tensor_push.json"
 PUSH_FORMAT = "megatron_rl.tensor_push/1"

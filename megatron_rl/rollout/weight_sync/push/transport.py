@@ -25,13 +25,13 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from megatron_rl.aio import wait_for
 from megatron_rl.distributed.errors import one_line
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.weight_sync.interface import WeightTransport
 from megatron_rl.rollout.weight_sync.push.protocol import PushSpec, engine_init_info, group_size, push_groups
 from megatron_rl.rollout.weight_sync.push.start_dir import write_push_start_dir
 from megatron_rl.rollout.weight_sync.push.topology import Place, pair
+from megatron_rl.runtime.aio import wait_for
 
 log = logging.getLogger(__name__)
 

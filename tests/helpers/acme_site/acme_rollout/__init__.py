@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_rl.baseline import BaselineScheduler
-from megatron_rl.config import RunConfig, register_section
-from megatron_rl.config_io import ConfigError, register_validator
-from megatron_rl.plugins import register_scheduler
+from megatron_rl.config.plugins import register_scheduler
+from megatron_rl.config.schema import RunConfig, register_section
+from megatron_rl.config.validation import register_validator
+from megatron_rl.config.values import ConfigError
+from megatron_rl.loop.baseline import BaselineScheduler
 
 
 @dataclass
