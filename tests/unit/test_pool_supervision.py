@@ -417,3 +417,35 @@ def test_a_member_replaced_during_a_push_wakes_its_weights_like_the_rest() -> No
         await h.engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_submit_that_fails_after_its_member_was_found_dead_is_not_an_error() -> None:
+    """The death is noticed first (the member's stream fails) and its requests move; the submit that
+    was in flight to it fails afterwards: the request already runs elsewhere, so submit returns."""
+    async def main():
+        h = Harness(members=2, health_check_s=0)
+        gate = asyncio.Event()
+        original = h.first[0].submit
+
+        async def slow_then_dead(request):
+            await gate.wait()
+            await original(request)  # raises: the engine is dead by now
+
+        await h.engine.submit(_request(1, max_tokens=LONG + 10))  # to member 0 (streams start)
+        await h.engine.submit(_request(2, max_tokens=LONG + 10))  # to member 1
+        h.first[0].submit = slow_then_dead
+        pending = asyncio.ensure_future(h.engine.submit(_request(3, max_tokens=LONG + 10)))  # to member 0
+        await asyncio.sleep(0.01)
+        stream = h.engine.completions()
+        h.first[0].die()
+        await asyncio.sleep(2.0)  # the stream's failure is judged a death (three health checks)
+        gate.set()
+        await asyncio.wait_for(pending, 5)  # no error: r3 moved with r1
+        got = {}
+        while len(got) < 3:
+            c = await asyncio.wait_for(stream.__anext__(), 10)
+            got[c.request_id] = c
+        assert sorted(got) == ["r1", "r2", "r3"] and [i for i, _ in h.started] == [0]
+        await h.engine.shutdown()
+
+    asyncio.run(main())

@@ -193,8 +193,11 @@ class EnginePool(PoolHandoff, PoolSupervision, RolloutEngine):
         try:
             await self.engines[index].submit(request)
         except Exception as exc:
-            if self._is_current(entry, rid) and await self._dead_after(index, exc):
-                return  # the member died: the request moved with its others
+            # The member died: the request moved with its others (before this error came back, or now).
+            if not self._is_current(entry, rid) and self._supervision is not None:
+                return
+            if await self._dead_after(index, exc):
+                return
             if self._is_current(entry, rid):
                 del self._entries[rid]
                 self._unplace(entry)
@@ -224,8 +227,10 @@ class EnginePool(PoolHandoff, PoolSupervision, RolloutEngine):
         try:
             await self.engines[index].submit(request)
         except Exception as exc:
-            if self._is_current(entry, request.request_id) and await self._dead_after(index, exc):
-                return  # that member died too: the request moved again
+            # That member died too: the request moved again (before this error came back, or now).
+            if self._supervision is not None and (not self._is_current(entry, request.request_id)
+                                                  or await self._dead_after(index, exc)):
+                return
             # The engine rejected a request it should accept: treat it as an engine failure.
             if self._is_current(entry, request.request_id):
                 del self._entries[entry.record.original.request_id]
