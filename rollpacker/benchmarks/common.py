@@ -12,7 +12,7 @@ import math
 import statistics
 from pathlib import Path
 
-from megatron_rl.config.loading import apply_override, load_config
+from megatron_rl.benchmarks.run_config import benchmark_config  # noqa: F401  (the comparisons import it from here)
 from megatron_rl.config.schema import RunConfig
 from megatron_rl.tools import REPO_ROOT as REPO
 from rollpacker.config import TailBatchingConfig
@@ -24,23 +24,6 @@ def period_steps(eta_prompts: float, prompts_per_step: int) -> int:
     if queued_per_short <= 0:
         return 1  # eta_P = 1: no queue, every round is short
     return math.ceil(prompts_per_step / queued_per_short) + 1
-
-
-def benchmark_config(args, scheduler: str, steps: int, run_dir: Path, extra: list[str] = ()) -> RunConfig:
-    """The CPU recipe (examples/qwen2.5/tiny_cpu.yaml) shaped by the benchmark's options: model,
-    prompts x responses, lengths, evaluation at the end, no checkpoints; ``extra`` then the
-    command line's overrides go last."""
-    cfg = load_config(REPO / "examples/qwen2.5/tiny_cpu.yaml")
-    for assignment in [
-        f"model.hf_path={args.model}", f"trainer.run_dir={run_dir}", f"trainer.steps={steps}",
-        f"scheduler.name={scheduler}", f"data.prompts_per_step={args.prompts_per_step}",
-        f"data.responses_per_prompt={args.responses}", f"rollout.max_new_tokens={args.max_new_tokens}",
-        f"data.eval_every={steps}", f"data.eval_num_prompts={args.eval_prompts}",
-        "trainer.save_every=0", "trainer.tensorboard=false", f"trainer.seed={args.seed}",
-        f"rollout.max_num_seqs={args.max_num_seqs}", *extra, *args.overrides,
-    ]:
-        apply_override(cfg, assignment)
-    return cfg
 
 
 def add_run_options(parser: argparse.ArgumentParser) -> None:
