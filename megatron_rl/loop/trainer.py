@@ -189,7 +189,9 @@ class Trainer:
             batch = await self.p.scheduler.next_batch(self._context(step))
         engine_after = await self.engine.stats()
         # rollout.engine_trace: the engines' iterations of this rollout, written with the step below.
+        trace_start = time.perf_counter()
         trace = await self.engine.drain_trace() if self.cfg.rollout.engine_trace else []
+        trace_s = time.perf_counter() - trace_start
         for plugin in self.plugins:
             extra.update(await plugin.after_rollout(step, batch))
         extra.update(await self.colocation.to_training())
@@ -231,8 +233,13 @@ class Trainer:
         metrics.update(self.p.rewards.step_metrics(batch.samples))
         self.trained_log.append(step, **step_record.trained_prompt_record(batch, samples))
         self.timeline_log.append(step, **step_record.timeline_record(batch, self.t0))
-        for replica in trace:
-            self.trace_log.append(step, kind="engine", round=batch.round_type, **replica)
+        if trace:  # its cost: recording on the engines, draining and writing here (docs/metrics.md)
+            trace_start = time.perf_counter()
+            for replica in trace:
+                self.trace_log.append(step, kind="engine", round=batch.round_type, **replica)
+            metrics["engine_trace/cost_s"] = (trace_s + time.perf_counter() - trace_start
+                                              + sum(r.get("record_s", 0.0) for r in trace))
+            metrics["engine_trace/iterations"] = float(sum(len(r["rows"]) for r in trace))
         return metrics
 
     def _training_owner(self, step: int) -> TrainerPlugin | None:

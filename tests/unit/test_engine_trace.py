@@ -42,6 +42,7 @@ def test_rows_follow_vllm_stats_and_drain_hands_them_over_once():
     out = trace.drain(tensor_parallel_size=2, max_num_seqs=64)
     assert out["columns"] == list(COLUMNS) and (out["tp"], out["max_num_seqs"]) == (2, 64)
     assert (out["kv_capacity_tokens"], out["block_size"]) == (10_000, 16)
+    assert 0 < out["record_s"] < 0.1  # its own cost, handed over (and reset) with the rows
     rows = [dict(zip(COLUMNS, r)) for r in out["rows"]]
     assert len(rows) == 2
     first, second = rows
@@ -50,7 +51,8 @@ def test_rows_follow_vllm_stats_and_drain_hands_them_over_once():
     assert (second["decode_tokens"], second["context_tokens"], second["preempted"]) == (12, 500, 1)
     assert (second["drafted"], second["accepted"], second["version"]) == (8, 5, 4)
     assert second["t"] >= first["t"]
-    assert trace.drain(2, 64)["rows"] == []  # handed over once
+    again = trace.drain(2, 64)
+    assert (again["rows"], again["record_s"]) == ([], 0.0)  # handed over once
     assert sink.preemptions == 1  # the sink's own counters still run beside the trace
 
 

@@ -47,6 +47,8 @@ class IterationTrace:
         """Tokens per KV block (the granularity of ``context_tokens``)."""
         self._version = version
         """The engine's current weight version (reloads and pushes change it)."""
+        self.record_s = 0.0
+        """Seconds spent recording rows since the last drain (the trace's cost on the engine's output path)."""
 
     def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
         """One engine step's stats (either may be None; steps without iteration details are not
@@ -54,6 +56,7 @@ class IterationTrace:
         details = getattr(scheduler_stats, "iteration_details", None) if scheduler_stats is not None else None
         if details is None or details.is_dummy:
             return
+        start = time.perf_counter()
         spec = scheduler_stats.spec_decoding_stats
         self.rows.append([
             time.time(), round(float(details.elapsed_ms), 3),
@@ -65,10 +68,12 @@ class IterationTrace:
             int(iteration_stats.num_preempted_reqs) if iteration_stats is not None else 0,
             self._version(),
         ])
+        self.record_s += time.perf_counter() - start
 
     def drain(self, tensor_parallel_size: int, max_num_seqs: int) -> dict:
         """The rows since the last drain (handed over once) with what prices them."""
         rows, self.rows = self.rows, []
-        return {"tp": tensor_parallel_size, "max_num_seqs": max_num_seqs,
+        record_s, self.record_s = self.record_s, 0.0
+        return {"tp": tensor_parallel_size, "max_num_seqs": max_num_seqs, "record_s": round(record_s, 6),
                 "kv_capacity_tokens": self.kv_capacity_tokens, "block_size": self.block_size, "columns": list(COLUMNS),
                 "rows": rows}
