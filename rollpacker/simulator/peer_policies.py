@@ -224,20 +224,25 @@ def train_on(train: TrainModel, gpus: int) -> TrainModel:
 
 
 def balanced_split(cl: Cluster, model_parallel: int, steps: int = 10, seed: int = 0) -> Split:
-    """Trainer GPUs in proportion to the synchronous baseline's train time over its step's GPU
-    phases (so generation and training keep pace), rounded up to whole model-parallel groups; the
-    rest, in whole engines, generate."""
+    """The split on which generation and training keep pace: over trainer sizes in whole
+    model-parallel groups, the one with the least max(a batch's generation: the synchronous
+    baseline's busy engine GPU-seconds over the rollout GPUs; its training on the trainer GPUs)."""
     state, rng = PolicyState(), random.Random(seed)
     base = [simulate_step(cl, Features(), state, rng) for _ in range(steps)]
-    train = sum(s.train_s for s in base)
-    gen = sum(s.rollout_s for s in base)
+    busy = sum(s.rollout_s * cl.rollout_gpus - s.rollout_idle_gpu_s for s in base) / steps
+    train = sum(s.train_s for s in base) / steps - cl.train.fixed_s
     engine = cl.engine_for_tp(cl.base_tp)
-    want = cl.total_gpus * train / (train + gen)
-    train_gpus = max(model_parallel, math.ceil(want / model_parallel) * model_parallel)
-    rollout_gpus = (cl.total_gpus - train_gpus) // engine.gpus * engine.gpus
-    if rollout_gpus < engine.gpus:
-        raise ValueError(f"{cl.total_gpus} GPUs leave no engine beside a {train_gpus}-GPU trainer")
-    return Split(rollout_gpus, train_gpus)
+    best: tuple[float, Split] | None = None
+    for train_gpus in range(model_parallel, cl.total_gpus, model_parallel):
+        rollout_gpus = (cl.total_gpus - train_gpus) // engine.gpus * engine.gpus
+        if rollout_gpus < engine.gpus:
+            break
+        pace = max(busy / rollout_gpus, cl.train.fixed_s + train * cl.train.gpus / train_gpus)
+        if best is None or pace < best[0]:
+            best = (pace, Split(rollout_gpus, train_gpus))
+    if best is None:
+        raise ValueError(f"{cl.total_gpus} GPUs leave no engine beside a {model_parallel}-GPU trainer")
+    return best[1]
 
 
 def on_split(cl: Cluster, split: Split) -> Cluster:
