@@ -12,7 +12,7 @@ trained), token-mean and maximal staleness, and wasted tokens (generated, never 
 each cell the median [range] over the seeds. The cluster is ``rollpacker-simulate``'s default for
 the recipe (GPU roofline engines, FLOP-based training, paper-like lognormal lengths); the peers'
 settings come from the recipe's ``peers`` section. How each peer is modelled and on which GPUs:
-``rollpacker/simulator/peer_policies.py``; the split of the split-GPU rows: ``balanced_split``.
+``rollpacker/simulator/peer_policies.py``; the split of the split-GPU rows: ``best_split``.
 """
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ HANDOFF = "stream handoff (trainer trains, engine generates)"
 """The planner's moment of a trainer training beside a generating engine on one GPU: colocated one-step-off's."""
 COLUMNS = [("step time (s)", "step_s", "{:.0f}"), ("speedup", "speedup", "{:.2f}"),
            ("off-policy tokens", "off_policy", "{:.2f}"), ("staleness, mean", "staleness_mean", "{:.2f}"),
-           ("staleness, max", "staleness_max", "{:.0f}"), ("wasted tokens/step (k)", "wasted_k", "{:.0f}")]
+           ("staleness, max", "staleness_max", "{:.0f}"), ("wasted tokens/step (k)", "wasted_k", "{:.0f}"),
+           ("groups dropped/step", "dropped", "{:.1f}"), ("mean trained response", "response", "{:.0f}")]
 
 
 @dataclass(frozen=True)
@@ -76,17 +77,19 @@ class Recipe:
     colocated_gib: float | None
 
 
-def load_recipe(path: str, settings: Settings, overrides: list[str] | None = None) -> Recipe:
+def load_recipe(path: str, settings: Settings, overrides: list[str] | None = None,
+                split: peers.Split | None = None) -> Recipe:
     """The recipe's cluster as ``rollpacker-simulate`` builds it by default, RollPacker's mechanisms as
-    the recipe sets them, and the split of the split-GPU rows."""
+    the recipe sets them, and the split of the split-GPU rows (``split``, or the best for async k=1)."""
     cfg = load_config(path, overrides or [])
     shape = resolve_shape(cfg.model.hf_path)
     gpu = GPUS[settings.gpu]
     lengths = LogNormalLengths.paper_like(cfg.rollout.max_new_tokens, cfg.data.max_prompt_tokens // 2)
     cluster = build_cluster(cfg, shape, gpu, lengths)
     p = cfg.parallel
-    split = peers.balanced_split(cluster, p.tensor_model_parallel_size * p.pipeline_model_parallel_size
-                                 * p.context_parallel_size)
+    split = split or peers.best_split(cluster, p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+                                      * p.context_parallel_size)
+    peers.on_split(cluster, split)  # a split larger than the cluster fails here
     features = Features(True, True, cfg.section(PlannerConfig).enabled, cfg.section(StreamConfig).enabled,
                         eta_p=cfg.tail_batching.eta_prompts, eta_r=cfg.tail_batching.eta_responses, count_wasted=True)
     colocated = None
@@ -99,20 +102,23 @@ def load_recipe(path: str, settings: Settings, overrides: list[str] | None = Non
     return Recipe(label, cluster, features, cfg.section(PeersConfig), split, colocated)
 
 
-def _from_summary(summary) -> dict:
+def _from_summary(summary, cl: Cluster) -> dict:
     steps = summary.steps
-    return {"step_s": summary.mean_step_s, "off_policy": 0.0, "staleness_mean": 0.0, "staleness_max": 0,
-            "wasted": sum(s.wasted_tokens for s in steps) / len(steps)}
+    responses = cl.prompts_per_step * cl.responses_per_prompt
+    prompts = responses * cl.lengths.prompt_tokens
+    return {"response": sum(s.trained_tokens - prompts for s in steps) / (responses * len(steps)),"step_s": summary.mean_step_s, "off_policy": 0.0, "staleness_mean": 0.0, "staleness_max": 0,
+            "wasted": sum(s.wasted_tokens for s in steps) / len(steps), "dropped": 0.0}
 
 
-def _from_peer(steps: list[peers.PeerStep], warmup: int) -> dict:
+def _from_peer(steps: list[peers.PeerStep], warmup: int, cl: Cluster) -> dict:
     steady = steps[warmup:]
     tokens = sum(s.trained_tokens for s in steady) or 1
-    return {"step_s": sum(s.step_s for s in steady) / len(steady),
+    return {"response": tokens / (cl.prompts_per_step * cl.responses_per_prompt * len(steady)),"step_s": sum(s.step_s for s in steady) / len(steady),
             "off_policy": sum(s.stale_tokens for s in steady) / tokens,
             "staleness_mean": sum(s.lag_tokens for s in steady) / tokens,
             "staleness_max": max(s.max_staleness for s in steady),
-            "wasted": sum(s.wasted_tokens for s in steady) / len(steady)}
+            "wasted": sum(s.wasted_tokens for s in steady) / len(steady),
+            "dropped": sum(s.dropped_groups for s in steady) / len(steady)}
 
 
 def row_names(r: Recipe, settings: Settings) -> list[tuple[str, str]]:
@@ -130,21 +136,21 @@ def simulate_row(r: Recipe, key: str, settings: Settings, seed: int) -> dict:
     name = key.split("/", 1)[1]
     cl, n = r.cluster, settings.warmup + settings.steps
     if name == "baseline":
-        return _from_summary(run_policy(cl, Features(count_wasted=True), settings.steps, seed, name))
+        return _from_summary(run_policy(cl, Features(count_wasted=True), settings.steps, seed, name), cl)
     if name == "tail":
         return _from_summary(run_policy(cl, Features(True, eta_p=r.features.eta_p, eta_r=r.features.eta_r,
-                                                     count_wasted=True), settings.steps, seed, name))
+                                                     count_wasted=True), settings.steps, seed, name), cl)
     if name == "rollpacker":
-        return _from_summary(run_policy(cl, r.features, settings.steps, seed, name))
+        return _from_summary(run_policy(cl, r.features, settings.steps, seed, name), cl)
     if name == "partial":
         pc = r.peers.partial
-        return _from_peer(peers.partial_rollout(cl, n, seed, pc.over_provision, pc.max_continuations), settings.warmup)
+        return _from_peer(peers.partial_rollout(cl, n, seed, pc.over_provision, pc.max_continuations), settings.warmup, cl)
     if name == "one_step_off":
-        return _from_peer(peers.one_step_off(cl, n, seed, overlap=settings.overlap), settings.warmup)
+        return _from_peer(peers.one_step_off(cl, n, seed, overlap=settings.overlap), settings.warmup, cl)
     if name == "one_step_off_split":
-        return _from_peer(peers.one_step_off(cl, n, seed, split=r.split), settings.warmup)
+        return _from_peer(peers.one_step_off(cl, n, seed, split=r.split), settings.warmup, cl)
     if name.startswith("async_k"):
-        return _from_peer(peers.async_rollout(cl, r.split, int(name[len("async_k"):]), n, seed), settings.warmup)
+        return _from_peer(peers.async_rollout(cl, r.split, int(name[len("async_k"):]), n, seed), settings.warmup, cl)
     raise ValueError(f"unknown row {key!r}")
 
 
@@ -195,12 +201,21 @@ def record(path: Path, recipes: list[Recipe], paths: list[str], settings: Settin
     existing.pop("rows", None)  # rows follow the recipes and --ks, not an older file
     t = table(recipes, settings, runs, command)
     data = results_record.build_record("simulated_peers", command, t["columns"], t["rows"], runs, existing=existing,
-                                       extra={"settings": asdict(settings), "recipes": paths})
+                                       extra={"settings": asdict(settings), "recipes": paths,
+                                              "splits": [[r.split.rollout_gpus, r.split.train_gpus] for r in recipes]})
     data.update(hardware=f"a simulated {settings.gpu.upper()} cluster (no GPU; computed on {results_record.hardware()})",
                 source="computed", runs_note=t["runs_note"], title=existing.get("title", "Simulated peers"))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
     return path
+
+
+def _split(text: str) -> peers.Split:
+    try:
+        rollout, train = (int(x) for x in text.split("+"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ROLLOUT+TRAIN GPUs, e.g. 24+8, got {text!r}") from None
+    return peers.Split(rollout, train)
 
 
 def _ints(text: str) -> list[int]:
@@ -220,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ks", type=_ints, default=[1, 2, 4], help="staleness bounds of the async rows")
     ap.add_argument("--overlap", type=float, default=0.0,
                     help="colocated one-step-off: fraction of the shorter GPU phase hidden by sharing (0: time-slicing)")
+    ap.add_argument("--split", type=_split, help="ROLLOUT+TRAIN GPUs of the split rows (default: the best for async k=1)")
     ap.add_argument("--record", type=Path, help="write the results file (docs/results/simulated_peers.json)")
     args = ap.parse_args(argv)
     settings = Settings(args.gpu, args.steps, args.warmup, list(range(args.seeds)), args.ks, args.overlap)
@@ -228,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     paths = args.recipe or RECIPES
     try:
-        recipes = [load_recipe(str(REPO / p) if not Path(p).exists() else p, settings) for p in paths]
+        recipes = [load_recipe(str(REPO / p) if not Path(p).exists() else p, settings, split=args.split) for p in paths]
     except (ConfigError, ValueError) as exc:
         print(f"simulate-peers: {exc}", file=sys.stderr)
         return 2

@@ -53,6 +53,8 @@ class PeerStep:
     max_staleness: int = 0
     wasted_tokens: int = 0
     """Response tokens generated and never trained."""
+    dropped_groups: int = 0
+    """Groups dropped since the previous step (async: too stale to train)."""
 
 
 @dataclass(frozen=True)
@@ -223,25 +225,22 @@ def train_on(train: TrainModel, gpus: int) -> TrainModel:
     return replace(train, gpus=gpus, dp=max(1, train.dp * gpus // train.gpus))
 
 
-def balanced_split(cl: Cluster, model_parallel: int, steps: int = 10, seed: int = 0) -> Split:
-    """The split on which generation and training keep pace: over trainer sizes in whole
-    model-parallel groups, the one with the least max(a batch's generation: the synchronous
-    baseline's busy engine GPU-seconds over the rollout GPUs; its training on the trainer GPUs)."""
-    state, rng = PolicyState(), random.Random(seed)
-    base = [simulate_step(cl, Features(), state, rng) for _ in range(steps)]
-    busy = sum(s.rollout_s * cl.rollout_gpus - s.rollout_idle_gpu_s for s in base) / steps
-    train = sum(s.train_s for s in base) / steps - cl.train.fixed_s
+def best_split(cl: Cluster, model_parallel: int, k: int = 1, steps: int = 10, seed: int = 0) -> Split:
+    """Over trainer sizes in whole model-parallel groups (the rest, in whole engines, generate), the
+    split on which asynchronous rollout with staleness ``k`` has the shortest mean step (its steps
+    after the first k + 1)."""
     engine = cl.engine_for_tp(cl.base_tp)
     best: tuple[float, Split] | None = None
     for train_gpus in range(model_parallel, cl.total_gpus, model_parallel):
-        rollout_gpus = (cl.total_gpus - train_gpus) // engine.gpus * engine.gpus
-        if rollout_gpus < engine.gpus:
+        split = Split((cl.total_gpus - train_gpus) // engine.gpus * engine.gpus, train_gpus)
+        if split.rollout_gpus < engine.gpus:
             break
-        pace = max(busy / rollout_gpus, cl.train.fixed_s + train * cl.train.gpus / train_gpus)
-        if best is None or pace < best[0]:
-            best = (pace, Split(rollout_gpus, train_gpus))
+        run = async_rollout(cl, split, k, steps, seed)[k + 1:]
+        mean = sum(s.step_s for s in run) / len(run)
+        if best is None or mean < best[0]:
+            best = (mean, split)
     if best is None:
-        raise ValueError(f"{cl.total_gpus} GPUs leave no engine beside a {model_parallel}-GPU trainer")
+        raise ValueError(f"{cl.total_gpus} GPUs hold no {model_parallel}-GPU trainer beside an engine")
     return best[1]
 
 
@@ -295,7 +294,7 @@ def async_rollout(cl: Cluster, split: Split, k: int, steps: int, seed: int) -> l
     flight: list[_Group] = []
     """Groups launched and not trained or dropped (finished ones have every response ready)."""
     out: list[PeerStep] = []
-    wasted = 0
+    wasted = dropped = 0
     while len(out) < steps:
         for _ in range(max(0, (version + k + 1) * p0 - live)):  # AReaL's admission rule
             flight.append(stream.group(version))
@@ -303,6 +302,7 @@ def async_rollout(cl: Cluster, split: Split, k: int, steps: int, seed: int) -> l
         hopeless = [g for g in flight if g.launched < version - k]
         if hopeless:  # its first tokens would be more than k versions old: drop, launch others
             wasted += sum(g.tokens() for g in hopeless)
+            dropped += len(hopeless)
             flight = [g for g in flight if g.launched >= version - k]
             live -= len(hopeless)
             continue
@@ -317,7 +317,8 @@ def async_rollout(cl: Cluster, split: Split, k: int, steps: int, seed: int) -> l
         in_batch = {id(g) for g in batch}
         flight = [g for g in flight if id(g) not in in_batch]
         t = end + c.train.sync_s  # the engines pause for the weight update
-        step.step_s, step.wasted_tokens, wasted, last = t - last, wasted, 0, t
+        step.step_s, step.wasted_tokens, step.dropped_groups, last = t - last, wasted, dropped, t
+        wasted = dropped = 0
         out.append(step)
         version += 1
     return out

@@ -103,6 +103,7 @@ def test_bad_settings_fail_naming_them():
     with pytest.raises(ValueError, match="exceeds"):
         peers.on_split(cl, peers.Split(4, 1))
     assert simulate_peers.main(["--seeds", "0"]) == 2
+    assert simulate_peers.main(["--recipe", simulate_peers.RECIPES[0], "--split", "16+8"]) == 2
 
 
 def test_the_recorded_table_is_what_the_command_computes_now():
@@ -111,7 +112,7 @@ def test_the_recorded_table_is_what_the_command_computes_now():
     data = json.loads(RECORD.read_text())
     raw = data["settings"]
     settings = simulate_peers.Settings(**raw)
-    recipe = simulate_peers.load_recipe(data["recipes"][0], settings)
+    recipe = simulate_peers.load_recipe(data["recipes"][0], settings, split=peers.Split(*data["splits"][0]))
     seed = settings.seeds[0]
     runs = data["runs"][f"seed {seed}"]
     base = None
@@ -128,10 +129,11 @@ def test_the_recorded_table_is_what_the_command_computes_now():
 def test_the_command_records_a_results_file(tmp_path: Path, capsys):
     out = tmp_path / "peers.json"
     assert simulate_peers.main(["--recipe", simulate_peers.RECIPES[0], "--steps", "2", "--warmup", "1", "--seeds", "1",
-                                "--ks", "1", "--record", str(out)]) == 0
+                                "--ks", "1", "--split", "12+4", "--record", str(out)]) == 0
     data = json.loads(out.read_text())
     titles = [row["title"] for row in data["rows"]]
     assert titles[:3] == ["7B synchronous baseline", "7B tail batching alone", "7B RollPacker (the recipe's mechanisms)"]
     assert data["runs"]["seed 0"]["speedup"]["7b/baseline"] == 1.0
     assert data["source"] == "computed" and data["settings"]["ks"] == [1]
-    assert "| 7B async k=1, split" in capsys.readouterr().out
+    assert "| 7B async k=1, split 12+4 |" in capsys.readouterr().out
+    assert data["splits"] == [[12, 4]]
