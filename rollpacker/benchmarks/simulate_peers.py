@@ -42,9 +42,11 @@ RECIPES = [f"examples/qwen2.5/qwen2.5_{size}_mixed_{layout}.yaml"
 HANDOFF = "stream handoff (trainer trains, engine generates)"
 """The planner's moment of a trainer training beside a generating engine on one GPU: colocated one-step-off's."""
 COLUMNS = [("step time (s)", "step_s", "{:.0f}"), ("speedup", "speedup", "{:.2f}"),
-           ("off-policy tokens", "off_policy", "{:.2f}"), ("staleness, mean", "staleness_mean", "{:.2f}"),
-           ("staleness, max", "staleness_max", "{:.0f}"), ("wasted tokens/step (k)", "wasted_k", "{:.0f}"),
-           ("groups dropped/step", "dropped", "{:.1f}"), ("mean trained response", "response", "{:.0f}")]
+           ("off-policy", "off_policy", "{:.2f}"), ("stale, mean", "staleness_mean", "{:.2f}"),
+           ("stale, max", "staleness_max", "{:.0f}"), ("wasted (k tok)", "wasted_k", "{:.0f}"),
+           ("dropped groups", "dropped", "{:.0f}"), ("mean response", "response", "{:.0f}")]
+"""(column, figure, format): off-policy token fraction, token-mean and largest staleness, wasted response tokens
+per step (thousands), groups dropped per step, mean trained response length (tokens)."""
 
 
 @dataclass(frozen=True)
