@@ -30,7 +30,7 @@ def _run(model_dir: Path, run_dir: Path, seed: int) -> Path:
     # enough for the per-step times to be more than timer noise.
     args = overrides(model_dir, run_dir, STEPS, ["rollout.num_engines=2", "rollout.max_new_tokens=96",
                                                  "data.prompts_per_step=8", "data.responses_per_prompt=4",
-                                                 "data.eval_every=0", f"trainer.seed={seed}"])
+                                                 "data.eval_every=0", f"trainer.seed={seed}", "rollout.engine_trace=true"])
     log = run_dir.parent / f"{run_dir.name}.log"
     proc = run_train(args, log)
     rc = proc.wait(timeout=600)
