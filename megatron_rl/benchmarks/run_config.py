@@ -11,8 +11,9 @@ from megatron_rl.tools import REPO_ROOT as REPO
 
 def benchmark_config(args, scheduler: str, steps: int, run_dir: Path, extra: list[str] = ()) -> RunConfig:
     """The CPU recipe (examples/qwen2.5/tiny_cpu.yaml) shaped by the benchmark's options: model,
-    prompts x responses, lengths, evaluation at the end, no checkpoints; ``extra`` then the
-    command line's overrides go last."""
+    prompts x responses, lengths, evaluation at the end, no checkpoints, the engines' iteration
+    trace on (``rollout.engine_trace``: what ``rollpacker-price`` prices); ``extra`` then the
+    command line's overrides go last (``rollout.engine_trace=false`` turns the trace off)."""
     cfg = load_config(REPO / "examples/qwen2.5/tiny_cpu.yaml")
     for assignment in [
         f"model.hf_path={args.model}", f"trainer.run_dir={run_dir}", f"trainer.steps={steps}",
@@ -20,7 +21,7 @@ def benchmark_config(args, scheduler: str, steps: int, run_dir: Path, extra: lis
         f"data.responses_per_prompt={args.responses}", f"rollout.max_new_tokens={args.max_new_tokens}",
         f"data.eval_every={steps}", f"data.eval_num_prompts={args.eval_prompts}",
         "trainer.save_every=0", "trainer.tensorboard=false", f"trainer.seed={args.seed}",
-        f"rollout.max_num_seqs={args.max_num_seqs}", *extra, *args.overrides,
+        f"rollout.max_num_seqs={args.max_num_seqs}", "rollout.engine_trace=true", *extra, *args.overrides,
     ]:
         apply_override(cfg, assignment)
     return cfg

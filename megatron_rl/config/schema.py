@@ -201,6 +201,11 @@ class RolloutConfig:
     the step, on the same placement; its unfinished requests continue on the other engines and the
     replacement rejoins with the next weight push (docs/faults.md). After this many replacements
     within one run the next death stops the run with an error instead; 0 stops at the first."""
+    engine_trace: bool = False
+    """Record every engine iteration (requests and tokens scheduled in prefill and decode, KV tokens
+    held, drafts, preemptions, elapsed time) into ``<run_dir>/engine_trace.jsonl``, drained after each
+    rollout; ``rollpacker-price`` prices it. On in benchmarks; off by default, as a long GPU run
+    writes one row per engine iteration."""
     engine_health_check_s: float = 2.0
     """While requests are in flight, how often the engines' health is checked (a death that no
     completion reports, e.g. an actor that stopped answering, is noticed within this plus

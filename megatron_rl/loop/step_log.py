@@ -7,6 +7,8 @@
 * ``phases.jsonl``: the (start, end) of every phase of each step (rollout, logprob, train,
   weight_sync, validation, checkpoint) on the system-wide monotonic clock, for
   ``rollpacker-profile-loop``.
+* ``engine_trace.jsonl`` (``rollout.engine_trace``): every engine iteration of each step's rollout,
+  one line per engine (``megatron_rl.rollout.actor.engine_trace.COLUMNS``), for ``rollpacker-price``.
 
 On resume, lines of steps at or after the resumed step are dropped (those steps are redone), so
 each file always describes exactly what the surviving model went through.

@@ -188,6 +188,10 @@ class Trainer:
         with timer("rollout"):
             batch = await self.p.scheduler.next_batch(self._context(step))
         engine_after = await self.engine.stats()
+        # rollout.engine_trace: the engines' iterations of this rollout, written with the step below.
+        trace_start = time.perf_counter()
+        trace = await self.engine.drain_trace() if self.cfg.rollout.engine_trace else []
+        trace_s = time.perf_counter() - trace_start
         for plugin in self.plugins:
             extra.update(await plugin.after_rollout(step, batch))
         extra.update(await self.colocation.to_training())
@@ -229,6 +233,13 @@ class Trainer:
         metrics.update(self.p.rewards.step_metrics(batch.samples))
         self.trained_log.append(step, **step_record.trained_prompt_record(batch, samples))
         self.timeline_log.append(step, **step_record.timeline_record(batch, self.t0))
+        if trace:  # its cost: recording on the engines, draining and writing here (docs/metrics.md)
+            trace_start = time.perf_counter()
+            for replica in trace:
+                self.trace_log.append(step, kind="engine", round=batch.round_type, **replica)
+            metrics["engine_trace/cost_s"] = (trace_s + time.perf_counter() - trace_start
+                                              + sum(r.get("record_s", 0.0) for r in trace))
+            metrics["engine_trace/iterations"] = float(sum(len(r["rows"]) for r in trace))
         return metrics
 
     def _training_owner(self, step: int) -> TrainerPlugin | None:
@@ -381,6 +392,7 @@ class Trainer:
         self.trained_log = StepLog(self.cfg.trainer.run_dir, "trained_prompts.jsonl")
         self.timeline_log = StepLog(self.cfg.trainer.run_dir, "rollout_timeline.jsonl")
         self.phase_log = StepLog(self.cfg.trainer.run_dir, "phases.jsonl")
+        self.trace_log = StepLog(self.cfg.trainer.run_dir, "engine_trace.jsonl")
         path = self.checkpoints.latest() if self.cfg.trainer.resume else None
         if self.cfg.trainer.resume and path is None:
             log.warning("trainer.resume=true but no checkpoint in %s/checkpoints: starting from step 0",
@@ -402,7 +414,7 @@ class Trainer:
                      if saved else "")
             log.info("resumed from %s at step %d%s", path, self.start_step, where)
         # Steps from start_step on are (re)done: drop what a killed run logged for them.
-        for step_log in (self.trained_log, self.timeline_log, self.phase_log):
+        for step_log in (self.trained_log, self.timeline_log, self.phase_log, self.trace_log):
             step_log.truncate(self.start_step)
 
 

@@ -217,6 +217,13 @@ class RolloutEngine(abc.ABC):
         (an engine without supervision) has nothing to recover."""
         return False
 
+    async def drain_trace(self) -> list[dict]:
+        """The engine iterations recorded since the last call (``rollout.engine_trace``), handed over
+        once: one dict per engine replica with ``tp``, ``max_num_seqs``, ``kv_capacity_tokens``,
+        ``block_size``, ``columns`` (``megatron_rl.rollout.actor.engine_trace.COLUMNS``) and ``rows``; a pool adds each
+        replica's ``engine`` index. The default (an engine that records no trace) has none."""
+        return []
+
     @abc.abstractmethod
     async def stats(self) -> EngineStats:
         """Current load: running, waiting, preemptions, KV usage."""

@@ -26,6 +26,7 @@ from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.distributed.local_state import engine_shm_ident, remove_engine_shm
 from megatron_rl.rollout.actor import speculative
 from megatron_rl.rollout.actor.engine_start import engine_processes
+from megatron_rl.rollout.actor.engine_trace import IterationTrace
 from megatron_rl.rollout.actor.vllm_engine_args import default_runtime_root, engine_args, engine_process_env, scoped_env
 from megatron_rl.rollout.actor.vllm_stats import StatsSink, stat_logger_factory
 from megatron_rl.rollout.engine import SINGLE_ENGINE_DEFAULTS, Completion, EngineStats, GenerationRequest, RolloutEngine
@@ -107,7 +108,8 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
                                  f"this engine runs rollout.tensor_parallel_size={cfg.tensor_parallel_size}")
             self._load_format, self._version = "dummy", int(push["version"])
             self._weights_pending = f"the engine started with dummy weights and awaits a push of version {push['version']}"
-        self._stats = StatsSink()
+        self._trace = IterationTrace(lambda: self._version) if cfg.engine_trace else None
+        self._stats = StatsSink(self._trace)
         # request id -> its stream task; None while add_request is still being awaited.
         self._inflight: dict[str, asyncio.Task | None] = {}
         self._abort_on_add: set[str] = set()
@@ -129,6 +131,10 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
             # GPUs: vLLM's own start method (CUDA cannot cross a fork).
             with scoped_env(env), engine_processes("spawn" if self.on_gpu else cfg.cpu_engine_start):
                 self._llm = self._start(seed, logprobs_mode, dtype)
+            if self._trace is not None:  # vLLM sized the KV cache at start (core_client handshake)
+                cache = self._llm.vllm_config.cache_config
+                self._trace.block_size = int(cache.block_size)
+                self._trace.kv_capacity_tokens = int(cache.num_gpu_blocks or 0) * self._trace.block_size
         except BaseException:
             self._remove_local_state()
             raise
@@ -430,6 +436,12 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
                 "sleeping": self._sleeping or self._kv_asleep,
             },
         ))
+
+    async def drain_trace(self) -> list[dict]:
+        """This engine's iterations since the last drain (``rollout.engine_trace``; [] when off)."""
+        if self._trace is None:
+            return []
+        return [self._trace.drain(self.cfg.tensor_parallel_size, self.cfg.max_num_seqs)]
 
     async def process_settings(self) -> list[dict]:
         """What each vLLM worker process made of its environment: pid, torch threads, whether

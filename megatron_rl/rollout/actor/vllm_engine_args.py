@@ -128,6 +128,9 @@ def engine_args(cfg: RolloutConfig, model_path: str, max_model_len: int, on_gpu:
         # for correctness because reload_weights resets the cache.
         enable_prefix_caching=True,
         disable_log_stats=True,  # our stat logger still receives stats (custom loggers)
+        # Per-iteration scheduled tokens and elapsed time for rollout.engine_trace (vllm/v1/engine/core.py
+        # capture_iteration_details); only our stat logger sees them (default loggers are off).
+        enable_logging_iteration_details=cfg.engine_trace,
         enable_log_requests=False,
         load_format=load_format,
         worker_extension_cls=vllm_worker_ext.EXTENSION,  # load_rank_shards: per-rank in-place reload

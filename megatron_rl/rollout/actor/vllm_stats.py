@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from megatron_rl.rollout.actor.engine_trace import IterationTrace
 from megatron_rl.rollout.actor.speculative import SpecCounters
 
 
@@ -15,7 +16,9 @@ class StatsSink:
     ``SchedulerStats`` (running/waiting/KV usage) and ``IterationStats`` (preemption events).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, trace: IterationTrace | None = None) -> None:
+        self.trace = trace
+        """Per-iteration rows (``rollout.engine_trace``); None when off."""
         self.running = 0
         self.waiting = 0
         self.skipped_waiting = 0
@@ -40,6 +43,8 @@ class StatsSink:
             self.prefix_cache_hits += int(getattr(prefix, "hits", 0))
             self.updated_at = time.monotonic()
         self.spec.record(scheduler_stats, iteration_stats)
+        if self.trace is not None:
+            self.trace.record(scheduler_stats, iteration_stats)
         if iteration_stats is not None:
             self.preemptions += iteration_stats.num_preempted_reqs
             self.generation_tokens += iteration_stats.num_generation_tokens

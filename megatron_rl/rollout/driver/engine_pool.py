@@ -396,6 +396,20 @@ class EnginePool(PoolHandoff, PoolSupervision, RolloutEngine):
 
     # ------------------------------------------------------------------ stats and shutdown
 
+    async def drain_trace(self) -> list[dict]:
+        """Every live member's iterations since the last drain, each tagged with its member index
+        (a dead member's undrained rows went with it; its replacement starts a fresh trace)."""
+        live = [i for i, h in enumerate(self.health) if h in (MemberHealth.HEALTHY, MemberHealth.STALE)]
+        results = await asyncio.gather(*(self.engines[i].drain_trace() for i in live), return_exceptions=True)
+        out = []
+        for index, part in zip(live, results):
+            if isinstance(part, Exception):
+                if not await self._dead_after(index, part):
+                    raise part
+                continue
+            out += [{"engine": index, **replica} for replica in part]
+        return out
+
     async def stats(self) -> EngineStats:
         """Sums over engines; capacity and KV usage (mean) count active engines only, since
         released ones take no requests; per-engine stats and handoff state are in ``extra``."""
