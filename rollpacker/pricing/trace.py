@@ -2,7 +2,9 @@
 
 Every line is checked before anything is priced: a bad line fails with ``file:line`` and the
 key at fault. ``engine`` lines hold the iterations one engine ran since the previous drain
-(drained right after step S's rollout); ``batch`` lines hold the samples trained at step S.
+(drained right after step S's rollout); ``batch`` lines hold the samples trained at step S. A
+step without a ``batch`` line takes its trained samples' lengths from ``trained_prompts.jsonl``
+(its ``lengths``: [prompt, response] tokens per trained sample), which every run writes.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 TRACE_FILE = "engine_trace.jsonl"
+TRAINED_FILE = "trained_prompts.jsonl"
 COLUMNS = ("t", "elapsed_ms", "running", "waiting", "prefill_tokens", "decode_tokens", "context_tokens",
            "drafted", "accepted", "preempted", "version")
 """The columns pricing reads; a trace may carry more (ignored)."""
@@ -163,4 +166,17 @@ def read_trace(run_dir: str | Path) -> RunTrace:
             raise TraceError(f"{where}: key 'kind' must be 'engine' or 'batch', got {kind!r}")
     if not run.blocks:
         raise TraceError(f"{trace_path}: no engine lines")
+    trained = d / TRAINED_FILE
+    if trained.is_file():
+        for where, obj in read_jsonl(trained):
+            step = _require(obj, "step", int, where)
+            if step in run.batches or "lengths" not in obj:
+                continue
+            pairs = _require(obj, "lengths", list, where)
+            if any(not isinstance(p, list) or len(p) != 2 for p in pairs):
+                raise TraceError(f"{where}: key 'lengths' must hold [prompt, response] pairs")
+            flat = {"prompt_tokens": [p[0] for p in pairs], "response_tokens": [p[1] for p in pairs]}
+            round_type = next((b.round for b in run.blocks if b.step == step), "")
+            run.batches[step] = Batch(step, round_type, _int_list(flat, "prompt_tokens", f"{where} (lengths)"),
+                                      _int_list(flat, "response_tokens", f"{where} (lengths)"))
     return run

@@ -191,6 +191,23 @@ def test_packing_limit_of_a_priced_run_is_below_the_actual_schedule(tmp_path):
     assert 0 < price.packing_time_fraction
 
 
+def test_a_step_without_a_batch_line_takes_its_lengths_from_trained_prompts(tmp_path):
+    d = _write_run(tmp_path / "r", TRUE, seed=8, steps=2)
+    path = d / "engine_trace.jsonl"
+    lines = _lines(path)
+    batch = next(x for x in lines if x["kind"] == "batch" and x["step"] == 2)
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines if x is not batch))
+    assert 2 not in read_trace(d).batches
+    pairs = [[p, r] for p, r in zip(batch["prompt_tokens"], batch["response_tokens"])]
+    (d / "trained_prompts.jsonl").write_text(json.dumps({"step": 2, "prompt_ids": [], "lengths": pairs}) + "\n")
+    got = read_trace(d).batches[2]
+    assert (got.prompt_tokens, got.response_tokens, got.round) == (batch["prompt_tokens"], batch["response_tokens"],
+                                                                    "baseline")
+    (d / "trained_prompts.jsonl").write_text(json.dumps({"step": 2, "lengths": [[3, 4, 5]]}) + "\n")
+    with pytest.raises(TraceError, match=r"trained_prompts.jsonl:1: key 'lengths' must hold"):
+        read_trace(d)
+
+
 def test_speculation_is_measured_from_the_rows(tmp_path):
     # Every decoding sequence proposed 2 drafts and got 1 accepted: 2 tokens per iteration.
     price = price_run(_write_run(tmp_path / "r", TRUE, seed=6, steps=1, drafts=2, accepted=1), TRUE)
