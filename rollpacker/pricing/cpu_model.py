@@ -28,12 +28,21 @@ TRAIN_KEYS = ("time/train", "time/logprob", "time/weight_sync")
 
 
 def _lstsq(rows: list[list[float]], y: list[float]) -> list[float]:
-    """Least squares with negative coefficients clipped to zero (a cost cannot be negative)."""
+    """Non-negative least squares (a cost cannot be negative): a coefficient the fit makes negative
+    is set to zero and the rest refitted without it, so the fitted rows' residuals still sum to zero
+    (clipping alone would leave predicted sums biased)."""
     import numpy as np
 
     a, b = np.array(rows, dtype=float), np.array(y, dtype=float)
-    coef, *_ = np.linalg.lstsq(a, b, rcond=None)
-    return [float(max(0.0, c)) for c in coef]
+    active = list(range(a.shape[1]))
+    coef = np.zeros(a.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    return [float(c) for c in coef]
 
 
 def block_features(block: EngineBlock) -> list[list[float]]:

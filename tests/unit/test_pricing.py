@@ -109,6 +109,19 @@ def test_fit_drops_the_gaps_in_which_an_engine_waited_for_work(tmp_path):
     assert fit.round_s == pytest.approx(TRUE.round_s + 0.5, rel=1e-6)
 
 
+def test_a_coefficient_fitted_negative_is_dropped_and_the_rest_refitted():
+    from rollpacker.pricing.cpu_model import _lstsq
+
+    rng = random.Random(0)
+    # y falls with the third feature: its unconstrained coefficient is negative.
+    rows = [[1.0, rng.uniform(0, 10), rng.uniform(0, 10)] for _ in range(50)]
+    y = [2.0 + 0.5 * r[1] - 0.3 * r[2] + rng.uniform(-0.1, 0.1) for r in rows]
+    coef = _lstsq(rows, y)
+    assert coef[2] == 0.0 and min(coef) >= 0
+    # Refitted without it, the predictions still sum to the measured total (clipping would not).
+    assert sum(sum(c * x for c, x in zip(coef, r)) for r in rows) == pytest.approx(sum(y), rel=1e-9)
+
+
 def test_cpu_model_predicts_an_unfitted_run_within_its_noise(tmp_path):
     fit = fit_cpu_model([read_trace(_write_run(tmp_path / f"r{i}", TRUE, seed=i, noise=0.2)) for i in range(2)])
     held_out = price_run(_write_run(tmp_path / "held", TRUE, seed=7, noise=0.2), fit)
