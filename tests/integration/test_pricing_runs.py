@@ -21,7 +21,8 @@ import pytest
 from rollpacker.pricing import fit_cpu_model, price_run, read_trace
 from tests.helpers.train_runs import overrides, run_train
 
-pytestmark = [pytest.mark.integration, pytest.mark.loop, pytest.mark.slow]
+# Three whole runs in the first test's setup: about six minutes alone, over fifteen beside other jobs.
+pytestmark = [pytest.mark.integration, pytest.mark.loop, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 STEPS = 4
 
