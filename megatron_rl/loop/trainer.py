@@ -25,6 +25,7 @@ from megatron_rl.config.loading import config_to_dict
 from megatron_rl.config.schema import RunConfig
 from megatron_rl.data.cursor import PromptCursor
 from megatron_rl.loop import evaluation, off_policy, step_record
+from megatron_rl.loop.engine_trace_log import EngineTraceLog
 from megatron_rl.loop.hooks import RolloutBatch, RolloutContext, RolloutScheduler, TrainerPlugin
 from megatron_rl.loop.step_log import StepLog
 from megatron_rl.rollout.engine import GenerationRequest, RolloutEngine
@@ -138,6 +139,7 @@ class Trainer:
             except Exception as exc:  # a part failed: say where the loop was (the part names itself)
                 raise self._failed(self.start_step, timer.last_started or "start-up: engine warm-up, first weight sync",
                                    exc) from exc
+            await self.trace_log.collect(self.engine, keep=False)  # warm-up and validation: no step's rollout
             for step in range(self.start_step, cfg.trainer.steps):
                 timer = timer if step == self.start_step else PhaseTimer()
                 try:
@@ -146,7 +148,9 @@ class Trainer:
                     initial_val = {}
                     if cfg.data.eval_every and ((step + 1) % cfg.data.eval_every == 0 or step + 1 == cfg.trainer.steps):
                         with timer("validation"):
+                            await self.trace_log.collect(self.engine, keep=True)  # overlapped generation: next step's
                             metrics.update(await self._validate())
+                            await self.trace_log.collect(self.engine, keep=False)
                     # Log before saving: a kill in between leaves a line the resumed run drops and
                     # redoes, never a checkpointed step without its metrics line.
                     metrics_log.log(step, metrics)
@@ -188,10 +192,7 @@ class Trainer:
         with timer("rollout"):
             batch = await self.p.scheduler.next_batch(self._context(step))
         engine_after = await self.engine.stats()
-        # rollout.engine_trace: the engines' iterations of this rollout, written with the step below.
-        trace_start = time.perf_counter()
-        trace = await self.engine.drain_trace() if self.cfg.rollout.engine_trace else []
-        trace_s = time.perf_counter() - trace_start
+        await self.trace_log.collect(self.engine, keep=True)  # this rollout's iterations (rollout.engine_trace)
         for plugin in self.plugins:
             extra.update(await plugin.after_rollout(step, batch))
         extra.update(await self.colocation.to_training())
@@ -233,13 +234,7 @@ class Trainer:
         metrics.update(self.p.rewards.step_metrics(batch.samples))
         self.trained_log.append(step, **step_record.trained_prompt_record(batch, samples))
         self.timeline_log.append(step, **step_record.timeline_record(batch, self.t0))
-        if trace:  # its cost: recording on the engines, draining and writing here (docs/metrics.md)
-            trace_start = time.perf_counter()
-            for replica in trace:
-                self.trace_log.append(step, kind="engine", round=batch.round_type, **replica)
-            metrics["engine_trace/cost_s"] = (trace_s + time.perf_counter() - trace_start
-                                              + sum(r.get("record_s", 0.0) for r in trace))
-            metrics["engine_trace/iterations"] = float(sum(len(r["rows"]) for r in trace))
+        metrics.update(self.trace_log.write(step, batch.round_type))
         return metrics
 
     def _training_owner(self, step: int) -> TrainerPlugin | None:
@@ -392,7 +387,7 @@ class Trainer:
         self.trained_log = StepLog(self.cfg.trainer.run_dir, "trained_prompts.jsonl")
         self.timeline_log = StepLog(self.cfg.trainer.run_dir, "rollout_timeline.jsonl")
         self.phase_log = StepLog(self.cfg.trainer.run_dir, "phases.jsonl")
-        self.trace_log = StepLog(self.cfg.trainer.run_dir, "engine_trace.jsonl")
+        self.trace_log = EngineTraceLog(self.cfg.trainer.run_dir, self.cfg.rollout.engine_trace)
         path = self.checkpoints.latest() if self.cfg.trainer.resume else None
         if self.cfg.trainer.resume and path is None:
             log.warning("trainer.resume=true but no checkpoint in %s/checkpoints: starting from step 0",

@@ -15,7 +15,8 @@ or transcribed from older docs, ``"source": "transcribed from docs"``) holds the
 (``command``, ``date``, ``commit``, ``hardware``, ``model``), the ``columns``, the ``rows`` (title,
 figure key, format) and either ``runs`` (raw figures per run: ``{run label: {column: figures}}``,
 each cell the median [range] over runs) or, where the raw runs were not kept, ``summary``
-(``{row title: {column: cell}}``, a cell a number, ``[median, min, max]``, text or null).
+(``{row title: {column: cell}}``, a cell a number, ``[median, min, max]``, text or null). A file
+with ``"joins": NAME`` has no block of its own: its rows follow NAME's in NAME's table.
 tests/unit/test_results_tables.py fails when a page and its file disagree.
 """
 from __future__ import annotations
@@ -117,14 +118,33 @@ def provenance(result: dict, link_prefix: str = "") -> str:
     return textwrap.fill(line, width=150, break_long_words=False, break_on_hyphens=False)
 
 
-def render(result: dict, view: str | None = None, link_prefix: str = "") -> str:
-    """The markdown table of a results file (every row, or the rows of ``views[view]``) and its provenance."""
+def _view_rows(result: dict, view: str | None) -> list[dict]:
     rows = result["rows"]
-    if view is not None:
-        wanted = result.get("views", {}).get(view)
-        if wanted is None:
-            raise ValueError(f"results {result['name']!r} has no view {view!r} (views: {sorted(result.get('views', {}))})")
-        rows = [r for r in rows if r["title"] in wanted]
+    if view is None:
+        return rows
+    wanted = result.get("views", {}).get(view)
+    if wanted is None:
+        raise ValueError(f"results {result['name']!r} has no view {view!r} (views: {sorted(result.get('views', {}))})")
+    return [r for r in rows if r["title"] in wanted]
+
+
+def _joined_rows(result: dict, joined: dict, view: str | None) -> list[str]:
+    """Table lines of ``joined``'s rows under ``result``'s columns (matched by name; '-' where it has none)."""
+    names = [_column_name(c) for c in joined["columns"]]
+    rows = _view_rows(joined, view) if view is None or view in joined.get("views", {}) else []
+    lines = []
+    for row in rows:
+        by_name = dict(zip(names, _row_cells(joined, row)))
+        lines.append(f"| {row['title']} | " + " | ".join(by_name.get(_column_name(c), "-") for c in result["columns"]) + " |")
+    return lines
+
+
+def render(result: dict, view: str | None = None, link_prefix: str = "", joined: list[dict] = ()) -> str:
+    """The markdown table of a results file (every row, or the rows of ``views[view]``) and its provenance.
+    ``joined``: results files that ``"join"`` this one (figures of other runs for the same arms, e.g. the
+    GPU-priced rows of ``rollpacker-price-benchmark``): their rows follow in the same table (in a view,
+    the rows of their view of the same name), their provenance after this one's."""
+    rows = _view_rows(result, view)
     if result.get("layout") == "list":  # long text figures: one wrapped bullet per row
         lines = [textwrap.fill(f"* **{row['title']}**: " + "; ".join(_row_cells(result, row)), width=150,
                                subsequent_indent="  ", break_long_words=False, break_on_hyphens=False) for row in rows]
@@ -134,7 +154,10 @@ def render(result: dict, view: str | None = None, link_prefix: str = "") -> str:
              "| --- | " + " | ".join("---:" for _ in result["columns"]) + " |"]
     for row in rows:
         lines.append(f"| {row['title']} | " + " | ".join(_row_cells(result, row)) + " |")
+    for other in joined:
+        lines += _joined_rows(result, other, view)
     lines += ["", provenance(result, link_prefix)]
+    lines += [line for other in joined for line in ("", provenance(other, link_prefix))]
     return "\n".join(lines)
 
 
@@ -154,6 +177,9 @@ def load_results(results_dir: Path = RESULTS) -> dict[str, dict]:
                 raise ValueError(f"{path}: no {key!r}")
         data.setdefault("name", path.stem)
         found[path.stem] = data
+    for name, data in found.items():
+        if data.get("joins") is not None and data["joins"] not in found:
+            raise ValueError(f"docs/results/{name}.json: joins {data['joins']!r}, which has no results file")
     return found
 
 
@@ -164,7 +190,8 @@ def update(page_text: str, results: dict[str, dict], link_prefix: str = "") -> s
         if name not in results:
             raise ValueError(f"<!-- results:{name} -->: no docs/results/{name}.json")
         marker = f"{name}:{view}" if view else name
-        return f"<!-- results:{marker} -->\n{render(results[name], view, link_prefix)}\n<!-- /results:{marker} -->"
+        joined = [r for r in results.values() if r.get("joins") == name]
+        return f"<!-- results:{marker} -->\n{render(results[name], view, link_prefix, joined)}\n<!-- /results:{marker} -->"
     return _BLOCK.sub(block, page_text)
 
 

@@ -66,7 +66,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from megatron_rl.benchmarks import benchmark_quantization, benchmark_weight_sync
-from rollpacker.benchmarks import benchmark_arms, benchmark_cumulative, benchmark_peers, benchmark_speculative
+from rollpacker.benchmarks import (
+    benchmark_arms,
+    benchmark_cumulative,
+    benchmark_peers,
+    benchmark_speculative,
+    price_benchmark,
+)
 from rollpacker.benchmarks.common import REPO, benchmark_config, period_steps, spread
 from rollpacker.benchmarks.plot_timeline import plot_timeline
 from rollpacker.config import TailBatchingConfig
@@ -247,8 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_rl.train import build_and_run
 
     probe = benchmark_config(args, "tail_batching", 1, Path(args.out))
-    tb = probe.section(TailBatchingConfig)
-    steps = args.periods * period_steps(tb.eta_prompts, args.prompts_per_step)
+    tbc = probe.section(TailBatchingConfig)
+    steps = args.periods * period_steps(tbc.eta_prompts, args.prompts_per_step)
     out = Path(args.out)
     runs = COMPARISONS[compare]
     results: dict[str, list[dict]] = {name: [] for name, *_ in runs}
@@ -277,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"model {args.model}; {steps} steps each; {args.seeds} seed(s) from {first_seed} x {args.runs} pass(es); "
           f"P0={args.prompts_per_step}, R0={args.responses}, max_new_tokens={args.max_new_tokens}, "
-          f"eta_P/eta_R={tb.eta_prompts}/{tb.eta_responses}")
+          f"eta_P/eta_R={tbc.eta_prompts}/{tbc.eta_responses}")
     print(f"{first} response lengths: median {median:.0f}, max {longest:.0f} tokens "
           f"(max/median = {longest / max(median, 1):.1f})")
     for a, b in zip(base, tb):
@@ -286,8 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     print_table(base, tb, (runs[0][3], runs[1][3]))
     speedups = [a["loop_time"] / b["loop_time"] for a, b in zip(base, tb)]
     speedup = statistics.median(speedups)
+    import shlex
+
     summary_out = {"steps": steps, "speedup": speedup, "speedups": speedups, "length_median": median,
-                   "length_max": longest, "runs": results}
+                   "length_max": longest, "runs": results, "args": vars(args),
+                   "command": shlex.join(["rollpacker-benchmark", *(["--compare", compare] if compare != "schedulers" else []),
+                                          *rest])}
     if compare == "stream":
         long_ratios = [a["long"]["step_time_mean"] / b["long"]["step_time_mean"] for a, b in zip(base, tb)
                        if "long" in a and "long" in b]
@@ -299,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.record:
         record_pairs(args.record, ["rollpacker-benchmark", *(["--compare", compare] if compare != "schedulers" else []), *rest],
                      base, tb, lengths, args.model)
+    price_benchmark.report(out)  # the same runs priced in the GPU regime (their engine traces)
     try:
         plot_timeline(Path(base[0]["run_dir"]), Path(tb[0]["run_dir"]), out / "timeline.png",
                       titles=None if compare == "schedulers" else tuple(

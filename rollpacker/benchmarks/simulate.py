@@ -6,6 +6,7 @@ mechanism, with an eta_P x eta_R sweep and the paper's figures side by side.
     rollpacker-simulate --recipe R.yaml --lengths lengths.jsonl            # {"prompt_id","length"} rows
     rollpacker-simulate --recipe examples/qwen2.5/tiny_cpu.yaml --engine-constants cpu.json \
         --train-s-per-token 2e-5                                                # calibrated CPU run
+    rollpacker-simulate --paper-check [--record docs/results/simulator_paper.json]   # against the paper
 
 Prints the assumed inputs (with the cost of one weight sync per ``rollout.weight_sync_format``,
 ``megatron_rl.planning.weight_sync_cost``), a table (step time, bubble fraction, short/long
@@ -41,7 +42,12 @@ def _floats(text: str) -> list[float]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--recipe", required=True, help="YAML recipe (cluster shape, layouts, batch, lengths cap)")
+    ap.add_argument("--recipe", help="YAML recipe (cluster shape, layouts, batch, lengths cap)")
+    ap.add_argument("--paper-check", action="store_true",
+                    help="simulate the paper's 7B/14B/32B setup and print simulated vs paper per bar, with the sensitivity "
+                         "to each uncertain input (rollpacker/simulator/paper_check.py); no recipe needed")
+    ap.add_argument("--record", metavar="PATH", help="with --paper-check: write the results file "
+                                                     "(docs/results/simulator_paper.json)")
     ap.add_argument("overrides", nargs="*", help="dotted recipe overrides, e.g. rollout.max_new_tokens=8192")
     ap.add_argument("--gpu", default="h800", choices=sorted(GPUS))
     ap.add_argument("--steps", type=int, default=40, help="steps per policy (a multiple of the short+long period)")
@@ -83,6 +89,21 @@ def _lengths(args: argparse.Namespace, max_new: int, prompt_tokens: int) -> Leng
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.paper_check:
+        from rollpacker.benchmarks import simulate_paper
+
+        check, sens = simulate_paper.compute(args.steps, args.seed)
+        simulate_paper.print_report(check, sens)
+        if args.record:
+            simulate_paper.record(args.record, check, sens, args.steps, args.seed,
+                                  "rollpacker-simulate --paper-check" + ("" if args.steps == 40 else f" --steps {args.steps}")
+                                  + f" --record {args.record}")
+            print(f"results: {args.record}")
+        return 0
+    if args.record or not args.recipe:
+        print("simulate: " + ("--record needs --paper-check" if args.record else "--recipe is required (or --paper-check)"),
+              file=sys.stderr)
+        return 2
     try:
         cfg = load_config(args.recipe, args.overrides)
         shape = resolve_shape(cfg.model.hf_path)
@@ -127,8 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         split = ", ".join(f"{k} {v:.2f}" for k, v in phases.items() if k != "total" and v)
         print(f"    {fmt:<8} {phases['total']:7.2f} s  ({split})")
     rw = cluster.reward
-    print(f"  reward: {rw.workers} workers, median {rw.median_s:g} s, hang fraction {rw.hang_fraction:g}, "
-          f"timeout {rw.timeout_s:g} s")
+    print(f"  reward: {rw.describe()}")
     print(f"  lengths: {lengths.describe()}")
     print(f"  {args.steps} steps per policy, seed {args.seed}, table at eta_P={args.eta_p:g} eta_R={args.eta_r:g}")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron_rl.config.schema import RunConfig
 from megatron_rl.planning.architectures import ModelShape
@@ -110,16 +110,32 @@ class RewardModel:
         """Sandbox runs: median 1.5 s, 3 % of responses hang until the timeout."""
         return cls(workers, 1.5, 0.8, 0.03, timeout_s)
 
+    @classmethod
+    def judge(cls, workers: int, timeout_s: float = 30.0) -> "RewardModel":
+        """LLM-judge calls (a verdict of a few tokens after a ~1k-token prompt on a served judge
+        model): median 0.5 s per call, no hangs."""
+        return cls(workers, 0.5, 0.5, 0.0, timeout_s)
+
     def durations(self, n: int, rng: random.Random, adaptive: bool) -> list[float]:
+        return [self.one(rng, adaptive) for _ in range(n)]
+
+    def one(self, rng: random.Random, adaptive: bool) -> float:
+        """One response's scoring time (the adaptive timeout cuts hangs when ``adaptive``)."""
         anchor = self.median_s * math.exp(1.645 * self.sigma)  # slowest correct run ~ P95
         cap = min(max(self.adaptive_min_s, self.adaptive_lambda * anchor), self.timeout_s) if adaptive else self.timeout_s
-        out = []
-        for _ in range(n):
-            if rng.random() < self.hang_fraction:
-                out.append(cap)
-            else:
-                out.append(min(cap, self.median_s * math.exp(rng.gauss(0.0, self.sigma))))
-        return out
+        if rng.random() < self.hang_fraction:
+            return cap
+        return min(cap, self.median_s * math.exp(rng.gauss(0.0, self.sigma)))
+
+    def describe(self) -> str:
+        """One line stating the reward model (printed as an assumed input)."""
+        return (f"{self.workers} workers, median {self.median_s:g} s, hang fraction {self.hang_fraction:g}, "
+                f"timeout {self.timeout_s:g} s")
+
+    def scaled(self, factor: float) -> "RewardModel":
+        """Every scoring time (median and timeout) times ``factor`` (the sensitivity of the reward time)."""
+        return replace(self, median_s=self.median_s * factor, timeout_s=self.timeout_s * factor,
+                       adaptive_min_s=self.adaptive_min_s * factor)
 
     def completion_time(self, release_times: list[float], durations: list[float]) -> float:
         """When the last of these jobs finishes on the worker pool (FIFO by release time)."""
@@ -130,3 +146,39 @@ class RewardModel:
             heapq.heappush(free, start + d)
             end = max(end, start + d)
         return end
+
+
+@dataclass(frozen=True)
+class MixedReward:
+    """A dataset mix: each response is scored by one of ``parts`` (reward model, share of the
+    responses) on one shared pool of ``workers``, as the RL loop's reward.kind 'mixed' routes rows."""
+
+    parts: tuple[tuple[RewardModel, float], ...]
+    workers: int
+
+    def __post_init__(self) -> None:
+        total = sum(share for _, share in self.parts)
+        if not self.parts or any(share < 0 for _, share in self.parts) or abs(total - 1.0) > 1e-6:
+            raise ValueError(f"mixed reward: shares must be >= 0 and sum to 1, got {[s for _, s in self.parts]}")
+
+    def durations(self, n: int, rng: random.Random, adaptive: bool) -> list[float]:
+        out = []
+        for _ in range(n):
+            u, acc = rng.random(), 0.0
+            for model, share in self.parts:
+                acc += share
+                if u < acc:
+                    break
+            out.append(model.one(rng, adaptive))
+        return out
+
+    def completion_time(self, release_times: list[float], durations: list[float]) -> float:
+        return RewardModel(self.workers).completion_time(release_times, durations)
+
+    def describe(self) -> str:
+        return f"{self.workers} workers, mix " + " + ".join(
+            f"{share:.0%} (median {m.median_s:g} s, hang {m.hang_fraction:g}, timeout {m.timeout_s:g} s)"
+            for m, share in self.parts)
+
+    def scaled(self, factor: float) -> "MixedReward":
+        return MixedReward(tuple((m.scaled(factor), share) for m, share in self.parts), self.workers)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from rollpacker.planner import ElasticTPPlanner
-from rollpacker.simulator.costs import RewardModel, TrainModel
+from rollpacker.simulator.costs import MixedReward, RewardModel, TrainModel
 from rollpacker.simulator.engine_model import EngineModel
 from rollpacker.simulator.engine_sim import EngineRun, SimRequest, simulate_engine
 from rollpacker.simulator.lengths import LengthModel, PromptDraw
@@ -61,7 +61,7 @@ class Cluster:
     base_tp: int
     max_tp: int
     train: TrainModel
-    reward: RewardModel
+    reward: RewardModel | MixedReward
     lengths: LengthModel
     prompts_per_step: int
     responses_per_prompt: int

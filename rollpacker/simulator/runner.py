@@ -16,7 +16,7 @@ from megatron_rl.planning.architectures import ModelShape
 from megatron_rl.planning.memory import GpuSpec
 from rollpacker.config import PlannerConfig
 from rollpacker.planner import legal_tp_sizes, planner_for_run
-from rollpacker.simulator.costs import RewardModel, TrainModel
+from rollpacker.simulator.costs import MixedReward, RewardModel, TrainModel
 from rollpacker.simulator.engine_model import EngineModel, GpuEfficiency
 from rollpacker.simulator.lengths import LengthModel
 from rollpacker.simulator.policies import Cluster, Features, PolicyState, StepResult, simulate_step
@@ -95,14 +95,26 @@ def build_cluster(cfg: RunConfig, shape: ModelShape, gpu: GpuSpec, lengths: Leng
     sizes = planner_tp_sizes(cfg, shape, engine_for_tp)
     planner_for_run(cfg, sizes)  # a bad planner.initial_tp / profile fails here, not mid-simulation
     if reward is None:
-        if cfg.reward.kind == "code":
-            reward = RewardModel.code(cfg.reward.num_workers, getattr(cfg.reward, "code_timeout_max_s", 30.0))
-        else:
-            reward = RewardModel.math(cfg.reward.num_workers, cfg.reward.timeout_s)
+        reward = reward_for(cfg)
     return Cluster(rollout_gpus, c.gpus_per_node, engine_for_tp, r.tensor_parallel_size, sizes[-1],
                    train or TrainModel.from_recipe(cfg, shape, gpu), reward, lengths, cfg.data.prompts_per_step,
                    cfg.data.responses_per_prompt, max(rollout_gpus, c.num_nodes * c.gpus_per_node),
                    planner=lambda: planner_for_run(cfg, sizes))
+
+
+def reward_for(cfg: RunConfig) -> RewardModel | MixedReward:
+    """The reward time model of the recipe's ``reward.kind``; 'mixed' (math rows to math-verify,
+    code rows to the sandbox) is taken as half math, half code (the data file's mix is not known here)."""
+    rw = cfg.reward
+    math_r = RewardModel.math(rw.num_workers, rw.timeout_s)
+    code_r = RewardModel.code(rw.num_workers, rw.code_timeout_max_s)
+    if rw.kind == "code":
+        return code_r
+    if rw.kind == "mixed":
+        return MixedReward(((math_r, 0.5), (code_r, 0.5)), rw.num_workers)
+    if rw.kind == "judge":
+        return RewardModel.judge(rw.num_workers)
+    return math_r
 
 
 def planner_tp_sizes(cfg: RunConfig, shape: ModelShape, engine_for_tp: Callable[[int], EngineModel]) -> list[int]:

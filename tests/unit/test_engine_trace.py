@@ -83,3 +83,45 @@ def test_pool_tags_each_live_member_and_skips_a_dead_one():
         return await pool.drain_trace()
 
     assert asyncio.run(main()) == [{"engine": 0, "tp": 1, "rows": [[10]]}, {"engine": 2, "tp": 1, "rows": [[12]]}]
+
+
+def test_the_loop_keeps_rollout_iterations_and_drops_warm_up_and_validation(tmp_path):
+    from megatron_rl.loop.engine_trace_log import EngineTraceLog
+    from megatron_rl.loop.step_log import StepLog
+    from tests.helpers.fake_engine import FakeEngine
+
+    class Scripted(FakeEngine):
+        def __init__(self, drains: list[list[dict]]):
+            super().__init__(lambda r: 4)
+            self.drains = drains
+
+        async def drain_trace(self) -> list[dict]:
+            return self.drains.pop(0)
+
+    def replica(engine: int, tag: str, n: int = 1) -> dict:
+        return {"engine": engine, "tp": 1, "record_s": 0.5, "columns": ["tag"], "rows": [[tag]] * n}
+
+    engine = Scripted([[replica(0, "warm-up", 3)],                          # start-up: dropped
+                       [replica(0, "rollout0"), replica(1, "rollout0")],   # step 0's rollout
+                       [replica(0, "overlap")],                            # before validation: kept
+                       [replica(0, "validation", 5)],                      # during validation: dropped
+                       [replica(0, "rollout1", 2)]])                       # step 1's rollout
+    log = EngineTraceLog(tmp_path, enabled=True)
+
+    async def main():
+        await log.collect(engine, keep=False)
+        await log.collect(engine, keep=True)
+        first = log.write(0, "short")
+        await log.collect(engine, keep=True)
+        await log.collect(engine, keep=False)
+        await log.collect(engine, keep=True)
+        return first, log.write(1, "long")
+
+    first, second = asyncio.run(main())
+    lines = StepLog(tmp_path, "engine_trace.jsonl").read()
+    assert [(t["step"], t["engine"], t["round"], [r[0] for r in t["rows"]]) for t in lines] == [
+        (0, 0, "short", ["rollout0"]), (0, 1, "short", ["rollout0"]), (1, 0, "long", ["overlap", "rollout1", "rollout1"])]
+    assert first["engine_trace/iterations"] == 2 and second["engine_trace/iterations"] == 3
+    # The cost counts every drain's recording, dropped ones included: warm-up + both rollout replicas.
+    assert first["engine_trace/cost_s"] >= 1.5 and second["engine_trace/cost_s"] >= 1.5
+    assert EngineTraceLog(tmp_path, enabled=False).write(2, "short") == {}

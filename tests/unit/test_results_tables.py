@@ -23,6 +23,7 @@ def test_every_results_file_is_shown_and_carries_its_provenance():
     shown = set()
     for page in results_tables.pages():
         shown |= set(re.findall(r"<!-- results:([\w.-]+)", page.read_text()))
+    shown |= {name for name, r in results.items() if r.get("joins") in shown}  # rows in the table they join
     assert set(results) <= shown, f"results files no page shows: {sorted(set(results) - shown)}"
     for name, result in results.items():
         assert result.get("command") and "hardware" in result and "commit" in result and "date" in result, name
@@ -59,6 +60,20 @@ def test_a_transcribed_table_keeps_the_cells_as_given():
         render(_result(summary=summary), "long")
     with pytest.raises(ValueError, match="neither runs nor a summary"):
         render(_result(summary={}))
+
+
+def test_a_joining_file_adds_its_rows_to_the_table_it_joins():
+    base_runs = {"seed 1": {"a": {"loop": 10.0, "split": {"train": 2.0}}, "b": {"loop": 5.0, "split": {"train": 1.0}}}}
+    priced = {**_result(runs={"seed 1": {"b": {"gpu": 2.0}, "a": {"gpu": 6.0}}, "seed 2": {"a": {"gpu": 8.0}, "b": {"gpu": 2.0}}}),
+              "name": "demo_priced", "joins": "demo", "command": "price runs/x", "columns": ["a", "b"],
+              "rows": [{"title": "GPU-priced (s)", "key": "gpu", "format": "{:.1f}"}], "views": {"short": ["GPU-priced (s)"]}}
+    table = render(_result(runs=base_runs, views={"short": ["loop (s)"], "long": ["train (s)"]}), joined=[priced])
+    lines = table.splitlines()
+    assert lines.index("| GPU-priced (s) | 7.0 [6.0-8.0] | 2.0 | - |") == lines.index("| train (s) | 2.0 | 1.0 | 2.00x |") + 1
+    assert "`bench --x`" in table and "`price runs/x`" in table and "[demo_priced.json](results/demo_priced.json)" in table
+    base = _result(runs=base_runs, views={"short": ["loop (s)"], "long": ["train (s)"]})
+    assert "GPU-priced" in render(base, "short", joined=[priced])  # its view of the same name
+    assert "GPU-priced" not in render(base, "long", joined=[priced])  # a view it does not have: none of its rows
 
 
 def test_update_and_check_rewrite_only_the_marked_blocks(tmp_path: Path):
