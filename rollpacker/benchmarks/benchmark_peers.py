@@ -19,8 +19,7 @@ next, so a drift of the machine's speed hits every column alike.
 
 Per run and as median [range] over runs: training-loop time and speedup vs baseline, its split
 (the rollout the step waited for, reward tail, scoring, training, weight sync, the rest), the
-generation time (for one-step-off mostly hidden under training), the ceiling (baseline loop time /
-the column's non-rollout time), wasted tokens, the off-policy token fraction and staleness (mean
+generation time (for one-step-off mostly hidden under training), wasted tokens, the off-policy token fraction and staleness (mean
 over trained tokens and max), the stale tokens' mean TIS weight, train reward and pass@1. Then
 the lines a script reads: ``speedup vs baseline <column>: X (range A-B, ...)``, ``peer wins
 <peer>: ...`` (the figures where a peer beats tail batching), ``best peer: NAME`` (by median
@@ -37,6 +36,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from rollpacker.benchmarks import price_benchmark
 from rollpacker.benchmarks.common import (
     REPO,
     add_run_options,
@@ -98,18 +98,17 @@ def run_figures(rows: list[dict]) -> dict:
 
 
 def add_ratios(runs: dict[str, dict[str, dict]]) -> None:
-    """Per run and column: ``speedup`` (baseline / column loop time, same run) and ``ceiling``
-    (baseline loop time / the column's time outside the rollout it waited for)."""
+    """Per run and column: ``speedup`` (baseline / column loop time, same run). How close a column
+    comes to the physical limit is the packing-limit fraction of its priced rows
+    (``rollpacker-price-benchmark``, printed at the end of the run)."""
     for cols in runs.values():
         base = cols["baseline"]["loop_time"]
         for fig in cols.values():
-            critical = fig["loop_time"] - fig["split"]["rollout"]
             fig["speedup"] = base / fig["loop_time"]
-            fig["ceiling"] = base / critical if critical > 0 else None
 
 
 ROWS = [("training-loop time (s)", "loop_time", "{:.1f}"), ("speedup vs baseline", "speedup", "{:.2f}"),
-        ("ceiling (no rollout)", "ceiling", "{:.2f}"), ("rollout time waited for (s)", ("split", "rollout"), "{:.1f}"),
+        ("rollout time waited for (s)", ("split", "rollout"), "{:.1f}"),
         ("generation time (s)", "generation_time", "{:.1f}"), ("wasted tokens", "wasted_tokens", "{:.0f}"),
         ("off-policy token fraction", "off_policy_fraction", "{:.3f}"), ("staleness, mean", "staleness_mean", "{:.3f}"),
         ("staleness, max", "staleness_max", "{:.0f}"), ("TIS weight, stale tokens", "tis_weight_mean", "{:.3f}"),
@@ -226,11 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     vs_best = [cols[best]["loop_time"] / cols[TAIL]["loop_time"] for cols in every]
     spec_vs_best = [cols[best]["loop_time"] / cols["tail+spec+hist"]["loop_time"] for cols in every]
     result = {"runs": runs, "steps": steps, "num_prompts": num_prompts, "best_peer": best,
-              "tail_vs_best_peer": vs_best, "tail_spec_hist_vs_best_peer": spec_vs_best, "args": vars(args)}
+              "tail_vs_best_peer": vs_best, "tail_spec_hist_vs_best_peer": spec_vs_best, "args": vars(args),
+              "command": shlex.join(["rollpacker-benchmark", "--compare", "peers", *(sys.argv[1:] if argv is None else argv)])}
     out.mkdir(parents=True, exist_ok=True)
     (out / "peers.json").write_text(json.dumps(result, indent=2))
     if args.record:
         record(args.record, argv, runs, best, args.model)
+    price_benchmark.report(out)  # the same runs priced in the GPU regime (their engine traces)
     try:
         plot_curves(runs, out / "curves.png", COLORS)
         print(f"curves: {out / 'curves.png'}")

@@ -16,11 +16,9 @@ Columns:
 Prints every run's figures and, per column, the median [range] over all runs: training-loop time,
 its split (rollout in short and long rounds, reward tail, scoring, training, weight sync, the
 rest), long-round rollout time, acceptance, decode steps, wasted and aborted tokens, train reward,
-pass@1, and the column's **ceiling**: baseline loop time / (the column's scoring + training +
-weight sync + reward tail + the rest), i.e. its speedup if its rollout took no time, with
-``fraction of ceiling`` = its speedup / its ceiling (= the share of its loop time that is not
-rollout). Then lines a script can read: ``ceiling <column>: X``, ``fraction of ceiling <column>:
-X``, ``tail batching speedup (baseline / tail): median X (range A-B)``, ``long-round rollout
+pass@1, and speedup vs baseline; then the same runs priced in the GPU regime with each column's
+packing-limit fraction (``rollpacker-price-benchmark``: how close its rollout comes to keeping
+every decode slot busy with trained tokens). Then lines a script can read: ``tail batching speedup (baseline / tail): median X (range A-B)``, ``long-round rollout
 speedup (speculation): X (range A-B)`` (tail / tail+spec+hist long-round rollout time) and, last,
 ``speedup: X`` (baseline / tail+spec+hist loop time; medians over runs, each ratio taken within
 its own (pass, seed)). Writes <out>/speculative.json and <out>/curves.png (train reward and
@@ -35,6 +33,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from rollpacker.benchmarks import price_benchmark
 from rollpacker.benchmarks.common import (
     REPO,
     add_run_options,
@@ -102,24 +101,17 @@ def _fmt(value, fmt="{:.2f}"):
 
 
 SPLIT_KEYS = ["rollout_short", "rollout_long", "reward_tail", "scoring", "train", "weight_sync", "other"]
-CRITICAL_KEYS = ("reward_tail", "scoring", "train", "weight_sync", "other")
-"""What stays of a step when its rollout takes no time (the ceiling's denominator)."""
 
 
-def add_ceilings(runs: dict[str, dict[str, dict]]) -> None:
-    """Per run and column: ``speedup`` (baseline / column loop time, same run), ``ceiling``
-    (baseline loop time / the column's non-rollout time) and ``fraction_of_ceiling``."""
+def add_speedups(runs: dict[str, dict[str, dict]]) -> None:
+    """Per run and column: ``speedup`` (baseline / column loop time, same run)."""
     for cols in runs.values():
         base = cols["baseline"]["loop_time"]
         for fig in cols.values():
-            critical = sum(fig["split"][k] for k in CRITICAL_KEYS)
             fig["speedup"] = base / fig["loop_time"]
-            fig["ceiling"] = base / critical if critical > 0 else None
-            fig["fraction_of_ceiling"] = fig["speedup"] / fig["ceiling"] if fig["ceiling"] else None
 
 
 ROWS = [("training-loop time (s)", "loop_time", "{:.1f}"), ("speedup vs baseline", "speedup", "{:.2f}"),
-        ("ceiling (no rollout)", "ceiling", "{:.2f}"), ("fraction of ceiling", "fraction_of_ceiling", "{:.2f}"),
         ("long-round rollout time (s)", "long_rollout_time", "{:.1f}"),
         ("acceptance (accepted/drafted)", "acceptance", "{:.3f}"), ("decode steps, long rounds", "long_decode_steps", "{:.0f}"),
         ("wasted tokens", "wasted_tokens", "{:.0f}"), ("aborted tokens", "aborted_tokens", "{:.0f}"),
@@ -200,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     args.seed = first_seed
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    add_ceilings(runs)
+    add_speedups(runs)
     print(f"\nmodel {args.model}; {args.seeds} seed(s) from {first_seed} x {args.runs} pass(es); {steps} steps per run; "
           f"P0={args.prompts_per_step}, R0={args.responses}, {num_prompts} prompts "
           f"(~{steps * args.prompts_per_step / num_prompts:.1f} epochs), max_new_tokens={args.max_new_tokens}")
@@ -209,18 +201,18 @@ def main(argv: list[str] | None = None) -> int:
     print("\nhistory prediction (tail column: scored, not acted on): precision "
           + ", ".join(_fmt(h["precision"], "{:.2f}") for h in tail_hist) + "; recall "
           + ", ".join(_fmt(h["recall"], "{:.2f}") for h in tail_hist) + " (per run)")
-    for name in (c[0] for c in COLUMNS):
-        print(f"ceiling {name}: {spread([cols[name]['ceiling'] for cols in runs.values()])}")
-        print(f"fraction of ceiling {name}: {spread([cols[name]['fraction_of_ceiling'] for cols in runs.values()])}")
     tb = [cols["tail"]["speedup"] for cols in runs.values()]
     long = [cols["tail"]["long_rollout_time"] / cols["tail+spec+hist"]["long_rollout_time"] for cols in runs.values()
             if cols["tail"]["long_rollout_time"] and cols["tail+spec+hist"]["long_rollout_time"]]
     total = [cols["tail+spec+hist"]["speedup"] for cols in runs.values()]
     result = {"runs": runs, "medians": medians, "tail_batching_speedups": tb, "long_round_speedups": long,
-              "speedups": total, "steps": steps, "num_prompts": num_prompts, "args": vars(args)}
+              "speedups": total, "steps": steps, "num_prompts": num_prompts, "args": vars(args),
+              "command": shlex.join(["rollpacker-benchmark", "--compare", "speculative",
+                                     *(sys.argv[1:] if argv is None else argv)])}
     (out / "speculative.json").write_text(json.dumps(result, indent=2))
     if args.record:
         record(args.record, argv, runs, args.model, {"long_round_speedups": long})
+    price_benchmark.report(out)  # the same runs priced in the GPU regime (their engine traces)
     try:
         plot_curves(runs, out / "curves.png", COLORS, width=11)
         print(f"curves: {out / 'curves.png'}")

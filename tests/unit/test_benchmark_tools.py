@@ -102,22 +102,15 @@ def test_speculative_benchmark_columns_from_metrics_rows():
     assert no_long["long_rollout_time"] is None and no_long["acceptance"] is None
 
 
-def test_speculative_benchmark_ceiling_is_the_speedup_without_rollout_and_runs_interleave():
-    from rollpacker.benchmarks.benchmark_speculative import add_ceilings, run_order
+def test_speculative_benchmark_speedups_are_per_run_and_runs_interleave():
+    from rollpacker.benchmarks.benchmark_speculative import add_speedups, run_order
 
-    def fig(loop, rollout):
-        rest = loop - rollout  # split evenly over what stays without a rollout
-        return {"loop_time": loop, "split": {"rollout_short": rollout, "rollout_long": 0.0, "reward_tail": rest / 5,
-                                             "scoring": rest / 5, "train": rest / 5, "weight_sync": rest / 5,
-                                             "other": rest / 5}}
-
-    runs = {"seed 1, pass 0": {"baseline": fig(20.0, 10.0), "tail": fig(12.0, 4.0), "tail+spec+hist": fig(10.0, 2.0)}}
-    add_ceilings(runs)
-    tail = runs["seed 1, pass 0"]["tail"]
-    assert tail["speedup"] == pytest.approx(20 / 12)
-    assert tail["ceiling"] == pytest.approx(20 / 8)  # baseline / the tail column's non-rollout 8 s
-    assert tail["fraction_of_ceiling"] == pytest.approx(8 / 12)  # = its non-rollout share
-    assert runs["seed 1, pass 0"]["baseline"]["fraction_of_ceiling"] == pytest.approx(0.5)
+    runs = {"seed 1, pass 0": {"baseline": {"loop_time": 20.0}, "tail": {"loop_time": 12.0}, "tail+spec+hist": {"loop_time": 10.0}},
+            "seed 2, pass 0": {"baseline": {"loop_time": 30.0}, "tail": {"loop_time": 20.0}, "tail+spec+hist": {"loop_time": 15.0}}}
+    add_speedups(runs)
+    assert runs["seed 1, pass 0"]["tail"]["speedup"] == pytest.approx(20 / 12)
+    assert runs["seed 2, pass 0"]["tail+spec+hist"]["speedup"] == pytest.approx(2.0)  # against its own run's baseline
+    assert runs["seed 1, pass 0"]["baseline"]["speedup"] == 1.0
     order = run_order(2, [1, 2])
     assert [(r, s) for r, s, _ in order] == [(0, 1), (0, 2), (1, 1), (1, 2)]
     assert [cols[0] for _, _, cols in order] == ["baseline", "tail+spec+hist", "baseline", "tail+spec+hist"]
