@@ -296,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
 
     summary_out = {"steps": steps, "speedup": speedup, "speedups": speedups, "length_median": median,
                    "length_max": longest, "runs": results, "args": vars(args),
+                   "labels": {name: label for name, _, _, label in runs},
                    "command": shlex.join(["rollpacker-benchmark", *(["--compare", compare] if compare != "schedulers" else []),
                                           *rest])}
     if compare == "stream":

@@ -11,11 +11,14 @@ training cost) and prints per arm, median [range] over the runs:
   each run's ratio against the baseline run of the same seed and pass;
 * the packing-limit fraction: the fewest decode iterations (and least GPU-priced time) in which
   the run's engines could have produced the tokens it trained, over what the run took
-  (``rollpacker.pricing.packing``): 1.0 is a schedule that kept every slot busy with trained tokens;
+  (``rollpacker.pricing.packing``), per step (each step's batch on its own: a batch smaller than
+  the slots has its longest response for a limit) and over the whole run (slots full across steps:
+  the limit of packing decode steps full); 1.0 is a schedule at the limit;
 * the engine trace's own cost as a share of the loop time (``engine_trace/cost_s``).
 
-Priced figures depend on the token schedule, not on the machine's speed, so one pass per seed is
-enough (the wall-clock rows need repeat passes). ``--record PATH`` writes a results file that
+Priced figures depend on the token schedule, not on the time each iteration took, so one pass per
+seed is enough (the wall-clock rows need repeat passes; what the machine's load still changes in the
+schedule: docs/pricing.md). ``--record PATH`` writes a results file that
 ``joins`` the benchmark's own (``python -m megatron_rl.tools.results_tables`` renders its rows in
 that table).
 """
@@ -34,8 +37,10 @@ ROWS = [
     ("{gpu}-priced step time, as {model} (s)", "priced_step_s", "{:.2f}"),
     ("{gpu}-priced rollout per step, as {model} (s)", "priced_rollout_s", "{:.2f}"),
     ("{gpu}-priced speedup vs baseline", "priced_speedup", "{:.2f}x"),
-    ("packing-limit fraction, decode iterations", "packing_iterations", "{:.2f}"),
-    ("packing-limit fraction, {gpu}-priced time", "packing_time", "{:.2f}"),
+    ("packing-limit fraction per step, decode iterations", "packing_iterations", "{:.2f}"),
+    ("packing-limit fraction per step, {gpu}-priced time", "packing_time", "{:.2f}"),
+    ("packing-limit fraction, whole run, decode iterations", "run_packing_iterations", "{:.2f}"),
+    ("packing-limit fraction, whole run, {gpu}-priced time", "run_packing_time", "{:.2f}"),
     ("engine trace cost (% of loop time)", "trace_cost_pct", "{:.2f}"),
 ]
 
@@ -98,15 +103,27 @@ def run_figures(run_dir: Path, gpu: str, as_model: str | None) -> dict:
     from rollpacker.pricing.price import price_run
 
     price = price_run(run_dir, gpu, as_model)
+    summary = price.summary()
     steps = max(1, len(price.steps))
     return {"priced_step_s": price.total("step_s") / steps, "priced_rollout_s": price.total("rollout_s") / steps,
             "packing_iterations": price.packing_iteration_fraction, "packing_time": price.packing_time_fraction,
+            "run_packing_iterations": summary["run_packing_iteration_fraction"],
+            "run_packing_time": summary["run_packing_time_fraction"],
             "trace_cost_pct": trace_cost_pct(run_dir), "priced_by": price.model}
 
 
+DEFAULT_PAIR_LABELS = {"baseline": "baseline", "tail_batching": "RollPacker"}
+"""The default two-run comparison's column labels by run name, for an output without its summary."""
+
+
 def price_benchmark(out: Path, gpu: str, as_model: str | None) -> tuple[list[str], dict[str, dict[str, dict]]]:
-    """Every run of the benchmark at ``out`` priced: (arms, {run label: {arm: figures}})."""
-    arms, run_dirs, _ = benchmark_runs(out)
+    """Every run of the benchmark at ``out`` priced: (arms, {run label: {arm: figures}}); a two-run
+    comparison's arms carry its table's column labels."""
+    arms, run_dirs, summary = benchmark_runs(out)
+    if (out / "benchmark.json").is_file() or not summary:
+        labels = summary.get("labels") or DEFAULT_PAIR_LABELS
+        arms = [labels.get(a, a) for a in arms]
+        run_dirs = {label: {labels.get(a, a): d for a, d in cols.items()} for label, cols in run_dirs.items()}
     missing = [str(d) for cols in run_dirs.values() for d in cols.values() if not (d / "engine_trace.jsonl").is_file()]
     if missing:
         raise ValueError(f"no engine_trace.jsonl in {missing[:3]}{' ...' if len(missing) > 3 else ''}: the runs predate "
@@ -184,9 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         write_record(args.record, name=Path(args.record).stem,
                      command=shlex.join(["rollpacker-price-benchmark", *(sys.argv[1:] if argv is None else argv)]),
                      columns=arms, rows=rows_spec(rows), runs=runs, model_dir=model,
-                     extra={"joins": joins, "runs_note": f"{len(runs)} run(s), one per seed: priced figures do not "
-                            "depend on the machine's load; the runs themselves came from the benchmark command in "
-                            "benchmark_command", "benchmark_command": summary.get("command") or args.benchmark_command})
+                     extra={"joins": joins, "runs_note": f"{len(runs)} run(s), one per seed, of the benchmark command "
+                            "named in it, each run's engine iterations priced (docs/pricing.md)",
+                            "benchmark_command": summary.get("command") or args.benchmark_command})
         print(f"results file: {args.record} (joins {joins}; python -m megatron_rl.tools.results_tables)")
     return 0
 

@@ -38,6 +38,12 @@ class RunPrice:
     run_dir: str
     model: str
     steps: list[StepPrice] = field(default_factory=list)
+    run_packing: PackingLimit | None = None
+    """The whole run's trained responses packed as if steps did not separate them (slots full
+    across step boundaries, each response still one iteration per token): the limit of packing
+    decode steps full, which a step-synchronous schedule can only approach. Per step, a batch
+    smaller than the slots has its longest response for a limit, so a synchronous baseline sits
+    near 1.0 there however empty its slots run."""
 
     def total(self, key: str) -> float:
         return sum(getattr(s, key) or 0.0 for s in self.steps)
@@ -65,7 +71,9 @@ class RunPrice:
                 "warm_measured_rollout_s": sum(s.measured_rollout_s or 0.0 for s in self.steps[1:]),
                 "packing_iteration_fraction": self.packing_iteration_fraction,
                 "packing_time_fraction": self.packing_time_fraction,
-                "packing_time_fraction_median_step": median(fr) if fr else float("nan")}
+                "packing_time_fraction_median_step": median(fr) if fr else float("nan"),
+                "run_packing_iteration_fraction": self.run_packing.iteration_fraction if self.run_packing else float("nan"),
+                "run_packing_time_fraction": self.run_packing.time_fraction if self.run_packing else float("nan")}
 
     def to_dict(self) -> dict:
         steps = []
@@ -105,7 +113,23 @@ def price_trace(run: RunTrace, model: CpuModel | GpuModel) -> RunPrice:
                                    iterations, rollout, train, rollout + train + model.other_s(),
                                    _measured(m, ("time/rollout",)), _measured(m, TRAIN_KEYS), _measured(m, ("time/step",)),
                                    packing))
+    out.run_packing = _run_packing(run, model, out)
     return out
+
+
+def _run_packing(run: RunTrace, model: CpuModel | GpuModel, price: RunPrice) -> PackingLimit | None:
+    """:attr:`RunPrice.run_packing`: every step's trained samples in one packing, against the
+    run's actual iterations and priced rollout (the steps with a batch and a trace)."""
+    steps = [s for s in price.steps if s.packing is not None]
+    if not steps:
+        return None
+    blocks = [b for s in steps for b in run.blocks_of(s.step)]
+    prompts = [p for s in steps for p in run.batches[s.step].prompt_tokens]
+    responses = [r for s in steps for r in run.batches[s.step].response_tokens]
+    tp, seqs = blocks[0].tp, max(b.max_num_seqs for b in blocks)
+    return packing_limit(prompts, responses, max(s.engines for s in steps), seqs,
+                         lambda d, c, p: model.cost(tp, seqs, d, c, p), len(steps) * model.round_fixed_s(),
+                         measured_speculation(blocks), sum(s.iterations for s in steps), sum(s.rollout_s for s in steps))
 
 
 def price_run(run_dir: str | Path, model: CpuModel | GpuModel | str, as_model: str | None = None,
