@@ -33,7 +33,15 @@ from dataclasses import dataclass, field
 from megatron_rl.algorithms.filters import is_zero_variance
 from megatron_rl.config.schema import RunConfig
 from megatron_rl.loop.hooks import RolloutBatch, RolloutContext, RolloutScheduler
-from megatron_rl.loop.requests import Finished, GroupScored, InFlight, RoundWaiter, cancel_scoring, submit_prompt
+from megatron_rl.loop.requests import (
+    Finished,
+    GroupScored,
+    InFlight,
+    RoundWaiter,
+    cancel_scoring,
+    launch,
+    submit_prompt,
+)
 from megatron_rl.sample import Prompt, Sample
 from rollpacker.config import TailBatchingConfig
 from rollpacker.history import Confusion, RolloutHistory
@@ -130,17 +138,18 @@ class TailBatchingScheduler(RolloutScheduler):
         flight, log = InFlight(), _RoundLog()
         states: dict[str, _PromptState] = {}
 
-        async def launch(num_prompts: int) -> None:
-            for prompt, predicted in self._draw_short(ctx, num_prompts, states, log):
-                states[prompt.prompt_id] = _PromptState(prompt, predicted_long=predicted)
-                await submit_prompt(ctx, flight, prompt, n_responses, "short", attempt=log.refills,
-                                    references=self.history.references(prompt.prompt_id))
-                log.prompts_launched += 1
-                log.responses_launched += n_responses
+        async def send(num_prompts: int) -> None:
+            async with launch(ctx, flight):  # the launch (or refill) reaches the engines at once
+                for prompt, predicted in self._draw_short(ctx, num_prompts, states, log):
+                    states[prompt.prompt_id] = _PromptState(prompt, predicted_long=predicted)
+                    await submit_prompt(ctx, flight, prompt, n_responses, "short", attempt=log.refills,
+                                        references=self.history.references(prompt.prompt_id))
+                    log.prompts_launched += 1
+                    log.responses_launched += n_responses
 
-        await launch(math.ceil(tb.eta_prompts * p0))
+        await send(math.ceil(tb.eta_prompts * p0))
         batch = await self._collect(ctx, flight, states, log, p0, r0,
-                                    refill=lambda missing: launch(math.ceil(tb.eta_prompts * missing)))
+                                    refill=lambda missing: send(math.ceil(tb.eta_prompts * missing)))
         self._requeue_incomplete(states, batch, log, r0, front=False)
         self._record_short_outcomes(ctx, states, batch, log)
         return batch, log, flight
@@ -200,18 +209,19 @@ class TailBatchingScheduler(RolloutScheduler):
         flight, log = InFlight(), _RoundLog()
         states: dict[str, _PromptState] = {}
 
-        async def launch(num_prompts: int) -> None:
+        async def send(num_prompts: int) -> None:
             # Long rounds take queued prompts first, then fresh ones (DAPO refills).
-            for prompt in self._draw_long(ctx, num_prompts, states):
-                states[prompt.prompt_id] = _PromptState(prompt)
-                self.history.seen(prompt.prompt_id, ctx.epoch())
-                await submit_prompt(ctx, flight, prompt, r0, "long", attempt=log.refills,
-                                    references=self.history.references(prompt.prompt_id))
-                log.prompts_launched += 1
-                log.responses_launched += r0
+            async with launch(ctx, flight):
+                for prompt in self._draw_long(ctx, num_prompts, states):
+                    states[prompt.prompt_id] = _PromptState(prompt)
+                    self.history.seen(prompt.prompt_id, ctx.epoch())
+                    await submit_prompt(ctx, flight, prompt, r0, "long", attempt=log.refills,
+                                        references=self.history.references(prompt.prompt_id))
+                    log.prompts_launched += 1
+                    log.responses_launched += r0
 
-        await launch(p0)
-        batch = await self._collect(ctx, flight, states, log, p0, r0, refill=launch)
+        await send(p0)
+        batch = await self._collect(ctx, flight, states, log, p0, r0, refill=send)
         self._requeue_incomplete(states, batch, log, r0, front=True)
         for group in batch:
             # Responses that all fit in a short round: the prompt no longer counts as long.

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from megatron_rl.loop.hooks import RolloutBatch, RolloutContext, RolloutScheduler
-from megatron_rl.loop.requests import Aborted, Finished, InFlight, RoundWaiter, submit_prompt
+from megatron_rl.loop.requests import Aborted, Finished, InFlight, RoundWaiter, launch, submit_prompt
 from megatron_rl.sample import Sample
 
 
@@ -25,8 +25,9 @@ class BaselineScheduler(RolloutScheduler):
         ctx.on_round_start(self.name, len(prompts))
         flight = InFlight()
         groups: dict[str, list[Sample]] = {p.prompt_id: [] for p in prompts}
-        for prompt in prompts:
-            await submit_prompt(ctx, flight, prompt, r0, round_type=self.name)
+        async with launch(ctx, flight):  # the round reaches the engines at once
+            for prompt in prompts:
+                await submit_prompt(ctx, flight, prompt, r0, round_type=self.name)
         with RoundWaiter(ctx, flight) as waiter:
             while waiter.busy:
                 for event in await waiter.next():

@@ -11,8 +11,10 @@ Every token a sample gets is recorded with the weight version that generated it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import zlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from megatron_rl.config.schema import RunConfig
@@ -50,6 +52,34 @@ class InFlight:
     aborted: dict[str, Sample] = field(default_factory=dict)
     """request_id -> sample of each aborted request, holding every token generated before the
     abort (a partial rollout continues it with :func:`submit_continuation`; others drop it)."""
+    launching: list[GenerationRequest] | None = None
+    """Requests held inside :func:`launch` until it ends (None outside one)."""
+
+
+@contextlib.asynccontextmanager
+async def launch(ctx: RolloutContext, flight: InFlight) -> AsyncIterator[None]:
+    """Requests submitted inside (:func:`submit_prompt`, :func:`submit_continuation`) reach the
+    engine together when the block ends (``engine.submit_all``): a round's first iterations and
+    its placement over engines then depend on the round, not on how fast each submit returned
+    (docs/pricing.md). A failure inside sends nothing."""
+    if flight.launching is not None:  # nested: the outer launch sends
+        yield
+        return
+    flight.launching = []
+    try:
+        yield
+        held = flight.launching
+    finally:
+        flight.launching = None
+    if held:
+        await ctx.engine.submit_all(held)
+
+
+async def _send(ctx: RolloutContext, flight: InFlight, request: GenerationRequest) -> None:
+    if flight.launching is not None:
+        flight.launching.append(request)
+    else:
+        await ctx.engine.submit(request)
 
 
 def trim_references(references: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -99,7 +129,7 @@ async def submit_prompt(ctx: RolloutContext, flight: InFlight, prompt: Prompt, n
             draft_references=draft_refs,
         )
         flight.sent[rid] = request
-        await ctx.engine.submit(request)
+        await _send(ctx, flight, request)
         ids.append(rid)
     return ids
 
@@ -118,7 +148,7 @@ async def submit_continuation(ctx: RolloutContext, flight: InFlight, sample: Sam
         accept_completion(ctx, flight, Completion(request_id, [], [], "length", ctx.policy_version))
         return False
     flight.sent[request_id] = request
-    await ctx.engine.submit(request)
+    await _send(ctx, flight, request)
     return True
 
 

@@ -120,6 +120,14 @@ class RolloutEngine(abc.ABC):
     async def submit(self, request: GenerationRequest) -> None:
         """Queue a request; returns at once. Its completion appears in ``completions()``."""
 
+    async def submit_all(self, requests: list[GenerationRequest]) -> None:
+        """Queue these requests as one launch: none is scheduled before the engine holds them all
+        (a pool places them all first, by its own counts), so a round's first iterations and its
+        placement depend on its requests, not on how fast each submit returned. Errors as
+        :meth:`submit`. The default (an engine with no scheduler to hold) submits them in order."""
+        for request in requests:
+            await self.submit(request)
+
     @abc.abstractmethod
     def completions(self) -> AsyncIterator[Completion]:
         """Async iterator over completions in finish order (aborted ones included, with

@@ -38,6 +38,7 @@ from megatron_rl.loop.requests import (
     GroupScored,
     InFlight,
     RoundWaiter,
+    launch,
     submit_continuation,
     submit_prompt,
 )
@@ -139,18 +140,19 @@ class PartialRolloutScheduler(RolloutScheduler):
         self._resumed = False
         ctx.on_round_start(ROUND_TYPE, p0)
         carried, self.carried = self.carried, []
-        for group in carried:
-            await self._continue(ctx, rnd, group)
         in_flight = math.ceil(pc.over_provision * p0)
         # Restarted prompts (drop_on_resume) first: they were carried, so they fit in the round.
         prompts = restart + ctx.next_prompts(max(0, in_flight - len(carried) - len(restart)))
         fresh = []
-        for prompt in prompts:
-            group = _Group(prompt, f"{prompt.prompt_id}@{ctx.step}")
-            for rid in await submit_prompt(ctx, rnd.flight, prompt, r0, ROUND_TYPE):
-                rnd.owner[rid] = group
-                group.originals[rnd.flight.samples[rid].response_index] = rnd.flight.sent[rid]
-            fresh.append(group)
+        async with launch(ctx, rnd.flight):  # continuations and fresh prompts reach the engines at once
+            for group in carried:
+                await self._continue(ctx, rnd, group)
+            for prompt in prompts:
+                group = _Group(prompt, f"{prompt.prompt_id}@{ctx.step}")
+                for rid in await submit_prompt(ctx, rnd.flight, prompt, r0, ROUND_TYPE):
+                    rnd.owner[rid] = group
+                    group.originals[rnd.flight.samples[rid].response_index] = rnd.flight.sent[rid]
+                fresh.append(group)
         rnd.fresh_prompts, rnd.fresh_responses = len(prompts), len(prompts) * r0
         groups = carried + fresh
         due = [g for g in carried if g.carries >= pc.max_continuations]

@@ -40,9 +40,9 @@ class FakeEngine(RolloutEngine):
     tensor_parallel_size = 1
     """A fake engine holds no model shards; it stands for one TP-1 engine."""
 
-    keeps_defaults = SINGLE_ENGINE_DEFAULTS | {"check_health", "close_weight_receiver", "drain_trace"}
+    keeps_defaults = SINGLE_ENGINE_DEFAULTS | {"check_health", "close_weight_receiver", "drain_trace", "submit_all"}
     """One in-process engine: nothing to release, no process to die, no push set-up to leave, no
-    iterations to trace."""
+    iterations to trace, no scheduler to hold during a launch (submitted in order)."""
 
     async def submit(self, request: GenerationRequest) -> None:
         if self.asleep:

@@ -64,3 +64,50 @@ def test_stale_engine_weights_are_refused():
 def test_seeds_are_reproducible_and_distinct():
     assert request_seed(1, 2, "p", 0) == request_seed(1, 2, "p", 0)
     assert len({request_seed(1, s, f"p{i}", r) for s in range(3) for i in range(5) for r in range(4)}) == 60
+
+
+def test_a_round_reaches_the_engine_as_one_launch():
+    class Launches(FakeEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.launches: list[int] = []
+
+        async def submit(self, request):
+            assert self.launches, "a request reached the engine outside a launch"
+            await super().submit(request)
+
+        async def submit_all(self, requests):
+            self.launches.append(len(requests))
+            for request in requests:
+                await self.submit(request)
+
+    engine = Launches(length_fn=lambda r: 3 + r.seed % 7, capacity=64)
+    batch = asyncio.run(BaselineScheduler().next_batch(make_ctx(engine, prompts(3))))
+    assert engine.launches == [12] and len(batch.groups) == 3
+
+
+def test_a_launch_sends_nothing_when_it_fails_and_an_inner_one_leaves_the_sending_to_it():
+    from megatron_rl.loop.requests import InFlight, launch, submit_prompt
+
+    class Launches(FakeEngine):
+        launches: list[list[str]] = []
+
+        async def submit_all(self, requests):
+            self.launches.append([r.request_id for r in requests])
+
+    engine = Launches(length_fn=lambda r: 2)
+    ctx, flight = make_ctx(engine, prompts(2)), InFlight()
+
+    async def scenario():
+        with pytest.raises(RuntimeError, match="drawn"):
+            async with launch(ctx, flight):
+                await submit_prompt(ctx, flight, prompts(1)[0], 2, "baseline")
+                raise RuntimeError("drawn wrong")
+        async with launch(ctx, flight):
+            await submit_prompt(ctx, flight, prompts(2)[1], 1, "baseline")
+            async with launch(ctx, flight):
+                await submit_prompt(ctx, flight, prompts(3)[2], 1, "baseline")
+            assert engine.launches == []  # the inner launch leaves the sending to the outer one
+
+    asyncio.run(scenario())
+    assert engine.launches == [["s7-a0-p1-r0", "s7-a0-p2-r0"]] and not engine.submitted

@@ -530,3 +530,55 @@ def test_a_push_into_a_sleeping_pool_wakes_only_the_weights_and_routes_after_the
         await routed_to_both(a, b, pool, stream)
 
     asyncio.run(scenario())
+
+
+class Launching(FakeEngine):
+    """Records each launch it gets (``submit_all``), its requests held until ``gate`` opens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.launches: list[list[str]] = []
+
+    async def submit_all(self, requests):
+        self.launches.append([r.request_id for r in requests])
+        for r in requests:
+            await self.submit(r)
+
+
+def test_a_launch_is_placed_first_and_reaches_each_engine_as_one_share():
+    async def scenario():
+        a, b = Launching(), Launching()
+        pool = EnginePool([a, b])
+        stream = pool.completions()
+        await pool.submit(req("early"))  # a holds one already
+        a.gate = asyncio.Event()  # from here a's submits do not return until the gate opens
+        launch = asyncio.create_task(pool.submit_all([req(f"r{i}") for i in range(5)]))
+        await asyncio.sleep(0.05)
+        # Placed by the pool's counts before any submit returned: b (empty) first, then alternating.
+        assert (a.launches, b.launches) == ([["r1", "r3"]], [["r0", "r2", "r4"]])
+        # A completion arriving meanwhile moves nothing that was already placed.
+        a.finish("early")
+        assert (await next_completion(stream)).request_id == "early"
+        a.gate.set()
+        await launch
+        assert (await pool.stats()).extra["routed_in_flight"] == [2, 3]
+        with pytest.raises(ValueError, match=r"already in flight"):
+            await pool.submit_all([req("r9"), req("r9")])
+        with pytest.raises(ValueError, match=r"\['r0'\] already in flight"):
+            await pool.submit_all([req("r0"), req("new")])
+        assert (await pool.stats()).extra["routed_in_flight"] == [2, 3]  # nothing of a refused launch placed
+
+    asyncio.run(scenario())
+
+
+def test_a_launch_an_engine_rejects_leaves_nothing_counted_there():
+    async def scenario():
+        a, b = Launching(), Launching()
+        pool = EnginePool([a, b])
+        with pytest.raises(ValueError, match="rejected"):
+            await pool.submit_all([req("ok"), req("bad")])  # "bad" goes to b, which rejects it
+        assert (await pool.stats()).extra["routed_in_flight"] == [1, 0]
+        await pool.submit_all([req("bad2")])  # the pool still takes launches
+        assert b.launches[-1] == ["bad2"]
+
+    asyncio.run(scenario())

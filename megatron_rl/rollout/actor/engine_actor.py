@@ -109,6 +109,12 @@ class EngineActor:
         # Fault-injection tests kill the engine here, holding a request (inert unless armed).
         fault_point("engine.submit", step=self._engine.weight_version, part=lambda: self.process_ids()["engine"])
 
+    async def submit_all(self, requests: list[GenerationRequest]) -> None:
+        """Forward to VLLMEngine.submit_all (one actor call for a whole launch)."""
+        self._ensure_pump()
+        await self._engine.submit_all(requests)
+        fault_point("engine.submit", step=self._engine.weight_version, part=lambda: self.process_ids()["engine"])
+
     async def sleep(self, level: int = 1) -> None:
         """Forward to VLLMEngine.sleep."""
         await self._engine.sleep(level)

@@ -214,6 +214,21 @@ class VLLMEngine(TensorPushReceiver, RolloutEngine):
             self._abort_on_add.discard(request.request_id)
             await self._llm.abort([request.request_id])
 
+    async def submit_all(self, requests: list[GenerationRequest]) -> None:
+        """Queue a launch with vLLM's scheduler held: ``pause_generation(mode="keep")`` freezes
+        scheduling (running requests keep their state) while the requests are added, and
+        ``resume_generation`` lets the first iteration see them all (vllm/v1/engine/async_llm.py)."""
+        if not requests:
+            return
+        if self._closed:
+            raise RuntimeError("VLLMEngine is shut down")
+        await self._rpc(self._llm.pause_generation(mode="keep", clear_cache=False))
+        try:
+            for request in requests:
+                await self.submit(request)
+        finally:
+            await self._rpc(self._llm.resume_generation())
+
     async def _stream(self, request: GenerationRequest, collector: Any, submit_time: float, version: int) -> None:
         """Wait for the request's final output and turn it into a Completion."""
         try:

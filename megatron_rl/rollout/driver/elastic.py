@@ -85,6 +85,16 @@ class ElasticRollout(ForwardingEngine):
             self._in_flight.discard(request.request_id)
             raise
 
+    async def submit_all(self, requests: list[GenerationRequest]) -> None:
+        self._ensure_pump()
+        ids = [r.request_id for r in requests]
+        self._in_flight.update(ids)
+        try:
+            await self._engine.submit_all(requests)
+        except BaseException:
+            self._in_flight.difference_update(ids)
+            raise
+
     async def completions(self) -> AsyncIterator[Completion]:
         self._ensure_pump()
         async for completion in read_completions(self._queue):

@@ -209,6 +209,57 @@ class EnginePool(PoolHandoff, PoolSupervision, RolloutEngine):
             raise
         await self._submitted(entry, rid)
 
+    async def submit_all(self, requests: list[GenerationRequest]) -> None:
+        """Place every request first, in order, by the pool's own counts (no submit has returned
+        yet, so no completion moves them), then hand each engine its share at once."""
+        ids = [r.request_id for r in requests]
+        clash = sorted({rid for rid in ids if rid in self._entries or rid in self._by_part}
+                       | {rid for rid in ids if ids.count(rid) > 1})
+        if clash:
+            raise ValueError(f"request_id(s) {clash} already in flight")
+        if self._failed is not None:
+            raise self._failed
+        self._ensure_pumps()
+        if self._waiting_for_member():  # no healthy member: each waits as a single submit does
+            for request in requests:
+                await self.submit(request)
+            return
+        shares: dict[int, list[tuple[_Entry, GenerationRequest]]] = {}
+        try:
+            for request in requests:
+                index, entry = self._pick(), _Entry(MigrationRecord(request), engine=-1, part_id=request.request_id)
+                self._entries[request.request_id] = entry
+                self._place(entry, index, request.request_id)
+                shares.setdefault(index, []).append((entry, request))
+        except BaseException:  # no active engine: nothing was sent
+            self._drop_unsent([part for share in shares.values() for part in share])
+            raise
+        await asyncio.gather(*(self._send_share(index, share) for index, share in shares.items()))
+
+    async def _send_share(self, index: int, share: list[tuple["_Entry", GenerationRequest]]) -> None:
+        """One engine's part of a launch; a failure is handled as :meth:`submit` handles one request's."""
+        try:
+            await self.engines[index].submit_all([request for _, request in share])
+        except Exception as exc:
+            moved = any(not self._is_current(entry, r.request_id) for entry, r in share)
+            if moved and self._supervision is not None:
+                return  # the member died: its requests moved with its others
+            if await self._dead_after(index, exc):
+                return
+            self._drop_unsent(share)
+            raise
+        except BaseException:
+            self._drop_unsent(share)
+            raise
+        for entry, request in share:
+            await self._submitted(entry, request.request_id)
+
+    def _drop_unsent(self, share: list[tuple["_Entry", GenerationRequest]]) -> None:
+        for entry, request in share:
+            if self._is_current(entry, request.request_id):
+                del self._entries[request.request_id]
+                self._unplace(entry)
+
     async def _submitted(self, entry: _Entry, part_id: str) -> None:
         """A part's submit returned: send the abort that arrived (or a release that began) meanwhile."""
         if not self._is_current(entry, part_id):
