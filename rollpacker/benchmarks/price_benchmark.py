@@ -13,7 +13,9 @@ training cost) and prints per arm, median [range] over the runs:
   the run's engines could have produced the tokens it trained, over what the run took
   (``rollpacker.pricing.packing``), per step (each step's batch on its own: a batch smaller than
   the slots has its longest response for a limit) and over the whole run (slots full across steps:
-  the limit of packing decode steps full); 1.0 is a schedule at the limit;
+  the limit of packing decode steps full); 1.0 is a schedule at the limit (per step not shown for a
+  scheduler whose responses span steps, :data:`SPANS_STEPS`; with speculation the limit takes the
+  step's mean tokens per iteration, so a step can pass 1.0 slightly);
 * the engine trace's own cost as a share of the loop time (``engine_trace/cost_s``).
 
 Priced figures depend on the token schedule, not on the time each iteration took, so one pass per
@@ -99,14 +101,22 @@ def trace_cost_pct(run_dir: Path) -> float | None:
     return 100.0 * cost / loop if loop and any("engine_trace/cost_s" in r for r in rows) else None
 
 
+SPANS_STEPS = frozenset({"partial_rollout"})
+"""Schedulers whose responses continue across steps: a step trains tokens earlier steps generated,
+so its own packing limit would count work it did not do (their whole-run fraction stands)."""
+
+
 def run_figures(run_dir: Path, gpu: str, as_model: str | None) -> dict:
     from rollpacker.pricing.price import price_run
 
     price = price_run(run_dir, gpu, as_model)
     summary = price.summary()
     steps = max(1, len(price.steps))
+    scheduler = json.loads((run_dir / "config.json").read_text()).get("scheduler", {}).get("name")
+    per_step = scheduler not in SPANS_STEPS
     return {"priced_step_s": price.total("step_s") / steps, "priced_rollout_s": price.total("rollout_s") / steps,
-            "packing_iterations": price.packing_iteration_fraction, "packing_time": price.packing_time_fraction,
+            "packing_iterations": price.packing_iteration_fraction if per_step else None,
+            "packing_time": price.packing_time_fraction if per_step else None,
             "run_packing_iterations": summary["run_packing_iteration_fraction"],
             "run_packing_time": summary["run_packing_time_fraction"],
             "trace_cost_pct": trace_cost_pct(run_dir), "priced_by": price.model}
