@@ -1,6 +1,6 @@
-"""rollpacker-price-benchmark on benchmark outputs written here (synthetic traces, tests/unit/test_pricing.py's
-writer): the arms and runs found from each summary file and without one, the two-run comparison's column labels,
-the per-seed speedup, a run cut short left out, and the results file that joins the benchmark's table."""
+"""rollpacker-price-benchmark on benchmark outputs written here (synthetic traces, tests/helpers/pricing_runs.py):
+the arms and runs found from each summary file and without one, the two-run comparison's column labels, the
+per-seed speedup, a run cut short left out, and the results file that joins the benchmark's table."""
 from __future__ import annotations
 
 import json
@@ -10,11 +10,11 @@ import pytest
 
 from megatron_rl.tools.results_tables import load_results, render
 from rollpacker.benchmarks import price_benchmark
-from tests.unit.test_pricing import TRUE, _write_run
+from tests.helpers.pricing_runs import TRUE, write_run
 
 
 def _run(out: Path, seed: int, arm: str, samples: int, steps: int = 4) -> Path:
-    d = _write_run(out / "pass0" / f"seed{seed}" / arm, TRUE, seed=seed, steps=steps, samples=samples)
+    d = write_run(out / "pass0" / f"seed{seed}" / arm, TRUE, seed=seed, steps=steps, samples=samples)
     cfg = json.loads((d / "config.json").read_text())
     cfg["trainer"]["steps"] = 4  # a run with fewer metrics rows than this was cut short
     (d / "config.json").write_text(json.dumps(cfg))

