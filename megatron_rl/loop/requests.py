@@ -276,7 +276,11 @@ class RoundWaiter:
         finished in this round are awaited under the request that finished them (a continued
         response's is not its first); others were scored in an earlier round."""
         tasks = [self.flight.scoring[rid] for rid in self._finishing_requests(samples)]
-        self._groups[asyncio.gather(*tasks)] = (key, sorted(samples, key=lambda s: s.response_index))
+        group = asyncio.gather(*tasks)
+        # A group whose reward work is cancelled (its responses will not be trained) ends with a
+        # CancelledError nobody awaits: mark it seen, or asyncio prints it as never retrieved.
+        group.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._groups[group] = (key, sorted(samples, key=lambda s: s.response_index))
 
     def _finishing_requests(self, samples: list[Sample]) -> list[str]:
         finished = self.flight.finished

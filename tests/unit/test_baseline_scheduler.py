@@ -111,3 +111,31 @@ def test_a_launch_sends_nothing_when_it_fails_and_an_inner_one_leaves_the_sendin
 
     asyncio.run(scenario())
     assert engine.launches == [["s7-a0-p1-r0", "s7-a0-p2-r0"]] and not engine.submitted
+
+
+def test_a_watched_group_whose_rewards_are_cancelled_leaves_no_unretrieved_error():
+    import gc
+
+    from megatron_rl.loop.requests import InFlight, RoundWaiter
+    from megatron_rl.sample import Sample
+
+    reported = []
+
+    async def scenario():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: reported.append(context["message"]))
+        ctx, flight = make_ctx(FakeEngine(length_fn=lambda r: 2), prompts(1)), InFlight()
+        sample = Sample(prompt=prompts(1)[0], response_index=0, request_id="r0", round_type="short", policy_version=0)
+        flight.scoring["r0"] = asyncio.ensure_future(asyncio.sleep(10))
+        flight.finished["r0"] = sample
+        waiter = RoundWaiter(ctx, flight)
+        waiter.watch("p0", [sample])
+        flight.scoring["r0"].cancel()  # the group will not be trained: its reward work stops
+        await asyncio.sleep(0.01)
+        waiter._groups.clear()  # the round ends without awaiting it
+        waiter.close()
+        gc.collect()
+        await asyncio.sleep(0)
+
+    asyncio.run(scenario())
+    gc.collect()
+    assert not [m for m in reported if "never retrieved" in m], reported
