@@ -22,27 +22,10 @@ from pathlib import Path
 from statistics import median
 
 from rollpacker.pricing.trace import EngineBlock, RunTrace, TraceError
+from rollpacker.simulator.fitting import nnls
 
 TRAIN_KEYS = ("time/train", "time/logprob", "time/weight_sync")
 """Measured training-phase keys of metrics.jsonl (absent keys count 0)."""
-
-
-def _lstsq(rows: list[list[float]], y: list[float]) -> list[float]:
-    """Non-negative least squares (a cost cannot be negative): a coefficient the fit makes negative
-    is set to zero and the rest refitted without it, so the fitted rows' residuals still sum to zero
-    (clipping alone would leave predicted sums biased)."""
-    import numpy as np
-
-    a, b = np.array(rows, dtype=float), np.array(y, dtype=float)
-    active = list(range(a.shape[1]))
-    coef = np.zeros(a.shape[1])
-    while active:
-        sol, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
-        if (sol >= 0).all():
-            coef[active] = sol
-            break
-        active.pop(int(np.argmin(sol)))
-    return [float(c) for c in coef]
 
 
 def block_features(block: EngineBlock) -> list[list[float]]:
@@ -149,7 +132,7 @@ def fit_cpu_model(runs: list[RunTrace], skip_first: int = 1) -> CpuModel:
     feats, gaps = iteration_gaps(runs, skip_first)
     if len(feats) < 4:
         raise TraceError(f"need at least 4 traced iteration gaps after the warm-up steps to fit the CPU model, got {len(feats)}")
-    fixed, dec, ctx, pre = _lstsq(feats, gaps)
+    fixed, dec, ctx, pre = nnls(feats, gaps)
     partial = CpuModel(fixed, dec, ctx, pre, 0.0, 0.0, 0.0, 0.0)
     round_res, train_x, train_y = [], [], []
     for run in runs:
@@ -165,7 +148,7 @@ def fit_cpu_model(runs: list[RunTrace], skip_first: int = 1) -> CpuModel:
     if not round_res:
         raise TraceError("no step with a measured time/rollout to fit the per-round part on")
     round_s = max(0.0, median(round_res))
-    t_fixed, t_tok = _lstsq(train_x, train_y) if len(train_x) >= 2 else (median(train_y or [0.0]), 0.0)
+    t_fixed, t_tok = nnls(train_x, train_y) if len(train_x) >= 2 else (median(train_y or [0.0]), 0.0)
     others = []
     for run in runs:
         for step in run.steps[skip_first:]:

@@ -26,6 +26,7 @@ from statistics import median
 
 from rollpacker.simulator.costs import RewardModel, TrainModel
 from rollpacker.simulator.engine_model import EngineModel
+from rollpacker.simulator.fitting import nnls
 from rollpacker.simulator.lengths import EmpiricalLengths
 from rollpacker.simulator.policies import Cluster, Features, PolicyState, simulate_step
 
@@ -72,22 +73,6 @@ def warmup_steps(run: RunData) -> set[int]:
     return {i for i, x in enumerate(tps) if x < 0.5 * mid}
 
 
-def _nnls(rows: list[list[float]], y: list[float]) -> list[float]:
-    """Least squares with non-negative coefficients (drop the most negative column and refit)."""
-    import numpy as np
-
-    a, b = np.array(rows, dtype=float), np.array(y, dtype=float)
-    active = list(range(a.shape[1]))
-    coef = np.zeros(a.shape[1])
-    while active:
-        sol, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
-        if (sol >= 0).all():
-            coef[active] = sol
-            break
-        active.pop(int(np.argmin(sol)))
-    return [float(x) for x in coef]
-
-
 def finish_time_features(lengths: list[int], prompt_tokens: int) -> list[list[float]]:
     """Per request, shortest first: [iterations, sum of batch sizes, sum of context tokens,
     prompt tokens admitted] up to its finish (see the module docstring)."""
@@ -121,7 +106,7 @@ def fit_engine(run: RunData, prompt_tokens: int, max_num_seqs: int, skip: set[in
         y += sorted(r[1] - start for r in reqs)
     if len(rows) < 4:
         raise ValueError(f"{run.path}: need baseline rounds with finish events and response lengths to fit the engine")
-    step_s, per_seq_s, per_ctx_s, prefill_s = _nnls(rows, y)
+    step_s, per_seq_s, per_ctx_s, prefill_s = nnls(rows, y)
     rms = math.sqrt(sum((sum(c * x for c, x in zip((step_s, per_seq_s, per_ctx_s, prefill_s), r)) - t) ** 2
                         for r, t in zip(rows, y)) / len(y))
     return EngineModel(step_s, per_seq_s, per_ctx_s, prefill_s, kv_capacity_tokens, max_num_seqs), rms
@@ -134,7 +119,7 @@ def fit_train(run: RunData, prompt_tokens: int, skip: set[int]) -> tuple[TrainMo
         raise ValueError(f"{run.path}: need at least 2 steps to fit the training time")
     tokens = [r["train/num_tokens"] for r in rows]
     secs = [r["time/train"] + r.get("time/logprob", 0.0) for r in rows]
-    fixed, per_token = _nnls([[1.0, t] for t in tokens], secs)
+    fixed, per_token = nnls([[1.0, t] for t in tokens], secs)
     samples = median(r.get("train/num_seqs", r.get("batch/samples_trained", 1.0)) for r in rows)
     parts = ("time/rollout", "time/logprob", "time/train", "time/weight_sync", "time/reward")
     other = sum(r["time/step"] - sum(r.get(k, 0.0) for k in parts) for r in rows) / len(rows)

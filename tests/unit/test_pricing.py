@@ -38,13 +38,13 @@ def test_fit_drops_the_gaps_in_which_an_engine_waited_for_work(tmp_path):
 
 
 def test_a_coefficient_fitted_negative_is_dropped_and_the_rest_refitted():
-    from rollpacker.pricing.cpu_model import _lstsq
+    from rollpacker.simulator.fitting import nnls
 
     rng = random.Random(0)
     # y falls with the third feature: its unconstrained coefficient is negative.
     rows = [[1.0, rng.uniform(0, 10), rng.uniform(0, 10)] for _ in range(50)]
     y = [2.0 + 0.5 * r[1] - 0.3 * r[2] + rng.uniform(-0.1, 0.1) for r in rows]
-    coef = _lstsq(rows, y)
+    coef = nnls(rows, y)
     assert coef[2] == 0.0 and min(coef) >= 0
     # Refitted without it, the predictions still sum to the measured total (clipping would not).
     assert sum(sum(c * x for c, x in zip(coef, r)) for r in rows) == pytest.approx(sum(y), rel=1e-9)
