@@ -29,11 +29,11 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import statistics
 import sys
 from pathlib import Path
 
 from megatron_rl.runtime.metrics_logger import read_metrics
+from rollpacker.benchmarks.common import spread
 
 ROWS = [
     ("{gpu}-priced step time, as {model} (s)", "priced_step_s", "{:.2f}"),
@@ -149,14 +149,6 @@ def price_benchmark(out: Path, gpu: str, as_model: str | None) -> tuple[list[str
     return arms, runs
 
 
-def _spread(values: list, fmt: str) -> str:
-    values = [v for v in values if isinstance(v, (int, float))]
-    if not values:
-        return "-"
-    med, lo, hi = statistics.median(values), min(values), max(values)
-    return fmt.format(med) if lo == hi else f"{fmt.format(med)} [{fmt.format(lo)}-{fmt.format(hi)}]"
-
-
 def rows_for(gpu: str, as_model: str | None) -> list[tuple[str, str, str]]:
     model = as_model or "the run's model"
     return [(title.format(gpu=gpu.upper(), model=model), key, fmt) for title, key, fmt in ROWS]
@@ -166,7 +158,7 @@ def print_table(out: Path, arms: list[str], runs: dict[str, dict[str, dict]], gp
     print(f"\n{len(runs)} run(s) of {out}, priced on {gpu.upper()} as {as_model or 'the run model'}")
     print("| metric | " + " | ".join(arms) + " |")
     for title, key, fmt in rows_for(gpu, as_model):
-        print(f"| {title} | " + " | ".join(_spread([cols.get(a, {}).get(key) for cols in runs.values()], fmt)
+        print(f"| {title} | " + " | ".join(spread([cols.get(a, {}).get(key) for cols in runs.values()], fmt)
                                           for a in arms) + " |")
 
 
