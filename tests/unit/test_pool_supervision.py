@@ -62,6 +62,11 @@ class MortalEngine(FakeEngine):
         if self.dead:
             raise RuntimeError("EngineDeadError")
 
+    async def sleep(self, level: int = 1) -> None:
+        if self.dead:  # vLLM's sleep is a call into the core: EngineDeadError
+            raise ConnectionError("engine core is gone")
+        await super().sleep(level)
+
     async def stats(self):
         if self.dead:
             raise ConnectionError("engine core is gone")
@@ -278,6 +283,41 @@ def test_a_released_member_that_dies_is_replaced_asleep_and_stays_released() -> 
         assert h.started[0][0] == gone and new.asleep and h.engine.released_indices == [gone]
         await h.engine.reload_weights("/weights", 4)  # the push after the round: all back, all current
         assert h.engine.health == [MemberHealth.HEALTHY] * 2 and not new.asleep and new.version == 4
+        await h.engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_member_dead_unnoticed_when_chosen_for_release_is_replaced_asleep_and_its_requests_move() -> None:
+    """The stream trainer releases a member whose core was killed after it took its share of a
+    launch (its stream silent, so the pool has not noticed): the release's abort finds the death;
+    the member is replaced asleep and stays lent, its requests finish on the other member."""
+    async def main():
+        h = Harness(members=2, health_check_s=0)
+        await h.engine.submit_all([_request(i, max_tokens=LONG + 10) for i in range(2, 6)])
+        h.first[1].die(silent=True)  # fewest requests, ties to the highest index: the one released
+        released = await h.engine.release_engines(1)
+        assert released["released_engines"] == 1.0 and h.engine.released_indices == [1]
+        got = await h.collect(4)
+        assert sorted(got) == ["r2", "r3", "r4", "r5"]
+        await h.engine._settled()
+        assert [index for index, _ in h.started] == [1] and h.started[0][1].asleep
+        await h.engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_member_dead_unnoticed_with_nothing_on_it_is_replaced_asleep_when_released() -> None:
+    """As above with nothing left on the member: the death is found by its sleep."""
+    async def main():
+        h = Harness(members=2, health_check_s=0)
+        await h.engine.submit(_request(2, max_tokens=LONG + 10))  # on member 0: member 1 holds nothing
+        h.first[1].die(silent=True)
+        await h.engine.release_engines(1)
+        assert h.engine.released_indices == [1]
+        await h.engine._settled()
+        assert [index for index, _ in h.started] == [1] and h.started[0][1].asleep
+        assert sorted(await h.collect(1)) == ["r2"]
         await h.engine.shutdown()
 
     asyncio.run(main())

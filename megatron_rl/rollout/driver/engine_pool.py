@@ -376,11 +376,7 @@ class EnginePool(PoolHandoff, PoolSupervision, RolloutEngine):
             # A pending submit sends the abort when it returns; a pending migration abort ends it.
             if not entry.submitting and not entry.migrating:
                 by_engine.setdefault(entry.engine, []).append(entry.part_id)
-        indices = list(by_engine)
-        results = await asyncio.gather(*(self.engines[i].abort(by_engine[i]) for i in indices), return_exceptions=True)
-        for index, result in zip(indices, results):
-            if isinstance(result, Exception) and not await self._dead_after(index, result):
-                raise result
+        await self._abort_on(by_engine)
 
     async def check_health(self) -> None:
         """Every engine's health check; the first failure is raised, naming the engine. Supervised:

@@ -56,9 +56,12 @@ class PoolHandoff:
                     entry.migrating = True
                     if not entry.submitting:
                         by_engine.setdefault(entry.engine, []).append(entry.part_id)
-            await asyncio.gather(*(self.engines[i].abort(ids) for i, ids in by_engine.items()))
+            # A chosen member may have died unnoticed (its core killed after it took a launch, found
+            # only now): its abort or sleep fails, and it is replaced (asleep: it stays lent) as a
+            # failure anywhere else in the pool would have it; its requests move to the others.
+            await self._abort_on(by_engine)
             await self._wait_drained(chosen)
-            await asyncio.gather(*(self._sleep_engine(i) for i in chosen))
+            await self._on_members(chosen, self._sleep_engine)
             metrics = {key: float(self._totals[key] - before[key]) for key in self._totals}
             metrics.update(released_engines=float(count), release_s=time.monotonic() - start)
             logger.info("released engines %s: %s", chosen, metrics)

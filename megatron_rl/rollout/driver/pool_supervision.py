@@ -214,6 +214,16 @@ class PoolSupervision:
                 self.health[i] = HEALTHY
         self._place_orphans()
 
+    async def _abort_on(self, by_engine: dict[int, list[str]]) -> None:
+        """Abort ``by_engine[i]`` (part ids) on each member ``i`` at once; a member that fails because
+        it died is replaced (its requests move), any other failure is raised."""
+        indices = list(by_engine)
+        results = await asyncio.gather(*(self.engines[i].abort(by_engine[i]) for i in indices), return_exceptions=True)
+        for index, result in zip(indices, results):
+            if isinstance(result, BaseException) and (
+                    not isinstance(result, Exception) or not await self._dead_after(index, result)):
+                raise result
+
     async def _on_members(self, indices: list[int], call) -> None:
         """``await call(i)`` for each member of ``indices`` at once (a sleep or a wake-up). A member
         that fails because it died (e.g. killed while lent to the trainer, found when it is woken)
