@@ -189,25 +189,7 @@ class EnginePool(PoolHandoff, PoolSupervision, RolloutEngine):
         except BaseException:
             del self._entries[rid]
             raise
-        index = entry.engine
-        try:
-            await self.engines[index].submit(request)
-        except Exception as exc:
-            # The member died: the request moved with its others (before this error came back, or now).
-            if not self._is_current(entry, rid) and self._supervision is not None:
-                return
-            if await self._dead_after(index, exc):
-                return
-            if self._is_current(entry, rid):
-                del self._entries[rid]
-                self._unplace(entry)
-            raise
-        except BaseException:
-            if self._is_current(entry, rid):
-                del self._entries[rid]
-                self._unplace(entry)
-            raise
-        await self._submitted(entry, rid)
+        await self._send_share(entry.engine, [(entry, request)], launch=False)
 
     async def submit_all(self, requests: list[GenerationRequest]) -> None:
         """Place every request first, in order, by the pool's own counts (no submit has returned
@@ -236,14 +218,20 @@ class EnginePool(PoolHandoff, PoolSupervision, RolloutEngine):
             raise
         await asyncio.gather(*(self._send_share(index, share) for index, share in shares.items()))
 
-    async def _send_share(self, index: int, share: list[tuple["_Entry", GenerationRequest]]) -> None:
-        """One engine's part of a launch; a failure is handled as :meth:`submit` handles one request's."""
+    async def _send_share(self, index: int, share: list[tuple["_Entry", GenerationRequest]], launch: bool = True) -> None:
+        """Send placed requests to member ``index``: a launch's share in one submit_all, else one
+        submit. A failure that was the member's death is not the caller's: the requests moved with
+        its others (before the error came back, or now); any other failure unplaces and raises."""
+        requests = [request for _, request in share]
         try:
-            await self.engines[index].submit_all([request for _, request in share])
+            if launch:
+                await self.engines[index].submit_all(requests)
+            else:
+                await self.engines[index].submit(requests[0])
         except Exception as exc:
             moved = any(not self._is_current(entry, r.request_id) for entry, r in share)
             if moved and self._supervision is not None:
-                return  # the member died: its requests moved with its others
+                return
             if await self._dead_after(index, exc):
                 return
             self._drop_unsent(share)
