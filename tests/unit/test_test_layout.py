@@ -8,6 +8,8 @@ from __future__ import annotations
 import ast
 import configparser
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -152,3 +154,21 @@ def test_modules_that_run_whole_jobs_are_marked_loop_and_resume_tests_tag_their_
     assert not direct, f"helpers that start training jobs outside train_runs.run_train: {direct}"
     assert "run_train(" in helpers["fault_runs.py"]
     assert "host_tag=self.host_tag" in helpers["fault_runs.py"], "the chain's attempts must carry its host tag"
+
+
+def test_the_suites_two_phases_split_it_and_the_wall_clock_checks_run_alone():
+    """tests/run.sh runs the whole suite as ``-m "not alone"`` on the workers, then ``-m alone`` in one
+    process: together the two collections are the suite, without a test in both, and the pricing
+    runs (measured wall clock against the CPU model) are in the second."""
+    text = (REPO / "tests" / "run.sh").read_text()
+    assert '-m "not alone" tests' in text and "-m alone tests" in text
+
+    def collect(*args: str) -> set[str]:
+        out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args,
+                              "tests/integration"], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        return {line for line in out.stdout.splitlines() if "::" in line}
+
+    everything, rest, alone = collect(), collect("-m", "not alone"), collect("-m", "alone")
+    assert alone and rest and not rest & alone and rest | alone == everything
+    assert {node.split("::")[0] for node in alone} == {"tests/integration/test_pricing_runs.py"}
