@@ -14,6 +14,7 @@ the engine core and the workers). A user's own ``VLLM_LOGGING_CONFIG_PATH``, or
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import logging
 import os
@@ -36,7 +37,7 @@ class QuietEngineLines(logging.Filter):
 def logging_config_env(root: Path) -> dict[str, str]:
     """``VLLM_LOGGING_CONFIG_PATH`` for an engine's processes: vLLM's default configuration with
     :class:`QuietEngineLines` on its handler, written once under the runtime ``root`` (shared by
-    every engine: a per-engine file could vanish under a process that read the path earlier).
+    the engines: a per-engine file could vanish under a process that read the path earlier).
     Empty when the user configures vLLM's logging (or turns it off)."""
     if os.environ.get("VLLM_LOGGING_CONFIG_PATH") or os.environ.get("VLLM_CONFIGURE_LOGGING", "1") == "0":
         return {}
@@ -45,10 +46,11 @@ def logging_config_env(root: Path) -> dict[str, str]:
     config = copy.deepcopy(DEFAULT_LOGGING_CONFIG)
     config["filters"] = {"megatron_rl_quiet": {"()": f"{__name__}.{QuietEngineLines.__name__}"}}
     config["handlers"]["vllm"]["filters"] = ["megatron_rl_quiet"]
-    root.mkdir(parents=True, exist_ok=True)
-    path = root / "vllm_logging.json"
     text = json.dumps(config, indent=1, sort_keys=True) + "\n"
-    if not path.is_file() or path.read_text() != text:
+    # Named by its content: runs with another VLLM_LOGGING_LEVEL or stream sharing the root keep theirs.
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / f"vllm_logging-{hashlib.sha256(text.encode()).hexdigest()[:12]}.json"
+    if not path.is_file():
         tmp = path.with_suffix(f".{os.getpid()}.tmp")  # engines starting at once each write whole files
         tmp.write_text(text)
         tmp.replace(path)
