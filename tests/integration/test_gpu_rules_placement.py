@@ -6,7 +6,7 @@ as light stand-ins that report where Ray put them (tests/helpers/gpu_stand_ins.p
 starts its k workers as vLLM 0.32's Ray executor does).
 
 Checked for each recipe shape: no two trainer ranks on one GPU; rank 0 on the driver's node and the
-rendezvous address its node's; a TP-k engine on k distinct GPUs of one node; no two engine ranks on
+rendezvous address its node's; a TP-k engine on k distinct GPUs of one node, its actor's; no two engine ranks on
 one GPU and every rollout GPU used; colocated engine ranks on trainer ranks' GPUs (split: trainer
 ranks on the driver's node, engines off it); the dry-run plan (``planning.placement``) equal to what
 Ray placed; the same after an elastic TP switch (1->2->1) and after an engine restart.
@@ -102,6 +102,11 @@ def _violations(cfg, ranks: list[dict], engines: list[dict], driver: str, node_i
             bad.append(f"engine {e} (TP {tp}) on GPUs {gpus}: not {tp} distinct GPUs")
         if len({n for n, _ in gpus}) > 1:
             bad.append(f"engine {e}'s TP group crosses nodes")
+        # The engine core hands its Ray workers paths on its own node: the logging configuration
+        # (vllm_config.logging_config, from rollout/actor/vllm_logging.py; vllm/v1/executor/ray_executor_v2.py
+        # applies it in each worker) and the compile cache under its runtime root.
+        if any(n != eng["node"] for n, _ in gpus):
+            bad.append(f"engine {e}'s TP ranks are not on its actor's node")
         engine_gpu += gpus
     if len(set(engine_gpu)) != len(engine_gpu):
         bad.append("two engine ranks on one GPU")
@@ -231,7 +236,8 @@ def test_larger_recipes(cluster, stand_ins, name):
 
     ranks = [{"rank": r, "node": at[bundle_of(o)][0], "gpus": [at[bundle_of(o)][1]], "master_addr": placement.master_addr()}
              for r, o in enumerate(rank_opts)]
-    engines = [{"ranks": [at[int(x)] for x in o["runtime_env"]["env_vars"]["VLLM_RAY_BUNDLE_INDICES"].split(",")]}
+    engines = [{"node": at[bundle_of(o)][0],
+                "ranks": [at[int(x)] for x in o["runtime_env"]["env_vars"]["VLLM_RAY_BUNDLE_INDICES"].split(",")]}
                for o in engine_opts]
     try:
         last = cfg.cluster.num_nodes - 1
