@@ -77,20 +77,18 @@ class ElasticRollout(ForwardingEngine):
                 forward_completions(self._engine, self._queue.put_nowait, self._queue.put_nowait))
 
     async def submit(self, request: GenerationRequest) -> None:
-        self._ensure_pump()
-        self._in_flight.add(request.request_id)
-        try:
-            await self._engine.submit(request)
-        except BaseException:
-            self._in_flight.discard(request.request_id)
-            raise
+        await self._tracked([request.request_id], lambda: self._engine.submit(request))
 
     async def submit_all(self, requests: list[GenerationRequest]) -> None:
+        await self._tracked([r.request_id for r in requests], lambda: self._engine.submit_all(requests))
+
+    async def _tracked(self, ids: list[str], send: Callable[[], Awaitable[None]]) -> None:
+        """``await send()`` with ``ids`` counted in flight from before it (a completion can come back
+        before the send returns); a send that fails takes them off again."""
         self._ensure_pump()
-        ids = [r.request_id for r in requests]
         self._in_flight.update(ids)
         try:
-            await self._engine.submit_all(requests)
+            await send()
         except BaseException:
             self._in_flight.difference_update(ids)
             raise
