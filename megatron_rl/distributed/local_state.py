@@ -24,6 +24,8 @@ import socket
 import tempfile
 from pathlib import Path
 
+import psutil
+
 log = logging.getLogger(__name__)
 
 RUN_DIR_PREFIX = "megatron_rl"
@@ -75,14 +77,21 @@ def ray_temp_dir() -> Path:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists on this machine (ours or another user's)."""
+    """Whether a process with this pid runs on this machine (ours or another user's). A zombie does
+    not: it exited and only waits for its parent to collect its status (a child killed here whose
+    ``Popen`` nobody waited on yet stays one), holding no memory, files or locks, only its pid."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True  # exists, owned by someone else
-    return True
+        pass  # exists, owned by someone else
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True
 
 
 def dead_run_dirs(root: str | Path, any_host: bool = False) -> list[Path]:

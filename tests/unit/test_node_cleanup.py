@@ -3,8 +3,12 @@ processes that carry the step's ids (and only those), stops them, and sweeps dea
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
+
+import psutil
 
 from megatron_rl.distributed import local_state, node_cleanup
 
@@ -72,3 +76,35 @@ def test_outside_a_job_step_it_refuses(monkeypatch):
         monkeypatch.delenv(key, raising=False)
     assert node_cleanup.main([]) == 2
     assert node_cleanup.main(["--bogus"]) == 2
+
+
+def test_a_stopped_child_is_killed_and_not_counted_alive_as_a_zombie():
+    # What a Ray start-up retry meets (test_ray_start): a child of this process frozen by SIGSTOP
+    # ignores SIGTERM and is killed; nobody has waited on it yet, so it stays a zombie, which has
+    # exited and must not read as alive (before, it did, and the retry looked like it left it running).
+    child = _sleeper()
+    try:
+        os.kill(child.pid, signal.SIGSTOP)
+        assert node_cleanup.stop_processes([child.pid], grace_s=0.5) == [child.pid]
+        deadline = time.monotonic() + 5
+        while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE  # not reaped: its Popen still can be
+        assert not local_state.pid_alive(child.pid)
+    finally:
+        child.kill()
+        assert child.wait(timeout=10) == -signal.SIGKILL
+
+
+def test_a_child_that_exits_on_sigterm_is_not_waited_on_for_the_grace_period():
+    child = _sleeper()
+    try:
+        start = time.monotonic()
+        node_cleanup.stop_processes([child.pid], grace_s=10.0)
+        # It exited at once and is a zombie until waited on: before, stop_processes took it for
+        # alive and waited the whole grace period, then sent SIGKILL to a process already gone.
+        assert time.monotonic() - start < 5.0
+        assert child.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        child.kill()
+        child.wait()
