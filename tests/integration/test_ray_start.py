@@ -19,12 +19,15 @@ from tests.helpers.ray_dirs import short_ray_dir
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 
 DRIVER = textwrap.dedent('''
-    import json, logging, os, signal, sys, threading, time
+    import gc, json, logging, os, signal, sys, threading, time
     import psutil, ray
     from megatron_rl.distributed.ray_start import init_local_ray
     from megatron_rl.distributed.local_state import pid_alive
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    # The collector off: the failed attempt's Popen objects are never collected, so nothing waits
+    # on its killed processes and they stay zombies (as they do until the collector happens to run).
+    gc.disable()
     stopped = []
 
     def stop_first_raylet():
@@ -44,7 +47,9 @@ DRIVER = textwrap.dedent('''
     init_local_ray(num_cpus=1, include_dashboard=False, log_to_driver=False, _temp_dir=sys.argv[1])
     started_s = time.monotonic() - t0
     node_ok = ray.get(ray.remote(lambda: 41 + 1).remote()) == 42
-    raylets = [p.pid for p in psutil.Process().children(recursive=True) if p.name() == "raylet"]
+    # Running ones: a killed child nobody waited on yet stays in the table as a zombie.
+    raylets = [p.pid for p in psutil.Process().children(recursive=True)
+               if p.name() == "raylet" and p.status() != psutil.STATUS_ZOMBIE]
     ray.shutdown()
     print(json.dumps({"stopped": stopped, "stopped_alive": [pid_alive(p) for p in stopped],
                       "raylets": raylets, "node_ok": node_ok, "started_s": started_s}))
