@@ -78,6 +78,13 @@ def test_outside_a_job_step_it_refuses(monkeypatch):
     assert node_cleanup.main(["--bogus"]) == 2
 
 
+def _wait_for_status(pid: int, status: str, limit_s: float = 10.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while psutil.Process(pid).status() != status and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert psutil.Process(pid).status() == status
+
+
 def test_a_stopped_child_is_killed_and_not_counted_alive_as_a_zombie():
     # What a Ray start-up retry meets (test_ray_start): a child of this process frozen by SIGSTOP
     # ignores SIGTERM and is killed; nobody has waited on it yet, so it stays a zombie, which has
@@ -85,11 +92,11 @@ def test_a_stopped_child_is_killed_and_not_counted_alive_as_a_zombie():
     child = _sleeper()
     try:
         os.kill(child.pid, signal.SIGSTOP)
+        # Stopped before the SIGTERM comes: both pending at once, the lower-numbered SIGTERM would be
+        # delivered first and kill it (a busy machine may not run it in between).
+        _wait_for_status(child.pid, psutil.STATUS_STOPPED)
         assert node_cleanup.stop_processes([child.pid], grace_s=0.5) == [child.pid]
-        deadline = time.monotonic() + 5
-        while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE  # not reaped: its Popen still can be
+        _wait_for_status(child.pid, psutil.STATUS_ZOMBIE)  # not reaped: its Popen still can be
         assert not local_state.pid_alive(child.pid)
     finally:
         child.kill()
