@@ -77,6 +77,16 @@ def _command(pid: int) -> str:
         return "?"
 
 
+def _in_table(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 def stop_processes(pids: list[int], grace_s: float = 5.0) -> list[int]:
     """SIGTERM each, SIGKILL those alive after ``grace_s``; returns the pids signalled."""
     signalled = []
@@ -87,8 +97,11 @@ def stop_processes(pids: list[int], grace_s: float = 5.0) -> list[int]:
             signalled.append(pid)
         except ProcessLookupError:
             pass
+    # Waits until each pid is gone from the process table, zombies included (pid_alive counts a
+    # zombie as dead). Stopping at zombies instead coincided once with a Ray temp dir left behind by
+    # launch/_ray_node.sh (tests/integration/test_slurm_cluster.py), not explained: the wait stays.
     deadline = time.monotonic() + grace_s
-    while any(pid_alive(p) for p in signalled) and time.monotonic() < deadline:
+    while any(_in_table(p) for p in signalled) and time.monotonic() < deadline:
         time.sleep(0.2)
     for pid in signalled:
         if pid_alive(pid):
