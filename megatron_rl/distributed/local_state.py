@@ -80,18 +80,14 @@ def pid_alive(pid: int) -> bool:
     """Whether a process with this pid runs on this machine (ours or another user's). A zombie does
     not: it exited and only waits for its parent to collect its status (a child killed here whose
     ``Popen`` nobody waited on yet stays one), holding no memory, files or locks, only its pid."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # exists, owned by someone else
+    if pid <= 0:
+        return False  # not one process's id (callers pass recorded pids, all positive)
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
     except psutil.AccessDenied:
-        return True
+        return True  # exists, owned by someone else
 
 
 def dead_run_dirs(root: str | Path, any_host: bool = False) -> list[Path]:

@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+
 from megatron_rl.distributed.local_state import pid_alive, sweep_dead_engine_shm, sweep_dead_run_dirs
 
 log = logging.getLogger("megatron_rl.node_cleanup")
@@ -77,16 +79,6 @@ def _command(pid: int) -> str:
         return "?"
 
 
-def _in_table(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
 def stop_processes(pids: list[int], grace_s: float = 5.0) -> list[int]:
     """SIGTERM each, SIGKILL those alive after ``grace_s``; returns the pids signalled."""
     signalled = []
@@ -101,7 +93,7 @@ def stop_processes(pids: list[int], grace_s: float = 5.0) -> list[int]:
     # zombie as dead). Stopping at zombies instead coincided once with a Ray temp dir left behind by
     # launch/_ray_node.sh (tests/integration/test_slurm_cluster.py), not explained: the wait stays.
     deadline = time.monotonic() + grace_s
-    while any(_in_table(p) for p in signalled) and time.monotonic() < deadline:
+    while any(psutil.pid_exists(p) for p in signalled) and time.monotonic() < deadline:
         time.sleep(0.2)
     for pid in signalled:
         if pid_alive(pid):
