@@ -22,6 +22,13 @@ def _controller(config) -> bool:
     return not hasattr(config, "workerinput")
 
 
+def pytest_configure(config):
+    """Every pytest process (xdist's workers and controller) records asyncio's noise (tests/helpers/noise)."""
+    from tests.helpers import noise
+
+    noise.install()
+
+
 def pytest_sessionstart(session):
     if _controller(session.config):
         from tests.helpers import shm
@@ -33,7 +40,11 @@ def pytest_sessionfinish(session, exitstatus):
     """Remove the /dev/shm segments and run dirs this session's killed engines and trainer ranks
     could not (see helpers/shm). Only the controller does it, once every worker is done: a worker
     that finished early must not sweep the dead runs another worker's resume test is about to
-    check its own start-up sweeps."""
+    check its own start-up sweeps. Every process first collects its garbage: tasks and futures the
+    last tests abandoned report themselves now, while tests/helpers/noise records them."""
+    from tests.helpers import noise
+
+    noise.flush()
     before = session.config.stash.get(_SHM_BEFORE, None)
     if before is not None:
         from tests.helpers import shm

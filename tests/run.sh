@@ -39,12 +39,20 @@ mkdir -p "$RAY_TMPDIR/ray" "$XDG_CACHE_HOME" "$WANDB_DIR"
 # (tests/helpers/scheduling.py, docs/tests.md).
 workers=(-n "${TEST_WORKERS:-2}" --dist loadfile)
 [ "${TEST_WORKERS:-2}" != 0 ] || workers=()
+# What the run prints goes to the console and to a log, which tests/helpers/noise scans at the end
+# (with what its recorder saw inside tests): a task left pending, an exception never retrieved or a
+# resource never closed fails the run. Every run keeps a timeline (tests/helpers/timeline; TEST_TIMELINE
+# names a file of yours to keep it): its summary ends the run, with the modules that took more than
+# twice their seconds in tests/module_durations.json. UPDATE_DURATIONS=1 rewrites that file from a
+# whole-suite run (the order tests/helpers/scheduling hands modules out in).
+RUN_LOG="$RUN_TMP/pytest.log"
+export TEST_NOISE_FILE="$RUN_TMP/noise.tsv" TEST_TIMELINE="${TEST_TIMELINE:-$RUN_TMP/timeline.jsonl}"
 pytest_run() {  # pytest_run BASETEMP ARGS...: one pytest session; exit 5 (nothing collected) is a failure
   local base="$1" rc
   shift
   set +e
-  "$ROOT/.venv/bin/python" -m pytest -q -rs --durations=40 --basetemp="$base" "$@"
-  rc=$?
+  "$ROOT/.venv/bin/python" -m pytest -q -rs --durations=40 --basetemp="$base" "$@" 2>&1 | tee -a "$RUN_LOG"
+  rc=${PIPESTATUS[0]}
   set -e
   if [ $rc -eq 5 ]; then
     echo "tests/run.sh: pytest collected no tests; treating that as a failure" >&2
@@ -52,14 +60,21 @@ pytest_run() {  # pytest_run BASETEMP ARGS...: one pytest session; exit 5 (nothi
   fi
   return $rc
 }
+after_run() {  # after_run RC WHOLE: the timeline's summary, the noise check; exits with the run's status
+  local rc="$1" whole="$2"
+  if [ -s "$TEST_TIMELINE" ]; then
+    local durations=()
+    [ "$whole" = 1 ] && [ "${UPDATE_DURATIONS:-0}" = 1 ] && durations=(--durations "$ROOT/tests/module_durations.json")
+    "$ROOT/.venv/bin/python" -m tests.helpers.timeline "$TEST_TIMELINE" --modules 10 --over-record 2 "${durations[@]}" || true
+  fi
+  "$ROOT/.venv/bin/python" -m tests.helpers.noise --record "$TEST_NOISE_FILE" "$RUN_LOG" || { [ "$rc" -ne 0 ] || rc=1; }
+  exit "$rc"
+}
 if [ $# -gt 0 ]; then
-  pytest_run "$RUN_TMP/pt" "${workers[@]}" "$@" || exit $?
-  exit 0
+  rc=0
+  pytest_run "$RUN_TMP/pt" "${workers[@]}" "$@" || rc=$?
+  after_run "$rc" 0
 fi
-# The whole suite: everything but the `alone` modules on the workers, then those by themselves
-# (checks of measured wall clock, which another worker's jobs on the same cores would move).
 rc=0
-pytest_run "$RUN_TMP/pt" "${workers[@]}" -m "not alone" tests || rc=$?
-echo "tests/run.sh: the modules marked alone, with the machine to themselves"
-pytest_run "$RUN_TMP/pt-alone" -m alone tests || { rc2=$?; [ $rc -ne 0 ] || rc=$rc2; }
-exit $rc
+pytest_run "$RUN_TMP/pt" "${workers[@]}" tests || rc=$?
+after_run "$rc" 1

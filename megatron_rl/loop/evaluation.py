@@ -6,6 +6,7 @@ import time
 
 from megatron_rl.config.schema import RunConfig
 from megatron_rl.rollout.engine import GenerationRequest, RolloutEngine
+from megatron_rl.runtime.aio import awaited_elsewhere
 from megatron_rl.sample import Prompt, Sample
 
 
@@ -33,7 +34,7 @@ async def validate(cfg: RunConfig, engine: RolloutEngine, rewards, prompts: list
             continue
         sample.response_ids = list(done.token_ids)
         sample.finish_reason = done.finish_reason
-        scoring.append(asyncio.ensure_future(rewards.score(sample)))
+        scoring.append(awaited_elsewhere(rewards.score(sample)))
     scored = await asyncio.gather(*scoring)
     lengths = [len(s.response_ids) for s in scored]
     return {

@@ -22,6 +22,7 @@ from megatron_rl.config.values import comma_list
 from megatron_rl.loop.hooks import RolloutContext
 from megatron_rl.rollout.driver.migration import continuation_request
 from megatron_rl.rollout.engine import Completion, GenerationRequest
+from megatron_rl.runtime.aio import awaited_elsewhere
 from megatron_rl.sample import Prompt, Sample
 
 
@@ -175,7 +176,7 @@ def accept_completion(ctx: RolloutContext, flight: InFlight, done: Completion) -
     sample.policy_version = done.weight_version
     sample.timings["finished"] = done.finish_time or time.monotonic()
     flight.finished[done.request_id] = sample
-    flight.scoring[done.request_id] = asyncio.ensure_future(ctx.score(sample))
+    flight.scoring[done.request_id] = awaited_elsewhere(ctx.score(sample))
     return sample
 
 

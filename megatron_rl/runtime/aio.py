@@ -37,6 +37,17 @@ async def wait_for(awaitable: Awaitable[T], timeout: float | None) -> T:
         return await awaitable
 
 
+def awaited_elsewhere(coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+    """A task whose result its owner awaits where it matters (a group's rewards gathered before the
+    group is trained) and otherwise drops: after the owner already failed on a sibling's error, or for a
+    response that will not be trained. Its failure is marked seen when it ends, so a dropped one does not
+    print "Task exception was never retrieved" at the next garbage collection; whoever awaits it still
+    gets the exception."""
+    task = asyncio.ensure_future(coro)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return task
+
+
 def run_until_interrupted(main: Coroutine[Any, Any, T]) -> T:
     """Run ``main`` to its end in a new event loop like ``asyncio.run``; Ctrl-C (SIGINT) cancels
     it, again every :data:`RECANCEL_EVERY_S` until it ends, and then raises ``KeyboardInterrupt``

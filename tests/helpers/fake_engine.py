@@ -134,5 +134,9 @@ class FakeEngine(RolloutEngine):
                            extra={"sleeping": self.asleep})
 
     async def shutdown(self) -> None:
-        if self._task:
-            self._task.cancel()
+        """Stop the ticker and wait for it to end (a task left pending when its loop closes is lost
+        work that asyncio reports as "Task was destroyed but it is pending!")."""
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

@@ -78,6 +78,15 @@ def summarize(rows: list[dict], gap_s: float = 2.0) -> dict:
             "modules": dict(sorted(((m, round(s, 1)) for m, s in modules.items()), key=lambda kv: -kv[1]))}
 
 
+def over_record(modules: dict[str, float], recorded: dict[str, float], factor: float,
+                floor_s: float = 10.0) -> list[tuple[str, float, float]]:
+    """``(module, seconds, recorded seconds)`` of each module that took more than ``factor`` times its
+    record (and at least ``floor_s`` more: a 2 s module at 5 s is not news), slowest first."""
+    slow = [(m, s, recorded[m]) for m, s in modules.items()
+            if m in recorded and s > factor * recorded[m] and s - recorded[m] >= floor_s]
+    return sorted(slow, key=lambda row: -row[1] / max(row[2], 0.1))
+
+
 def draw(rows: list[dict], png: Path, top: int = 12) -> None:
     """One lane per worker: its collection, then its tests, the longest ``top`` modules coloured and named."""
     import matplotlib
@@ -118,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--durations", type=Path,
                         help="write each module's seconds here (tests/module_durations.json: the order "
                              "tests/helpers/scheduling hands modules out in)")
+    parser.add_argument("--over-record", type=float, metavar="FACTOR",
+                        help="list the modules that took more than FACTOR times their seconds in "
+                             "tests/module_durations.json (what a loaded machine or a slower CPU moved)")
     args = parser.parse_args(argv)
     rows = load(args.timeline)
     summary = summarize(rows)
@@ -129,6 +141,15 @@ def main(argv: list[str] | None = None) -> int:
     print("longest modules (s):")
     for module, seconds in list(summary["modules"].items())[:args.modules]:
         print(f"  {seconds:7.1f}  {module}")
+    if args.over_record:
+        from tests.helpers.scheduling import load_durations
+
+        slow = over_record(summary["modules"], load_durations(), args.over_record)
+        unknown = [m for m in summary["modules"] if m not in load_durations()]
+        print(f"modules over {args.over_record:g}x their recorded seconds: {len(slow)}"
+              + (f"; not recorded: {', '.join(unknown)}" if unknown else ""))
+        for module, seconds, recorded in slow:
+            print(f"  {seconds:7.1f} s, recorded {recorded:.1f} s ({seconds / recorded:.1f}x)  {module}")
     if args.durations:
         args.durations.write_text(json.dumps(summary["modules"], indent=1) + "\n")
         print(f"wrote {args.durations} ({len(summary['modules'])} modules)")

@@ -39,10 +39,22 @@ def remaining_length(req) -> int:
     return max(1, total - (len(req.prompt_ids) - 2))
 
 
+HARNESSES: list[Harness] = []
+"""The harnesses the running test made (closed at its end)."""
+
+
+@pytest.fixture(autouse=True)
+def _close_harnesses():
+    yield
+    while HARNESSES:
+        HARNESSES.pop().close()
+
+
 class Harness:
     """The loop's part for a scheduler alone: cursor, scorer, context, engine version per step."""
 
     def __init__(self, prompts, engine, overrides=(), steps: int = 100):
+        HARNESSES.append(self)
         self.cfg = load_config(None, [f"data.prompts_per_step={P0}", f"data.responses_per_prompt={R0}",
                                       "rollout.max_new_tokens=64", f"trainer.steps={steps}", *overrides])
         self.prompts, self.engine = prompts, engine
@@ -81,6 +93,11 @@ class Harness:
             return batch, settled
 
         return self.loop.run_until_complete(asyncio.wait_for(one(), timeout=60))
+
+    def close(self) -> None:
+        """The engine's ticker stopped, then the loop closed (its tasks end with it, none left pending)."""
+        self.loop.run_until_complete(self.engine.shutdown())
+        self.loop.close()
 
 
 def trained_prompt_ids(batch) -> list[str]:

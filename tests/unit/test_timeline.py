@@ -52,3 +52,10 @@ def test_a_file_without_test_spans_is_refused_naming_it(tmp_path):
     out = subprocess.run([sys.executable, "-m", "tests.helpers.timeline", str(path)], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode != 0 and f"{path}:1: not a JSON line" in out.stderr
+
+
+def test_modules_over_their_record_are_listed_slowest_first():
+    modules = {"tests/a.py": 100.0, "tests/b.py": 30.0, "tests/c.py": 5.0, "tests/d.py": 41.0, "tests/new.py": 9.0}
+    recorded = {"tests/a.py": 40.0, "tests/b.py": 20.0, "tests/c.py": 1.0, "tests/d.py": 20.0}
+    # a: 2.5x; d: 2.05x; b: 1.5x (under); c: 5x but only 4 s more (under the floor); new: no record.
+    assert timeline.over_record(modules, recorded, 2.0) == [("tests/a.py", 100.0, 40.0), ("tests/d.py", 41.0, 20.0)]
