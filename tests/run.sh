@@ -32,6 +32,10 @@ export TRITON_CACHE_DIR="$RUN_TMP/cache/triton" HF_HOME="$RUN_TMP/cache/hf" HF_H
 export WANDB_DIR="$RUN_TMP/wandb" WANDB_CACHE_DIR="$RUN_TMP/cache/wandb" WANDB_CONFIG_DIR="$RUN_TMP/wandb-config"
 export WANDB_DATA_DIR="$RUN_TMP/wandb-data" WANDB_SILENT=true
 mkdir -p "$RAY_TMPDIR/ray" "$XDG_CACHE_HOME" "$WANDB_DIR"
+# The SFT'd tiny model that the speculation and whole-system tests train (tests/helpers/sft_model): built
+# once per machine and checkout content, outside the temp root, before any test (a test that built it
+# would hold its worker, and the other worker's tests that need it, for minutes).
+"$ROOT/.venv/bin/python" -m tests.helpers.sft_model
 
 # Two pytest-xdist workers (TEST_WORKERS=0: none): the real-stack tests leave a core idle while a
 # process starts, an engine core waits or a fault test sleeps out a timeout. Each module stays on

@@ -49,14 +49,18 @@ class Attempt:
         processes: what counts as the run's processes (default: the driver's session and descendants;
             a run on an existing Ray cluster passes :func:`cluster_job_processes`).
         host_tag: the run's ``MEGATRON_RL_HOST_TAG`` (``train_runs.run_train``).
+        tmpdir: the run's ``TMPDIR`` (default: the test's), for a test that checks what the run left there.
     """
 
     def __init__(self, name: str, args: list[str], tmp_path: Path, records: Path, faults: str = "",
-                 processes: Callable[[], dict[int, str]] | None = None, host_tag: str | None = None) -> None:
+                 processes: Callable[[], dict[int, str]] | None = None, host_tag: str | None = None,
+                 tmpdir: Path | None = None) -> None:
         self.name, self.log = name, tmp_path / f"{name}.log"
         with pytest.MonkeyPatch.context() as env:  # run_train copies os.environ at Popen time
             env.setenv(FAULTS_ENV, faults)
             env.setenv(FAULTS_DIR_ENV, str(records))
+            if tmpdir is not None:
+                env.setenv("TMPDIR", str(tmpdir))
             self.started_at = time.time()
             self.proc = run_train(args, self.log, host_tag=host_tag)
         self.records = records
@@ -121,6 +125,15 @@ class Attempt:
             if (not waited_for and not left) or time.monotonic() > deadline:
                 return {p: self.seen[p] for p in alive}, left
             time.sleep(0.2)
+
+    def temp_files_left(self, tmpdir: Path) -> list[str]:
+        """What the run's engines left in its ``tmpdir`` (the ``tmpdir`` it was started with): vLLM's
+        rendezvous files (``vllm_dist_*``, a torch file store each) and engines' scratch dirs (``e*`` under
+        the runtime root, ``vllm_engine_args.default_runtime_root``). The runtime root's shared caches
+        (compile cache, logging configuration) are kept on purpose and not listed."""
+        left = [p for p in tmpdir.rglob("vllm_dist_*")]
+        left += [p for root in tmpdir.glob("megatron_rl-vllm-*") for p in root.glob("e*") if p.is_dir()]
+        return sorted(str(p.relative_to(tmpdir)) for p in left)
 
     def shm_dirs_left(self) -> list[str]:
         """/dev/shm directories named after one of the run's processes (weights, push rings)."""

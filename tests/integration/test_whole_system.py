@@ -9,17 +9,19 @@ rejects nearly all).
 * Clean: six steps in two attempts, the first stopped (SIGTERM) after its third step with a checkpoint,
   the second resumed from it at another trainer layout (TP 2 -> TP 1). Every step is on-policy
   (trainer/engine logprob parity <= 1e-4), every prompt trained once, drafts accepted, the switches and
-  the handoff happened, and nothing of either attempt is left running or in /dev/shm.
+  the handoff happened, and nothing of either attempt is left running, in /dev/shm or in its TMPDIR.
 * Faults, everything on: one of the two engines killed (1) in a long round right after a TP switch,
   (2) while it receives the weight push after that round, (3) in a short round, (4) while it is lent to
   the stream trainer. Each time only that engine is replaced and only its requests move; the steps stay
-  on-policy; ``fault/engine_restarts`` counts each; nothing is left in /dev/shm.
+  on-policy; ``fault/engine_restarts`` counts each; nothing is left in /dev/shm, nor in the run's TMPDIR
+  (vLLM's rendezvous files, the engines' scratch dirs), whatever TP the engine ran and however it started.
 """
 from __future__ import annotations
 
 import os
 import re
 import signal
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -53,12 +55,20 @@ def _shm_of(attempt: Attempt) -> list[str]:
                   if any(re.search(rf"-{pid}(-|$)", p.name) for pid in pids) and "megatron_rl" in p.name)
 
 
-def _nothing_left(attempt: Attempt) -> None:
+def _temp_dir() -> Path:
+    """A TMPDIR of the run's own, short (ZMQ socket paths under it must stay under 107 bytes), in the
+    test run's temp root: what the run's engines leave there is theirs alone."""
+    return Path(tempfile.mkdtemp(prefix="w"))
+
+
+def _nothing_left(attempt: Attempt, tmpdir: Path) -> None:
     alive, segments = attempt.left_behind()
     assert not alive, f"{attempt.name}: left running: {alive}"
     assert not segments, f"{attempt.name}: psm segments left in /dev/shm: {segments}"
     left = _shm_of(attempt)
     assert not left, f"{attempt.name}: left in /dev/shm: {left}"
+    files = attempt.temp_files_left(tmpdir)
+    assert not files, f"{attempt.name}: left in its TMPDIR {tmpdir}: {files}"
 
 
 def _on_policy(rows: list[dict]) -> None:
@@ -77,7 +87,8 @@ def test_every_mechanism_at_once_with_a_resume_at_another_layout(sft_model_dir, 
     args = overrides(sft_model_dir, run_dir, STEPS, [*EVERYTHING, "trainer.save_every=0", "rollout.engine_trace=true"])
     (tmp_path / "f1").mkdir()
     (tmp_path / "f2").mkdir()
-    first = Attempt("attempt1", args, tmp_path, tmp_path / "f1")
+    tmp1, tmp2 = _temp_dir(), _temp_dir()
+    first = Attempt("attempt1", args, tmp_path, tmp_path / "f1", tmpdir=tmp1)
     try:
         # SIGTERM once step 2 has begun: the loop finishes that step, checkpoints and exits 143.
         first.wait_until(lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= 2
@@ -89,10 +100,10 @@ def test_every_mechanism_at_once_with_a_resume_at_another_layout(sft_model_dir, 
     assert rc == 143, first.tail()
     done = len(read_jsonl(run_dir / "metrics.jsonl"))
     assert 2 <= done < STEPS and f"stopped after step {done - 1} of {STEPS} on request" in first.text()
-    _nothing_left(first)
+    _nothing_left(first, tmp1)
 
     second = Attempt("attempt2", [*args, "trainer.resume=true", "parallel.tensor_model_parallel_size=1"],
-                     tmp_path, tmp_path / "f2")
+                     tmp_path, tmp_path / "f2", tmpdir=tmp2)
     try:
         rc, _ = second.wait_exit(900)
     finally:
@@ -100,7 +111,7 @@ def test_every_mechanism_at_once_with_a_resume_at_another_layout(sft_model_dir, 
     assert rc == 0, second.tail()
     assert re.search(rf"resumed from \S*step_{done:06d} at step {done}\b", second.text()), second.tail()
     assert "saved at layout TP2 PP1 DP1, RNG reseeded" in second.text(), second.tail()
-    _nothing_left(second)
+    _nothing_left(second, tmp2)
 
     rows = read_jsonl(run_dir / "metrics.jsonl")
     _on_policy(rows)
@@ -154,7 +165,8 @@ def test_engine_deaths_with_every_mechanism_on(sft_model_dir, tmp_path):
     (tmp_path / "faults").mkdir()
     faults = ("point=engine.submit,step=1,action=kill; point=weight_push.receive,step=2,action=kill; "
               "point=engine.submit,step=2,action=kill; point=engine.sleep,step=3,action=kill")
-    run = Attempt("faults", args, tmp_path, tmp_path / "faults", faults)
+    tmpdir = _temp_dir()
+    run = Attempt("faults", args, tmp_path, tmp_path / "faults", faults, tmpdir=tmpdir)
     try:
         rc, _ = run.wait_exit(1000)
     finally:
@@ -182,4 +194,4 @@ def test_engine_deaths_with_every_mechanism_on(sft_model_dir, tmp_path):
     assert rows[1]["weight_sync/engine_replaced"] == 1.0  # the push of version 2 recovered
     lent = [r for r in rows if r["step"] == 3]
     assert lent[0]["round_type"] == "long" and lent[0].get("stream/released_engines") == 1.0, lent
-    _nothing_left(run)
+    _nothing_left(run, tmpdir)

@@ -60,6 +60,33 @@ def test_fork_lends_a_fork_context_with_the_engine_settings_then_restores_everyt
     assert (torch.get_num_threads(), torch._dynamo.config.disable, engine_start.forked_from) == (threads, disable, None)
 
 
+def _report_tempdir(queue):
+    import tempfile
+
+    queue.put(tempfile.gettempdir())
+
+
+def test_a_child_forked_in_the_window_puts_temp_files_in_the_engines_tmpdir(tmp_path, monkeypatch):
+    """vLLM's rendezvous file goes to ``tempfile.gettempdir()`` of the engine core; a core forked from a
+    process that had already cached its temp dir used the cached one, not the engine's scratch dir."""
+    import tempfile
+
+    host, scratch = tmp_path / "host", tmp_path / "scratch"
+    host.mkdir()
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(host))  # what this process cached at its first use
+    with scoped_env({"OMP_NUM_THREADS": "1", "TMPDIR": str(scratch)}):
+        with engine_start.engine_processes("fork"):
+            context = _launchers()[0]()
+            queue = context.Queue()
+            child = context.Process(target=_report_tempdir, args=(queue,))
+            child.start()
+            got = queue.get(timeout=60)
+            child.join(timeout=60)
+    assert got == str(scratch)
+    assert tempfile.tempdir == str(host)  # this process keeps its own
+
+
 def test_fork_restores_everything_when_the_engine_start_fails():
     before, threads, disable = _launchers(), torch.get_num_threads(), torch._dynamo.config.disable
     with pytest.raises(RuntimeError, match="engine start failed"):

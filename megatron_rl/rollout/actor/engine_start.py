@@ -15,8 +15,11 @@ used across a fork, and the option is ignored on GPUs.
 What a spawned child would have read from its environment at start-up, a forked one inherits
 from its parent's already-initialised libraries instead, so the window also sets what the
 engine's environment asks for (:func:`~megatron_rl.rollout.actor.vllm_engine_args.engine_process_env`)
-in this process's libraries, restored afterwards: torch's thread count (``OMP_NUM_THREADS``)
-and torch.compile's switch (``TORCHDYNAMO_DISABLE``, read by torch at import).
+in this process's libraries, restored afterwards: torch's thread count (``OMP_NUM_THREADS``),
+torch.compile's switch (``TORCHDYNAMO_DISABLE``, read by torch at import) and the temp dir Python's
+``tempfile`` caches at its first use (``TMPDIR``: the engine's scratch dir, where vLLM puts its
+rendezvous file, ``vllm/utils/network_utils.py`` ``get_file_store_init_method``; a copy of a process
+that had cached another dir put it there, and an engine killed after a TP switch left it behind).
 
 vLLM names its processes (``VLLM::EngineCore``, ``VLLM::Worker_TP0``) with py-setproctitle,
 which does nothing in a Ray worker (Ray rewrote the process's argv area itself) nor in a copy of
@@ -77,11 +80,14 @@ def engine_processes(method: str) -> Iterator[None]:
         return
 
     global forked_from
+    import tempfile
+
     context = multiprocessing.get_context("fork")
     modules = [importlib.import_module(name) for name in _LAUNCHERS]
     saved_launchers = [module.get_mp_context for module in modules]
     saved_threads = torch.get_num_threads()
     saved_disable = torch._dynamo.config.disable
+    saved_tempdir = tempfile.tempdir
     titles = _title_module()
     saved_title = titles.setproctitle if titles else None
     try:
@@ -91,10 +97,12 @@ def engine_processes(method: str) -> Iterator[None]:
             titles.setproctitle = _title_setter(saved_title, titles.getproctitle)
         torch.set_num_threads(1)
         torch._dynamo.config.disable = os.environ.get("TORCHDYNAMO_DISABLE") == "1"
+        tempfile.tempdir = None  # recomputed from the engine's TMPDIR at the next use, here or in a copy
         forked_from = os.getpid()
         yield
     finally:
         forked_from = None
+        tempfile.tempdir = saved_tempdir
         if titles:
             titles.setproctitle = saved_title
         torch._dynamo.config.disable = saved_disable

@@ -9,6 +9,9 @@ are. :class:`NamedShmExecutor` puts the rendezvous file where ``$MEGATRON_RL_DIS
 (``VLLMEngine``) sets it to ``<its scratch dir>/<local_state.engine_shm_ident(...)>``, so the segments carry
 the engine's host, uid, pid and id, and the engine removes them by that name when it shuts down.
 
+Its ring-buffer readers wait on their notification socket instead of spinning
+(``rollout.worker.ring_buffer_wait``): the core's, and those of the workers it forks.
+
 vLLM resolves the executor in its engine-core process, whichever way that process started: a class
 travels with the engine config by reference, so this module is imported there (it imports vLLM).
 """
@@ -20,12 +23,15 @@ from vllm.v1.executor import multiproc_executor
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
 from megatron_rl.distributed.local_state import ENGINE_SHM_STORE_ENV as DIST_STORE_ENV
+from megatron_rl.rollout.worker import ring_buffer_wait
 
 
 class NamedShmExecutor(MultiprocExecutor):
-    """``MultiprocExecutor`` whose rendezvous file is ``$MEGATRON_RL_DIST_STORE`` when that is set."""
+    """``MultiprocExecutor`` whose rendezvous file is ``$MEGATRON_RL_DIST_STORE`` when that is set; its
+    ring-buffer readers wait on their notification socket (``ring_buffer_wait``)."""
 
     def _init_executor(self) -> None:
+        ring_buffer_wait.apply()
         store = os.environ.get(DIST_STORE_ENV)
         if not store:
             super()._init_executor()

@@ -33,6 +33,7 @@ import torch
 
 from megatron_rl.model.arch import Qwen2Arch
 from megatron_rl.resharding.layouts import EMBED, LM_HEAD, VLLMLayout, logical_shapes
+from megatron_rl.rollout.worker import ring_buffer_wait
 from megatron_rl.rollout.worker.push_receiver import register_backend
 from megatron_rl.rollout.worker.quantized_engine import QuantizedEngineMethods, keep_reprocessed_kernels, scale_pieces
 
@@ -113,6 +114,12 @@ def tp_communicator() -> dict:
             "cpu_ops_shm": hasattr(torch.ops._C, "init_shm_manager")}
 
 
+if "vllm" in sys.modules and not torch.cuda.is_available():
+    # In a CPU worker (vLLM imported this module): its ring-buffer reads wait on their socket (a
+    # forked worker inherits that from the engine core; a spawned one gets it here).
+    ring_buffer_wait.apply()
+
+
 class RankShardReload(QuantizedEngineMethods):
     """vLLM worker extension (see the module docstring); quantized engines' methods come from
     ``quantized_engine.QuantizedEngineMethods``."""
@@ -160,6 +167,8 @@ class RankShardReload(QuantizedEngineMethods):
                 "expand_impl": vllm_cpu_fixes.launched_expand(),
                 # megatron_rl.rollout.worker.vllm_cpu_fixes: steps without drafts skip rejection sampling
                 "undrafted_fast_path": hasattr(RejectionSampler.forward, "wrapped"),
+                # megatron_rl.rollout.worker.ring_buffer_wait: ring-buffer reads wait on the socket
+                "ring_buffer_waits_on_socket": ring_buffer_wait.in_force(),
                 **tp_communicator()}
 
     def load_rank_shards(self, directory: str) -> dict[str, float]:
