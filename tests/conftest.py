@@ -30,6 +30,9 @@ def pytest_configure(config):
 
 
 def pytest_sessionstart(session):
+    from tests.helpers import noise
+
+    noise.watch_unraisable()  # after pytest's own hook is in place (its pytest_configure)
     if _controller(session.config):
         from tests.helpers import shm
 

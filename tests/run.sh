@@ -58,11 +58,11 @@ pytest_run() {  # pytest_run BASETEMP ARGS...: one pytest session; exit 5 (nothi
   "$ROOT/.venv/bin/python" -m pytest -q -rs --durations=40 --basetemp="$base" "$@" 2>&1 | tee -a "$RUN_LOG"
   rc=${PIPESTATUS[0]}
   set -e
-  if [ $rc -eq 5 ]; then
+  if [ "$rc" -eq 5 ]; then
     echo "tests/run.sh: pytest collected no tests; treating that as a failure" >&2
     rc=1
   fi
-  return $rc
+  return "$rc"
 }
 after_run() {  # after_run RC WHOLE: the timeline's summary, the noise check; exits with the run's status
   local rc="$1" whole="$2"

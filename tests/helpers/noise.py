@@ -6,7 +6,8 @@ failure nobody looked at, a file or socket nobody closed. They surface late (whe
 or the interpreter's exit gets to the object), far from their cause, so they are caught two ways:
 
 * :class:`Recorder`, a handler on the ``asyncio`` logger that every pytest process (xdist's workers and
-  controller) installs when ``TEST_NOISE_FILE`` names a file (tests/run.sh sets it): each such record is
+  controller) installs when ``TEST_NOISE_FILE`` names a file (tests/run.sh sets it), and
+  :func:`watch_unraisable`, a ``sys.unraisablehook`` in front of pytest's: each such record is
   appended there with the test that was running. A message logged inside a passing test goes to pytest's
   log capture and is never shown; the recorder still sees it. Each process collects its garbage at the
   session's end, so a task abandoned by the last test is reported too.
@@ -97,6 +98,33 @@ def install() -> None:
         recorder = Recorder(path)
         logging.getLogger("asyncio").addHandler(recorder)
         _installed.append(recorder)
+
+
+def watch_unraisable() -> None:
+    """Record every exception Python could not raise (``sys.unraisablehook``: a ``__del__`` that raised, a
+    callback that failed at garbage collection), then hand it to the hook that was there (pytest's, which
+    turns it into a ``PytestUnraisableExceptionWarning``: a ``UserWarning``, so a run that ignores those,
+    as tests/run.sh does for vLLM's and Megatron's, would never show it). Call it after pytest's own
+    configuration (``pytest_sessionstart``); once per process."""
+    path = os.environ.get(ENV)
+    previous = sys.unraisablehook
+    if not path or getattr(previous, "_noise_recorder", False):
+        return
+
+    def hook(unraisable) -> None:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "(between tests)").split(" (")[0]
+        what = f"{unraisable.err_msg or 'Exception ignored in'}: {unraisable.object!r}"[:200]
+        error = f"{type(unraisable.exc_value).__name__}: {unraisable.exc_value}"[:200]
+        line = f"{test}\tunraisable exception\t{what} [{error}]".replace("\n", " ") + "\n"
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+        previous(unraisable)
+
+    hook._noise_recorder = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 def flush() -> None:

@@ -25,7 +25,8 @@ def record(kind: str, start: float, end: float, **fields) -> None:
     path = os.environ.get(ENV)
     if not path:
         return
-    row = {"kind": kind, "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "start": start, "end": end,
+    row = {"kind": kind, "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "pid": os.getpid(),
+           "start": start, "end": end,
            "test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" (")[0], **fields}
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"modules over {args.over_record:g}x their recorded seconds: {len(slow)}"
               + (f"; not recorded: {', '.join(unknown)}" if unknown else ""))
         for module, seconds, recorded in slow:
-            print(f"  {seconds:7.1f} s, recorded {recorded:.1f} s ({seconds / recorded:.1f}x)  {module}")
+            print(f"  {seconds:7.1f} s, recorded {recorded:.1f} s ({seconds / max(recorded, 0.1):.1f}x)  {module}")
     if args.durations:
         args.durations.write_text(json.dumps(summary["modules"], indent=1) + "\n")
         print(f"wrote {args.durations} ({len(summary['modules'])} modules)")

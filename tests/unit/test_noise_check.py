@@ -25,6 +25,9 @@ _spec.loader.exec_module(noise)
 def pytest_configure(config):
     noise.install()
 
+def pytest_sessionstart(session):
+    noise.watch_unraisable()
+
 def pytest_sessionfinish(session, exitstatus):
     noise.flush()
 '''
@@ -84,7 +87,8 @@ def _run(tmp_path: Path, module: str) -> subprocess.CompletedProcess:
     (tmp_path / "conftest.py").write_text(CONFTEST.format(path=str(REPO / "tests" / "helpers" / "noise.py")))
     (tmp_path / "test_generated.py").write_text(module)
     record, log = tmp_path / "noise.tsv", tmp_path / "pytest.log"
-    env = {**os.environ, noise.ENV: str(record)}
+    # tests/run.sh ignores UserWarnings (vLLM's and Megatron's), pytest's unraisable-exception warning among them.
+    env = {**os.environ, noise.ENV: str(record), "PYTHONWARNINGS": "ignore::UserWarning"}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path)],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     log.write_text(run.stdout + run.stderr)
