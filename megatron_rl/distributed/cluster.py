@@ -59,10 +59,15 @@ def start_ray(cfg: RunConfig, run_dir: Path, device: str) -> None:
 
 
 def _needed_cpus(cfg: RunConfig, device: str) -> int:
-    """Logical CPUs for a local run: one per trainer rank and engine, plus the reward workers."""
+    """Logical CPUs for a local run: one per trainer rank and engine, plus the reward workers. Engines
+    counted at rollout TP 1, the most a run's rollout devices can hold: an elastic switch to a smaller TP
+    (``at_rollout_tp``) starts more engines than the run started with, and an actor Ray cannot fit stays
+    pending until the engine start times out."""
     p = cfg.parallel
     world = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size * p.data_parallel_size
-    need = world + cfg.rollout.num_engines + cfg.reward.num_workers * cfg.reward.worker_num_cpus
+    most_engines = cfg.rollout.tensor_parallel_size * cfg.rollout.num_engines
+    need = (world * TRAINER_CPUS + most_engines * ENGINE_CPUS
+            + cfg.reward.num_workers * cfg.reward.worker_num_cpus)
     return max(int(need + 0.999), os.cpu_count() or 1)
 
 

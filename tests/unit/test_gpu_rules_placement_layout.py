@@ -62,3 +62,24 @@ def test_run_placement_options_share_each_gpu_and_name_a_tp_engine_bundles():
     # CPU runs: the plain options, no GPU.
     cpu = RunPlacement(load_config(RECIPE_32B, ["cluster.device=cpu"]), "cpu")
     assert cpu.trainer_options(0)["num_gpus"] == 0 and cpu.engine_options()[0]["num_gpus"] == 0
+
+
+@pytest.mark.parametrize("rollout", [("2", "1"), ("1", "2"), ("4", "1")])
+def test_a_local_cpu_cluster_fits_the_engines_of_every_rollout_tp(rollout, monkeypatch):
+    """A local CPU run's Ray cluster (``cluster._needed_cpus`` logical CPUs) holds every trainer rank, the
+    reward workers and the engines of any TP a switch may start (``at_rollout_tp``): a run started as one
+    TP-2 engine whose long rounds run two TP-1 engines once waited 600 s for an engine actor Ray could not
+    place. The machine's own core count is kept out (a large machine would hide the shortfall)."""
+    from megatron_rl.distributed import cluster
+
+    tp, engines = rollout
+    cfg = load_config(None, ["parallel.tensor_model_parallel_size=2", f"rollout.tensor_parallel_size={tp}",
+                             f"rollout.num_engines={engines}", "cluster.device=cpu"])
+    monkeypatch.setattr(cluster.os, "cpu_count", lambda: 1)
+    placement = RunPlacement(cfg, "cpu")
+    ranks = sum(o["num_cpus"] for o in placement.all_trainer_options())
+    rewards = cfg.reward.num_workers * cfg.reward.worker_num_cpus
+    devices = int(tp) * int(engines)
+    for switch_tp in (t for t in (1, 2, 4) if devices % t == 0):
+        engine_cpus = sum(o["num_cpus"] for o in placement.engine_options(at_rollout_tp(cfg, switch_tp)))
+        assert ranks + engine_cpus + rewards <= cluster._needed_cpus(cfg, "cpu"), switch_tp
