@@ -131,8 +131,9 @@ class Trainer:
                 # Replacements of dead engines get the current weights from the loop's sync.
                 await self.engine.supervise(self._weights_for_new_engine)
                 await self._warm_up_engine()
-                if self.start_step > 0:
-                    await self._push_weights()  # the engine started from HF weights
+                if self.start_step > 0:  # the engine started from HF weights: push the resumed ones
+                    await self.colocation.to_training()  # the memory as after a step's training (engines asleep)
+                    await self._push_weights()
                 if cfg.data.eval_every and self.start_step == 0:
                     with timer("validation"):
                         initial_val = await self._validate()
@@ -394,8 +395,10 @@ class Trainer:
                         self.cfg.trainer.run_dir)
         if path is not None:
             state = self.checkpoints.load_driver_state(path)
+            # The trainer comes back for the load (train.py offloads it when trainer.offload_during_rollout
+            # is set) and stays: the first weight sync pushes what it loaded, then it leaves for the rollout.
+            await self.colocation.make_trainer_resident()
             loaded = await self.p.policy.load_checkpoint(str(path)) or {}
-            self.colocation.trainer_loaded()
             self.cursor.load_state_dict(state["cursor"])
             self.p.scheduler.load_state_dict(state["scheduler"])
             self.p.rewards.timeouts.load_state_dict(state["reward_timeouts"])

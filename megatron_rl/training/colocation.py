@@ -149,10 +149,6 @@ class Colocation:
             if was_awake:
                 await self.wake_engines()
 
-    def trainer_loaded(self) -> None:
-        """The trainer state was just (re)loaded into device memory, e.g. from a checkpoint."""
-        self.trainer_is_resident = True
-
     # ------------------------------------------------------------------ during a round
     async def lend_engines(self, count: int, train_threads: int = 0) -> dict[str, float]:
         """Hand ``count`` engines to the trainer mid-round: their requests migrate to the others
@@ -178,8 +174,8 @@ class Colocation:
             self.lent_threads = 0
 
     async def make_trainer_resident(self) -> None:
-        """The trainer is about to compute during a round (streamed chunks): bring it back if it
-        was offloaded; free when it already is."""
+        """The trainer is about to compute during a round (streamed chunks) or load a checkpoint: bring it
+        back if it was offloaded; free when it already is."""
         await self._set_trainer(True)
 
     # ------------------------------------------------------------------ the moves themselves

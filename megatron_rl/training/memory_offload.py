@@ -203,3 +203,21 @@ def with_training_state(fn: _F) -> _F:
             return fn(self, *args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+def with_weights(fn: _F) -> _F:
+    """As :func:`with_training_state`, for a method that reads only the weights (a weight push): the state
+    a push leaves before it (``free_grad_buffers``: the gradients gone, the weights in place) is enough,
+    so only a full offload is reloaded first."""
+
+    @functools.wraps(fn)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with cpu_device_mode():
+            if self._offload.active and not self._offload.grads_only:
+                log.warning("%s called while the trainer state is offloaded: reloading it first "
+                            "(call reload_for_training before the weight push)", fn.__name__)
+                self._offload.auto_reloads += 1
+                self._offload.reload()
+            return fn(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]

@@ -22,7 +22,7 @@ from megatron_rl.resharding.push_plan import build_push_plan
 from megatron_rl.rollout.weight_sync.push.protocol import PushSpec
 from megatron_rl.rollout.weight_sync.push.sender import PushSender
 from megatron_rl.runtime.fault_injection import fault_point
-from megatron_rl.training.memory_offload import with_training_state
+from megatron_rl.training.memory_offload import with_weights
 from megatron_rl.training.weights_io import local_views
 
 
@@ -65,7 +65,7 @@ class WeightPush:
             sender.spec.group_ports = list(group_ports)
         sender.join()
 
-    @with_training_state
+    @with_weights  # the push reads the weights only: the gradients freed before it stay freed
     def push_weights(self, key: str, sync_id: int, version: int) -> dict[str, float]:
         """Send this rank's buckets of push ``key`` from the current parameters; returns its figures."""
         try:

@@ -132,18 +132,6 @@ def test_lending_engines_to_a_stream_and_giving_them_back():
     asyncio.run(main())
 
 
-def test_a_loaded_checkpoint_counts_as_resident():
-    async def main():
-        col, moves = colocation(offload=True, sleep=False)
-        col.trainer_loaded()
-        await col.to_training()
-        assert moves.calls == []
-        await col.to_rollout()
-        assert moves.calls == ["trainer.offload"]
-
-    asyncio.run(main())
-
-
 class _RecordingTransport(WeightTransport):
     def __init__(self, moves: Moves, streams: bool, writes: bool) -> None:
         super().__init__(moves, "/shm/w", "float32")
