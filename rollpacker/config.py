@@ -153,9 +153,25 @@ def validate_stream(cfg: RunConfig) -> None:
     if cfg.algorithm.ppo_mini_batches != 1:
         raise ConfigError("stream.enabled needs algorithm.ppo_mini_batches = 1: streamed gradients add up to "
                           f"one optimizer step (got {cfg.algorithm.ppo_mini_batches})")
-    if st.release_engines >= cfg.rollout.num_engines:
+    most = most_engines(cfg)
+    if st.release_engines >= most:
         raise ConfigError(f"stream.release_engines={st.release_engines} must leave an engine generating "
-                          f"(rollout.num_engines={cfg.rollout.num_engines})")
+                          f"(rollout.num_engines={cfg.rollout.num_engines}; at most {most} engine(s) in any round)")
+
+
+def most_engines(cfg: RunConfig) -> int:
+    """The most engines a round of the run can have: ``rollout.num_engines``, or with the elastic planner
+    the rollout devices split at the smallest TP the planner may run (``planner.min_tp``, else the
+    smallest starting TP; with a profile any TP may start). E.g. one TP-2 engine whose long rounds the
+    planner runs at TP 1 has two engines there, one of which the stream trainer can take: a round with
+    fewer engines than it would release streams without a handoff (``rollpacker.stream_trainer``)."""
+    pl = cfg.section(PlannerConfig)
+    if not pl.enabled:
+        return cfg.rollout.num_engines
+    devices = cfg.rollout.tensor_parallel_size * cfg.rollout.num_engines
+    starting = [cfg.rollout.tensor_parallel_size, *parse_initial_tp(pl.initial_tp).values()]
+    smallest = pl.min_tp or (1 if pl.profile else min(starting))
+    return max(cfg.rollout.num_engines, devices // max(1, smallest))
 
 
 def validate_planner(cfg: RunConfig) -> None:

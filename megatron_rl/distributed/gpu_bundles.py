@@ -93,10 +93,13 @@ def _sorted(pg: Any, driver: str, ips: dict[str, str]) -> GpuBundles:
 def _probe_gpu_ids(pg: Any, bundle_node: dict[int, str]) -> dict[int, int]:
     """CUDA id of every bundle's GPU: a tiny task in each bundle reports ``ray.get_gpu_ids()``.
     One task per node at a time, so each node reuses one worker process instead of starting one
-    per GPU."""
+    per GPU: ``max_calls=0`` (no limit), as Ray's default for a task that asks for a GPU is one
+    call per worker process (``ray/remote_function.py``: a new Python worker for every probe, 64 of
+    them for an 8x8 run). The probe only reads the ids Ray assigned to its call, which Ray sets
+    per call, so a reused worker reports each bundle's own GPU."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    probe = ray.remote(num_cpus=0, num_gpus=PROBE_GPUS)(_gpu_ids)
+    probe = ray.remote(num_cpus=0, num_gpus=PROBE_GPUS, max_calls=0)(_gpu_ids)
     per_node: dict[str, list[int]] = {}
     for b, node in sorted(bundle_node.items()):
         per_node.setdefault(node, []).append(b)
