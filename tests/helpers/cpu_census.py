@@ -54,7 +54,9 @@ class Census:
 
     def __init__(self, period: float) -> None:
         self.period = period
-        self.started = time.time()
+        # Processes alive before the command count only what they spend after. Their keys, not a time comparison:
+        # psutil's create_time derives from /proc/stat's btime, whole seconds, so it can read up to a second early.
+        self.before = {(p.info["pid"], p.info["create_time"]) for p in psutil.process_iter(["pid", "create_time"])}
         self.rows: dict[tuple[int, float], dict] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cpu-census", daemon=True)
@@ -84,7 +86,7 @@ class Census:
             if row is None:
                 row = self.rows[(info["pid"], info["create_time"])] = {
                     "pid": info["pid"], "ppid": info["ppid"], "start": info["create_time"],
-                    "cpu0": cpu if info["create_time"] < self.started else 0.0}
+                    "cpu0": cpu if (info["pid"], info["create_time"]) in self.before else 0.0}
             cmdline = " ".join(info["cmdline"] or [])[:300]
             # Titles change (vLLM's and Ray's processes retitle themselves): keep the latest.
             row.update(name=info["name"] or row.get("name", ""), cmd=cmdline or row.get("cmd", ""), end=now, cpu=cpu)

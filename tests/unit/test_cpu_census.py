@@ -7,7 +7,8 @@ import sys
 
 from tests.helpers.cpu_census import kind_of
 
-SPIN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.5:\n    pass\n"
+# It idles after spinning so that a sample taken late on a loaded box still sees all of its CPU.
+SPIN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.5:\n    pass\ntime.sleep(1.0)\n"
 
 
 def test_a_child_that_spins_is_counted_with_its_kind(tmp_path):
