@@ -26,8 +26,10 @@ import psutil
 import pytest
 
 from megatron_rl.distributed.local_state import HOST_TAG_ENV, mapped_segments
+from megatron_rl.distributed.ray_start import START_TRIES
 from megatron_rl.runtime.fault_injection import FAULTS_DIR_ENV, FAULTS_ENV
 from tests.helpers.processes import describe, left_behind, run_processes
+from tests.helpers.ray_dirs import start_cluster
 from tests.helpers.train_runs import overrides, read_jsonl, run_train
 
 RAY_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
@@ -255,16 +257,22 @@ def two_node_cluster(head_cpus: int, worker_cpus: int, host_tag: str | None = No
         if host_tag is not None:
             env.setenv(HOST_TAG_ENV, host_tag)  # the raylets pass it on to their workers
         (root / "ray").mkdir()
-        cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": head_cpus, "object_store_memory": 96 << 20, "temp_dir": str(root / "ray"),
-            "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 4,
-                               "health_check_timeout_ms": 500}})
+        head_args = {"num_cpus": head_cpus, "object_store_memory": 96 << 20, "temp_dir": str(root / "ray"),
+                     "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 4,
+                                        "health_check_timeout_ms": 500}}
+        cluster = start_cluster(Cluster, head_args, [{"num_cpus": worker_cpus, "object_store_memory": 96 << 20}],
+                                START_TRIES)
         try:
-            worker = cluster.add_node(num_cpus=worker_cpus, object_store_memory=96 << 20)
-            cluster.wait_for_nodes()
+            (worker,) = cluster.worker_nodes
+            cluster.wait_for_nodes(timeout=NODES_TIMEOUT_S)
             yield cluster, worker
         finally:
             cluster.shutdown()
+
+
+NODES_TIMEOUT_S = 300.0
+"""How long :func:`two_node_cluster` waits for both nodes to be listed alive (a hang, not a slow box:
+``Cluster.wait_for_nodes``' own default, 30 s, is a deadline a loaded 2-core box can miss)."""
 
 
 def _raylet_pid(node) -> int:

@@ -15,6 +15,7 @@ the node's ``i``-th smallest GPU id of the engine's workers (``vllm/v1/executor/
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 
 import ray
@@ -106,3 +107,64 @@ class StandInEngine:
             local[w["node"]] = i + 1
             ranks.append((w["node"], sorted(per_node[w["node"]])[i]))
         return {**me, "ranks": ranks, "worker_gpus": [w["gpus"] for w in seen]}
+
+
+class WorkerStarts:
+    """The Ray worker processes that start while it watches: new children of the given raylets (a raylet
+    starts every worker of its node), sampled in a thread every ``period`` s, so a short-lived worker (a
+    task of ``max_calls=1`` exits after one call, ~1 s of imports) is seen too. After the block:
+    ``count``, and ``titles`` (each one's last process title, e.g. ``ray::_gpu_ids``) for messages.
+
+    A test asserts with it how many processes the placing code starts (one per node, not one per GPU)."""
+
+    def __init__(self, raylet_pids: list[int], period: float = 0.05) -> None:
+        self.raylets, self.period = set(raylet_pids), period
+        self.seen: dict[tuple[int, float], str] = {}
+        self._before: set[tuple[int, float]] = set()
+        self._stop = None
+        self._thread = None
+
+    def _sample(self, record: bool) -> None:
+        import psutil
+
+        for proc in psutil.process_iter(["ppid", "create_time"]):
+            key = (proc.pid, proc.info["create_time"])
+            if proc.info["ppid"] not in self.raylets or key[1] is None:
+                continue
+            if not record:
+                self._before.add(key)
+            elif key not in self._before:
+                with contextlib.suppress(psutil.Error):
+                    self.seen[key] = " ".join(proc.cmdline())[:80] or self.seen.get(key, "")
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self._sample(record=True)
+
+    def __enter__(self) -> WorkerStarts:
+        import threading
+
+        self._sample(record=False)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="worker-starts", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample(record=True)
+
+    @property
+    def count(self) -> int:
+        return len(self.seen)
+
+    @property
+    def titles(self) -> list[str]:
+        return sorted(self.seen.values())
+
+
+def raylet_pids(cluster) -> list[int]:
+    """The raylet process of every node of a ``ray.cluster_utils.Cluster`` (``local_ray_cluster``'s)."""
+    nodes = [cluster.head_node, *cluster.worker_nodes]
+    return [info.process.pid for node in nodes for info in node.all_processes.get("raylet", [])]

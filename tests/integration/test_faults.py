@@ -17,6 +17,12 @@ chain runs first, before the module's Ray session exists:
 "Stopped cleanly": within a bounded time, an error naming the part (rank, engine or node) and the
 step; no process and nothing in /dev/shm left; the last checkpoint intact.
 
+Shapes: attempts 1-3 (the rank faults: "rank 1" is killed or stalled while rank 0 waits in a
+collective or a push with it) run the TP-2 trainer; attempts 4-7 (the driver, a node, Ctrl-C, the
+end), where the trainer's layout is not the point, run one rank (TP 1): a rank process and its
+gloo traffic fewer per job, and attempt 4 resumes the TP-2 checkpoint at TP 1. Validation runs in
+attempt 1 only, the one whose engine dies while it holds validation requests.
+
 The engine core SIGKILLed in tail batching's first short round and again in its long round
 (recovered inside each round, every prompt trained once) is part of the tail-batching resume
 run in tests/integration/test_train_loop.py.
@@ -57,9 +63,19 @@ PUSH_TIMEOUT_S = 5.0
 
 @pytest.fixture(scope="module")
 def chain(tiny_model_dir, tmp_path_factory) -> Chain:
-    chain = Chain(tiny_model_dir, tmp_path_factory.mktemp("chain"), STEPS,
-                  ["trainer.save_every=1", "trainer.keep_checkpoints=10", "data.eval_every=2", "data.eval_num_prompts=4"])
-    return chain
+    return Chain(tiny_model_dir, tmp_path_factory.mktemp("chain"), STEPS,
+                 ["trainer.save_every=1", "trainer.keep_checkpoints=10", "data.eval_every=0"])
+
+
+VALIDATION = ("data.eval_every=2", "data.eval_num_prompts=4")
+"""Attempt 1's validation (before step 0 and after step 1): the only attempt that checks it."""
+ONE_RANK = ("parallel.tensor_model_parallel_size=1",)
+"""Attempts 4-7: faults of the driver, a node and Ctrl-C, and the run to the end, need no second
+trainer rank (train_runs.overrides' default is TP 2)."""
+STOP_WAIT_S = 120.0
+"""How long the processes of a stopped run may take to be gone after its driver exited (returns as
+soon as they are): a bound for a hang, not a figure (the suite's load average reaches 10-30, and 80
+beside other test runs)."""
 
 
 def _stopped_cleanly(attempt: Attempt, rc: int, expect: list[str]) -> tuple[float, int]:
@@ -72,7 +88,7 @@ def _stopped_cleanly(attempt: Attempt, rc: int, expect: list[str]) -> tuple[floa
     stopped = text[text.rindex("\nrun stopped: "):]
     for pattern in expect:
         assert re.search(pattern, stopped), f"{attempt.name}: {pattern!r} not in: {stopped}"
-    alive, segments = attempt.left_behind()
+    alive, segments = attempt.left_behind(wait_s=STOP_WAIT_S)
     assert not alive, f"{attempt.name}: left running: {alive}"
     assert not segments, f"{attempt.name}: psm segments left in /dev/shm: {segments}"
     assert not attempt.shm_dirs_left(), f"{attempt.name}: left in /dev/shm: {attempt.shm_dirs_left()}"
@@ -84,7 +100,8 @@ def test_engine_deaths_mid_push_and_mid_validation_recover_then_a_rank_killed_mi
     version 1 and again while it holds validation requests at version 2 (both recovered inside
     the step); then trainer rank 1 is SIGKILLed in the backward of step 2 (stopped cleanly)."""
     run = chain.attempt("1-backward", None, "point=weight_push.receive,step=1,action=kill; "
-                        "point=engine.submit,step=2,action=kill; point=train.backward,step=2,rank=1,action=kill")
+                        "point=engine.submit,step=2,action=kill; point=train.backward,step=2,rank=1,action=kill",
+                        VALIDATION)
     try:
         rc, exited_at = run.wait_exit(600)
         noticed_at, checked = _stopped_cleanly(run, rc, [r"step 2 \(train\)", r"rank 1 \(pid \d+ on node", "died"])
@@ -155,11 +172,11 @@ def test_the_driver_killed_in_a_checkpoint_commit_leaves_the_last_checkpoint(cha
     written, the rename is not): every process of the run goes with it."""
     # Attempt 5 checks that its own start-up swept what this driver leaves in /dev/shm: the chain's
     # host tag (Chain.host_tag) keeps another test's jobs from sweeping it first.
-    run = chain.attempt("4-commit", "3-push-stall", "point=checkpoint.commit,step=3,action=kill")
+    run = chain.attempt("4-commit", "3-push-stall", "point=checkpoint.commit,step=3,action=kill", ONE_RANK)
     try:
         rc, _ = run.wait_exit(600)
         fault = run.fault("checkpoint.commit")
-        alive, segments = run.left_behind(wait_s=30, ignore=RAY_AGENTS)
+        alive, segments = run.left_behind(wait_s=STOP_WAIT_S, ignore=RAY_AGENTS)
         gone_at = time.time()
     finally:
         if run.proc.poll() is None:
@@ -187,7 +204,7 @@ def test_the_engines_ray_node_lost_stops_the_run_naming_it(chain) -> None:
     once checkpoint 3 is written: no node is left to replace the engine on."""
     with two_node_cluster(head_cpus=3, worker_cpus=1, host_tag=chain.host_tag) as (cluster, worker):
         run = chain.attempt("5-node", "4-commit", extra=(f"cluster.ray_address={cluster.address}",
-                                                          "cluster.num_nodes=2", "cluster.placement=split"),
+                                                          "cluster.num_nodes=2", "cluster.placement=split", *ONE_RANK),
                             processes=lambda: cluster_job_processes(cluster))
         try:
             run.wait_until(chain.checkpoint_written(3), "checkpoint 3")
@@ -218,13 +235,13 @@ def test_ctrl_c_stops_cleanly_and_the_last_resume_trains_every_prompt_once(chain
     handed out was trained exactly once, in the cursor's order."""
     from megatron_rl.data.cursor import PromptCursor
 
-    run = chain.attempt("6-ctrl-c", "5-node")
+    run = chain.attempt("6-ctrl-c", "5-node", extra=ONE_RANK)
     try:
         seen_at = run.wait_until(chain.checkpoint_written(4), "checkpoint 4")
         run.poll()
         interrupted_at = time.time()
         os.killpg(run.proc.pid, signal.SIGINT)
-        rc, exited_at = run.wait_exit(120)
+        rc, exited_at = run.wait_exit(300)
     finally:
         run.kill()
     # Exit 0 once on a slow box: Python 3.11's asyncio.wait_for lost the cancellation (megatron_rl.runtime.aio).
@@ -232,11 +249,11 @@ def test_ctrl_c_stops_cleanly_and_the_last_resume_trains_every_prompt_once(chain
                        f"{seen_at - run.started_at:.1f} s after the start, SIGINT {interrupted_at - seen_at:.1f} s "
                        f"later, exit {exited_at - interrupted_at:.1f} s after it):\n{run.tail()}")
     assert "Ctrl-C: stopping the run now" in run.text() and "run interrupted (Ctrl-C)" in run.text(), run.tail()
-    alive, segments = run.left_behind()
+    alive, segments = run.left_behind(wait_s=STOP_WAIT_S)
     assert not alive, f"left running after Ctrl-C: {alive}"
     assert not segments and not run.shm_dirs_left()
     chain.passed.append("6-ctrl-c")
-    last = chain.attempt("7-end", "6-ctrl-c")
+    last = chain.attempt("7-end", "6-ctrl-c", extra=ONE_RANK)
     try:
         rc, _ = last.wait_exit(600)
     finally:

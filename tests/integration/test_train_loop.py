@@ -2,22 +2,24 @@
 
 One short run (the fast tier's smoke run) checks metrics, on-policy versions, trainer/engine
 logprob parity after several weight syncs, checkpoints and validation. A second run (tail
-batching) goes through both ways a run ends early and its resumes: it is SIGKILLed mid-step;
-the first resume gets a SIGTERM (Slurm's time limit, scancel), finishes the step, checkpoints,
-tears down and exits 143; the second resumes at another parallel layout (TP1) and completes. The
-run as a whole loses and repeats no prompt and keeps its rollout history; the two resumes log to
-one W&B run. On the way, its engine core is SIGKILLed (``megatron_rl.runtime.fault_injection``) in the
-first short round and again in the long round: each is replaced inside its round and the steps
-stay on-policy.
+batching) goes through both ways a run ends early and its resumes: it is SIGKILLed mid-step at
+TP2; the first resume, at another parallel layout (TP1), gets a SIGTERM (Slurm's time limit,
+scancel), finishes the step, checkpoints, tears down and exits 143; the second resumes (TP1) and
+completes. The run as a whole loses and repeats no prompt and keeps its rollout history; the two
+resumes log to one W&B run. On the way, its engine core is SIGKILLed
+(``megatron_rl.runtime.fault_injection``) in the first short round and again in the long round:
+each is replaced inside its round and the steps stay on-policy.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from megatron_rl.checkpoint.store import CheckpointManager
@@ -80,6 +82,31 @@ def _checkpoints(run_dir: Path) -> set[str]:
     return {p.name for p in (run_dir / "checkpoints").iterdir()}
 
 
+def _bound(pids) -> list[psutil.Process]:
+    """The processes now holding ``pids`` (each bound to its start time: a pid the kernel hands to a
+    new process later is not taken for it; pids wrap within minutes on a busy box)."""
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            procs.append(psutil.Process(pid))
+    return procs
+
+
+def _still_running(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """Wait up to ``timeout_s`` (a hang's bound) for every one of ``procs`` to exit (a zombie has);
+    returns those still running then."""
+    def running(proc: psutil.Process) -> bool:
+        try:
+            return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    deadline = time.monotonic() + timeout_s
+    while any(map(running, procs)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [p for p in procs if running(p)]
+
+
 @pytest.mark.slow
 def test_sigkill_then_sigterm_then_resume_at_another_layout(tiny_model_dir, tmp_path):
     """One tail-batching run of 5 steps (eta 1.25: four short rounds, then one long round), in
@@ -89,22 +116,25 @@ def test_sigkill_then_sigterm_then_resume_at_another_layout(tiny_model_dir, tmp_
        first request is accepted (replaced inside the round); the attempt is SIGKILLed (the
        whole process group) while step 2 or later is in flight, with prompts in the long-prompt
        queue;
-    2. resumed at TP2 without periodic checkpoints and with W&B (offline), SIGTERMed (the driver
-       only, as Slurm's teardown does) during its first step: it finishes that step, writes one
-       checkpoint, tears down and exits 143;
-    3. resumed at TP1 (the dist_checkpointing format loads at any layout) to the end; its engine
-       core is SIGKILLed as the long round's first request is accepted (replaced inside the round).
+    2. resumed at TP1 (the dist_checkpointing format loads at any layout) without periodic
+       checkpoints and with W&B (offline), SIGTERMed (the driver only, as Slurm's teardown does)
+       during its first step: it finishes that step, writes one checkpoint, tears down and exits 143;
+    3. resumed (TP1, the layout it was saved at) to the end; its engine core is SIGKILLed as the
+       long round's first request is accepted (replaced inside the round).
 
-    Checked: attempt 2's start-up swept what the killed attempt could not remove (its weights
-    directory, its trainer ranks' push rings); every prompt the cursor handed out (in the
-    cursor's order, across both resumes) is trained exactly once or still queued in the final
-    checkpoint; the rollout history of the steps before the kill survives; attempts 2 and 3 log
-    to one W&B run whose history matches metrics.jsonl; every step is on-policy (trainer/engine
-    parity), the two engine deaths included; nothing of attempt 3 is left."""
+    Checked: every process of the killed attempt exits (its Ray workers once they notice their
+    raylet died); attempt 2's start-up (before it resumes) swept what the killed attempt could not
+    remove (every /dev/shm dir it left, its trainer ranks' push rings among them); every prompt the
+    cursor handed out (in the cursor's order, across both resumes) is trained exactly once or still
+    queued in the final checkpoint; the rollout history of the steps before the kill survives;
+    attempts 2 and 3 log to one W&B run whose history matches metrics.jsonl; every step is
+    on-policy (trainer/engine parity), the two engine deaths included; nothing of attempt 3 is left."""
     run_dir, steps = tmp_path / "run", 5
     args = overrides(tiny_model_dir, run_dir, steps, ["trainer.save_every=1", "trainer.keep_checkpoints=5",
                                                       "scheduler.name=tail_batching"])
-    wandb = ["trainer.wandb_project=rollpacker-test", "trainer.wandb_mode=offline"]
+    # The resumes: TP1 (one trainer rank fewer to start; the layout change is attempt 2's resume).
+    resume = ["trainer.resume=true", "trainer.save_every=0", "trainer.wandb_project=rollpacker-test",
+              "trainer.wandb_mode=offline", "parallel.tensor_model_parallel_size=1"]
     logs = [tmp_path / f"attempt{i}.log" for i in (1, 2, 3)]
     records = [tmp_path / f"faults{i}" for i in (1, 3)]  # a fault fires once per records directory
     for directory in records:
@@ -112,15 +142,23 @@ def test_sigkill_then_sigterm_then_resume_at_another_layout(tiny_model_dir, tmp_
 
     # Attempt 2 checks that its own start-up swept what attempt 1 could not remove: every attempt
     # gets a host tag of its own (MEGATRON_RL_HOST_TAG), so no other test's job sweeps it first.
-    tag = f"resume-{os.getpid()}"
+    tag = f"resume_{os.getpid()}"  # safe in a file name as it is: the dirs carry it unchanged
     # 1. The engine core dies in step 0's short round (the engine's weight version is the
     # step); SIGKILL mid-step once checkpoint step_000002 exists (steps 0-1 committed).
     first = Attempt("attempt1", args, tmp_path, records[0], "point=engine.submit,step=0,action=kill", host_tag=tag)
     proc = first.proc
     _wait_for(proc, logs[0], lambda: (run_dir / "checkpoints" / "step_000002").is_dir(), "checkpoint step_000002")
-    time.sleep(0.3)  # step 2 has begun; a later kill may find it done (a tiny model's step takes ~1 s)
+    # A nudge into step 2, not a deadline: a kill that finds step 2 done (resumed at 3) passes too.
+    time.sleep(0.3)
+    killed = run_processes(proc.pid)  # the Ray workers (ranks, engine) lead process groups of their own
+    bound = _bound(killed)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
+    # The killpg reaches the driver and Ray's daemons; the workers outlive them until they notice
+    # their raylet died (seconds, longer under load). Wait for that, not for a fixed time: attempt
+    # 2's start-up sweeps only the dirs of dead pids (a live rank's ring dir is not a leftover).
+    alive = _still_running(bound, timeout_s=300)
+    assert not alive, f"attempt 1's processes outlived it: {[(p.pid, killed.get(p.pid)) for p in alive]}"
     short_round = first.engine_replaced_once("engine.submit", 0)
     before = read_jsonl(run_dir / "trained_prompts.jsonl")
     assert len(before) >= 2
@@ -128,13 +166,15 @@ def test_sigkill_then_sigterm_then_resume_at_another_layout(tiny_model_dir, tmp_
     killed_sync_dir = Path(sync_dir_of(log1))
     rings = re.search(r"weight push push1 set up: .*; rings (.+)$", log1, re.M).group(1).split()
     assert len(rings) == 2
-    time.sleep(3)  # let the killed run's Ray processes notice their driver died
+    left = sorted(p for p in Path("/dev/shm").glob(f"megatron_rl-{tag}-*") if p.is_dir())  # all attempt 1's
+    assert {Path(r).parents[1] for r in rings} <= set(left), (rings, left)
 
-    # 2. Resume, then SIGTERM during the first step after the resume (the handler is installed by
-    # then): that step finishes, one checkpoint is written, and a step is left for attempt 3.
+    # 2. Resume at TP1, then SIGTERM during the first step after the resume (the handler is
+    # installed by then): that step finishes, one checkpoint is written, and a step is left for
+    # attempt 3.
     saved_before_term = _checkpoints(run_dir)
     metrics_file = run_dir / "metrics.jsonl"
-    proc = run_train(args + ["trainer.resume=true", "trainer.save_every=0", *wandb], logs[1], host_tag=tag)
+    proc = run_train(args + resume, logs[1], host_tag=tag)
     _wait_for(proc, logs[1], lambda: re.search(r"resumed from \S+ at step \d+", logs[1].read_text()), "the resume")
     resumed_at = int(re.search(r"resumed from \S+ at step (\d+)", logs[1].read_text()).group(1))
     assert 2 <= resumed_at < steps - 1
@@ -143,14 +183,19 @@ def test_sigkill_then_sigterm_then_resume_at_another_layout(tiny_model_dir, tmp_
     rc = proc.wait(timeout=300)
     log2 = logs[1].read_text()
     assert rc == 143, log2[-4000:]
+    assert re.search(rf"resumed from \S*step_{resumed_at:06d} at step {resumed_at} \(saved at layout TP2 PP1 DP1, "
+                     r"RNG reseeded\)", log2), log2[-3000:]
     alive, _ = left_behind(list(running))
     assert not alive, f"left running after the SIGTERM stop: {[(p, running[p]) for p in alive]}"
-    # The resumed run's start-up swept the killed run's weights and its trainer ranks' push rings
-    # (shared memory, in their dead owners' per-process dirs).
+    # The resumed run's start-up (before the resume) swept every /dev/shm dir the killed run left:
+    # its trainer ranks' push rings (shared memory, in their dead owners' per-process dirs), and
+    # its driver's weights dir where it had one (the tensor push writes none there: the engine
+    # replacement started from the model).
     assert not killed_sync_dir.parent.exists(), "the resumed run's start-up did not sweep the killed run's weights"
-    for ring in map(Path, rings):
-        assert not ring.parents[1].exists(), f"{ring} was not swept"
-        assert f"removed {ring.parents[1]}" in log2
+    start_up = log2[:log2.index("resumed from")]
+    for directory in left:
+        assert not directory.exists(), f"{directory} was not swept"
+        assert f"removed {directory} " in start_up, f"{directory}: its removal is not in attempt 2's start-up log"
     done = len(read_jsonl(metrics_file))
     assert done == resumed_at + 1 < steps
     assert f"stopped after step {done - 1} of {steps} on request" in log2
@@ -158,18 +203,17 @@ def test_sigkill_then_sigterm_then_resume_at_another_layout(tiny_model_dir, tmp_
     sync_dir = sync_dir_of(log2)
     assert not Path(sync_dir).exists(), "teardown did not run"
 
-    # 3. Resume at TP1 to the end; the engine core dies in step 4's long round.
-    last = Attempt("attempt3", args + ["trainer.resume=true", "trainer.save_every=0", *wandb,
-                                       "parallel.tensor_model_parallel_size=1"],
-                   tmp_path, records[1], f"point=engine.submit,step={steps - 1},action=kill", host_tag=tag)
+    # 3. Resume to the end; the engine core dies in step 4's long round.
+    last = Attempt("attempt3", args + resume, tmp_path, records[1], f"point=engine.submit,step={steps - 1},action=kill",
+                   host_tag=tag)
     try:
         rc, _ = last.wait_exit(600)
     finally:
         last.kill()
     log3 = logs[2].read_text()
     assert rc == 0, log3[-4000:]
-    assert re.search(rf"resumed from \S*step_{done:06d} at step {done}\b", log3), log3[-3000:]
-    assert "saved at layout TP2 PP1 DP1, RNG reseeded" in log3, log3[-3000:]
+    assert re.search(rf"resumed from \S*step_{done:06d} at step {done} \(saved at layout TP1 PP1 DP1, RNG restored\)",
+                     log3), log3[-3000:]
     long_round = last.engine_replaced_once("engine.submit", steps - 1)
     alive, segments = last.left_behind()
     assert not alive and not segments and not last.shm_dirs_left(), (alive, segments, last.shm_dirs_left())
