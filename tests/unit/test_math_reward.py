@@ -204,10 +204,15 @@ def test_math_reward_works_from_a_worker_thread(math_reward: MathReward) -> None
         assert pool.submit(math_reward, "#### 12", "12").result(timeout=30).correct
 
 
+HANG_S = 60.0
+"""A grading call that takes this long past its timeout hangs (the suite's load stretches a kill and a fork to seconds)."""
+
+
 def test_math_reward_bounds_every_adversarial_input() -> None:
-    """Back to back, each slow input comes back within the configured timeout plus a margin under
-    a second timeout, measured from the caller's side (kill + a warm fork, never a re-run of the
-    work)."""
+    """Back to back, each slow input comes back after one timeout: its grading process is killed once
+    and a warm fork takes the next call (never a re-run of the work, which would cost a second kill).
+    Counted by kills, not by the clock: on a loaded box a kill and a fork take seconds; the elapsed
+    bound only catches a hang."""
     timeout_s = 2.0
     reward = MathReward(timeout_s=timeout_s, timeout_reward=-1.0)
     try:
@@ -217,16 +222,15 @@ def test_math_reward_bounds_every_adversarial_input() -> None:
             start = time.monotonic()
             result = reward(response, "5")
             elapsed = time.monotonic() - start
-            # measured: + 0.03 s on a quiet box; a re-run of the work would take a second timeout
-            assert elapsed < 2 * timeout_s, (name, elapsed)
+            assert elapsed < timeout_s + HANG_S, (name, elapsed)  # + 0.03 s on a quiet box
             assert not result.correct and result.status in ("timeout", "ok", "no_answer"), (name, result)
             if result.status == "timeout":
                 timeouts += 1
                 assert result.reward == -1.0
+            assert reward.restarts == timeouts, (name, reward.restarts, timeouts)  # one kill per timeout
         assert timeouts >= 4 and reward.restarts == timeouts
-        start = time.monotonic()
-        assert reward("\\boxed{5}", "5").correct           # the next response is not held up
-        assert time.monotonic() - start < timeout_s          # (a fresh interpreter took 1-4 s)
+        assert reward("\\boxed{5}", "5").correct  # the next response is graded by the warm fork
+        assert reward.restarts == timeouts
     finally:
         reward.close()
 
