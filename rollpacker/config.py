@@ -157,6 +157,7 @@ def validate_stream(cfg: RunConfig) -> None:
     if st.release_engines >= most:
         raise ConfigError(f"stream.release_engines={st.release_engines} must leave an engine generating "
                           f"(rollout.num_engines={cfg.rollout.num_engines}; at most {most} engine(s) in any round)")
+    _check_release(cfg, st)
 
 
 def most_engines(cfg: RunConfig) -> int:
@@ -172,6 +173,49 @@ def most_engines(cfg: RunConfig) -> int:
     starting = [cfg.rollout.tensor_parallel_size, *parse_initial_tp(pl.initial_tp).values()]
     smallest = pl.min_tp or (1 if pl.profile else min(starting))
     return max(cfg.rollout.num_engines, devices // max(1, smallest))
+
+
+def _check_release(cfg: RunConfig, st: StreamConfig) -> None:
+    """On GPUs the released engines must free whole data-parallel replicas of the trainer at the rollout TP
+    each streamed round type starts with (``megatron_rl.distributed.replica_release``), and the trainer must
+    have somewhere to train during the round. On CPU the trainer may share the cores: a count that frees no
+    whole replica releases the least loaded engines and every replica streams (``rollpacker.stream_trainer``)."""
+    from megatron_rl.distributed.gpu_layout import LayoutError, run_layout
+    from megatron_rl.distributed.replica_release import choose_release, release_units, replica_ranks
+
+    p = cfg.parallel
+    replicas = replica_ranks(p.tensor_model_parallel_size, p.context_parallel_size, p.data_parallel_size,
+                             p.pipeline_model_parallel_size)
+    split = cfg.cluster.placement == "split"
+    if split and st.release_engines:
+        raise ConfigError(f"stream.release_engines={st.release_engines}: with cluster.placement=split the trainer "
+                          "ranks have GPUs of their own and stream on them while every engine generates; set "
+                          "stream.release_engines=0")
+    from megatron_rl.config.validation import resolve_device
+
+    if resolve_device(cfg) != "cuda":
+        return
+    if not st.release_engines:
+        if not split:
+            raise ConfigError("stream.release_engines=0 with colocated GPUs: the trainer would come back beside "
+                              "engines that keep generating on the same GPUs; release engines whose GPUs are whole "
+                              "data-parallel replicas (the dry run lists the counts that work)")
+        return
+    planner = cfg.section(PlannerConfig)
+    starts = parse_initial_tp(planner.initial_tp) if planner.enabled else {}
+    devices = cfg.rollout.tensor_parallel_size * cfg.rollout.num_engines
+    for kind in comma_list(st.rounds):
+        tp = starts.get(kind, cfg.rollout.tensor_parallel_size)
+        try:
+            layout = run_layout(cfg, rollout_tp=tp, num_engines=devices // tp)
+        except LayoutError:
+            return  # the layout's own check names the key (megatron_rl.planning.placement)
+        where = f" (the {kind} rounds' rollout TP {tp}, planner.initial_tp)" if tp != cfg.rollout.tensor_parallel_size \
+            else ""
+        try:
+            choose_release(release_units(layout, replicas), st.release_engines, len(layout.engine_gpus))
+        except ConfigError as exc:
+            raise ConfigError(f"{exc}{where}") from None
 
 
 def validate_planner(cfg: RunConfig) -> None:

@@ -9,12 +9,20 @@ rest of the batch follows and the single optimizer step is taken with the full-b
 sequence counts. The update is the ordinary on-policy one (tests/integration/
 test_stream_accumulation.py checks it to 1e-6).
 
-Resource handoff: with ``stream.release_engines`` > 0 the start also waits (until
-``start_fraction_max``) for the moment the running requests fit on the engines that stay; then
-the released engines' requests migrate recompute-style to the others, the released engines sleep
-and, on CPU, the trainer ranks get ``stream.train_threads`` threads. Everything is given back
-when the round's training is done, before the weight sync (if the pool sleeps through training,
-the released engines rejoin it asleep and the sync's wake_up wakes them with the rest).
+Resource handoff, as the paper does it: with ``stream.release_engines`` > 0 the start also waits (until
+``start_fraction_max``) for the moment the running requests fit on the engines that stay; then the
+released engines' requests migrate recompute-style to the others and they sleep, and only the trainer
+ranks on their GPUs compute. The released engines are chosen so that their GPUs are exactly whole
+data-parallel replicas of the trainer (``megatron_rl.distributed.replica_release``: every GPU of the
+replica's TP x CP x PP ranks); those replicas come back into device memory and take the completed
+groups (on CPU with ``stream.train_threads`` threads, the freed cores), while the other replicas stay
+offloaded beside the engines that keep generating. After the round every replica comes back and the
+rest of the batch is split so that the replicas finish together (the freed ones, which trained
+already, take less); one optimizer step, as ever. A GPU holds a generating engine or the trainer,
+never both. Where the trainer shares no GPU with the engines (``cluster.placement=split``), or on CPU
+with nothing released, every replica streams. Everything is given back when the round's training is
+done, before the weight sync (if the pool sleeps through training, the released engines rejoin it
+asleep and the sync's wake_up wakes them with the rest).
 
 It is a trainer plug-in (``megatron_rl.loop.hooks.TrainerPlugin``): it sees groups complete through
 the rollout hooks, takes over the training of the steps it streams (``takes_over_training`` /
@@ -34,6 +42,14 @@ from typing import Callable
 
 from megatron_rl.config.schema import RunConfig
 from megatron_rl.config.values import comma_list
+from megatron_rl.distributed.gpu_layout import run_layout
+from megatron_rl.distributed.replica_release import (
+    ReleaseError,
+    ReleaseUnit,
+    choose_release,
+    release_units,
+    replica_ranks,
+)
 from megatron_rl.loop.hooks import LoopServices, RolloutBatch, TrainerPlugin, TrainResult
 from megatron_rl.sample import Sample
 from rollpacker.config import StreamConfig
@@ -94,6 +110,10 @@ class _Round:
     start_fraction: float = 0.0
     start_mark: float = 0.0
     release: dict = field(default_factory=dict)
+    replicas: list[int] | None = None
+    """The DP replicas streamed chunks train on (None: every replica, the workers split each chunk)."""
+    skipped: str = ""
+    """Why this round did not stream (a release that frees no whole replica on GPUs)."""
     closing: bool = False
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task | None = None
@@ -143,15 +163,19 @@ class StreamTrainer(TrainerPlugin):
             r.wakeup.clear()
             if r.closing:
                 return
+            if r.skipped:
+                return  # no whole replica can be freed at this TP on GPUs: the round trains afterwards
             if r.started_at is None:
                 mark = r.rule.crossed(len(r.completed))
                 if mark is None or not r.rule.should_start(mark, await self._requests_fit()):
                     continue
                 await self._start(r, mark)
+                if r.skipped:
+                    return
             # Drain in chunks; groups that complete meanwhile wait for the next pass.
             while not r.closing and len(r.completed) - r.sent >= self.scfg.min_new_groups:
                 groups, r.sent = r.completed[r.sent:], len(r.completed)
-                await self._train(r, groups)
+                await self._train(r, groups, r.replicas)
 
     async def _requests_fit(self) -> bool:
         """Do the running requests fit on the engines left after the release?"""
@@ -163,26 +187,75 @@ class StreamTrainer(TrainerPlugin):
         stats = await self.loop.engine.stats()
         return stats.running + stats.waiting <= staying * self.cfg.rollout.max_num_seqs
 
+    def _release_units(self) -> tuple[list[ReleaseUnit], int]:
+        """The release units of the engines as they run now (the planner may have changed their TP),
+        and how many engines that is."""
+        tp = self.loop.engine.tensor_parallel_size
+        devices = self.cfg.rollout.tensor_parallel_size * self.cfg.rollout.num_engines
+        layout = run_layout(self.cfg, rollout_tp=tp, num_engines=devices // tp)
+        p = self.cfg.parallel
+        replicas = replica_ranks(p.tensor_model_parallel_size, p.context_parallel_size, p.data_parallel_size,
+                                 p.pipeline_model_parallel_size)
+        return release_units(layout, replicas), len(layout.engine_gpus)
+
     async def _start(self, r: _Round, mark: float) -> None:
         r.started_at = self.clock()
         # Groups can complete in a burst, so the completed fraction may lie past the mark.
         r.start_fraction, r.start_mark = len(r.completed) / r.total_groups, mark
+        if self.scfg.release_engines == 0 and not self.loop.colocation.on_cpu and self._release_units()[0]:
+            r.skipped = ("stream.release_engines=0 with colocated GPUs: the trainer cannot come back beside the engines "
+                         "that generate on its GPUs")
+            log.warning("step %d: not streaming: %s", r.step, r.skipped)
+            return
         if self.scfg.release_engines > 0:
-            active = self.loop.engine.active_engines
-            if active <= self.scfg.release_engines:
-                # E.g. the elastic planner runs this round as one large-TP engine: stream without
-                # a handoff rather than stop the only engine (a TP group is never split).
-                log.info("step %d: %d engine(s) active, none released for streaming", r.step, active)
-                r.release = {"released_engines": 0.0}
+            units, engines = self._release_units()
+            try:
+                chosen = choose_release(units, self.scfg.release_engines, engines, await self._engine_load(engines))
+            except ReleaseError as exc:
+                if self.loop.colocation.on_cpu and engines > self.scfg.release_engines:
+                    # On CPU the trainer may share the cores, so no whole replica need be freed: the engines
+                    # holding the fewest requests go and every replica streams on the freed cores.
+                    load = await self._engine_load(engines) or [0.0] * engines
+                    engines_out = sorted(sorted(range(engines), key=lambda e: (load[e], -e))[:self.scfg.release_engines])
+                    r.release = await self.loop.colocation.lend_engines(engines_out, None, self.scfg.train_threads)
+                    log.info("step %d: engines %s released; every trainer replica streams (%s)", r.step, engines_out,
+                             exc)
+                else:
+                    # E.g. the elastic planner runs this round as one large-TP engine: a TP group is never
+                    # split. On GPUs the trainer may not share a generating engine's memory, so the round
+                    # trains after the rollout.
+                    log.info("step %d: %d engine(s) at TP %d, none released for streaming (%s)", r.step, engines,
+                             self.loop.engine.tensor_parallel_size, exc)
+                    r.release = {"released_engines": 0.0}
+                    if not self.loop.colocation.on_cpu:
+                        r.skipped = str(exc)
+                        return
             else:
-                r.release = await self.loop.colocation.lend_engines(self.scfg.release_engines,
-                                                                    self.scfg.train_threads)
+                engines_out = sorted(e for u in chosen for e in u.engines)
+                r.replicas = sorted(rep for u in chosen for rep in u.replicas)
+                ranks = sorted(rank for rep in r.replicas for rank in self._replica_ranks()[rep])
+                r.release = await self.loop.colocation.lend_engines(engines_out, ranks, self.scfg.train_threads)
+                r.release["released_replicas"] = float(len(r.replicas))
+                log.info("step %d: engines %s released; trainer replicas %s (ranks %s) train on their GPUs", r.step,
+                         engines_out, r.replicas, ranks)
         log.info("step %d: streaming %s round at %.0f%% of prompts complete", r.step, r.round_type,
                  100 * r.start_fraction)
 
-    async def _train(self, r: _Round, groups: list[list[Sample]]) -> None:
+    def _replica_ranks(self) -> list[tuple[int, ...]]:
+        p = self.cfg.parallel
+        return replica_ranks(p.tensor_model_parallel_size, p.context_parallel_size, p.data_parallel_size,
+                             p.pipeline_model_parallel_size)
+
+    async def _engine_load(self, engines: int) -> list[float] | None:
+        """Requests routed to each engine now (what a release migrates), when a pool reports them."""
+        routed = (await self.loop.engine.stats()).extra.get("routed_in_flight")
+        if not isinstance(routed, list) or len(routed) != engines:
+            return None
+        return [float(n) for n in routed]
+
+    async def _train(self, r: _Round, groups: list[list[Sample]], replicas: list[int] | None) -> None:
         start = self.clock()
-        trained = await self.loop.train_groups(groups)
+        trained = await self.loop.train_groups(groups, replicas=replicas)
         r.trained.extend(trained)
         r.chunks.append(_Chunk(len(groups), len(trained), start, self.clock()))
 
@@ -242,7 +315,9 @@ class StreamTrainer(TrainerPlugin):
             sent = set(streamed)
             remaining = [g for g in batch_groups if g[0].prompt.prompt_id not in sent]
             if remaining:
-                await self._train(r, remaining)
+                # Every replica now: split so that the ones that streamed take less and all finish together.
+                everyone = None if r.replicas is None else list(range(self.cfg.parallel.data_parallel_size))
+                await self._train(r, remaining, everyone)
             train_metrics = await self.loop.apply_gradients(r.trained) if r.trained else {}
         finally:
             await self._give_back(r)
@@ -272,7 +347,7 @@ class StreamTrainer(TrainerPlugin):
             "stream/hidden_train_s": hidden,
             "stream/exposed_train_s": exposed,
         }
-        for key in ("released_engines", "migrated_requests", "migrated_tokens", "release_s"):
+        for key in ("released_engines", "released_replicas", "migrated_requests", "migrated_tokens", "release_s"):
             if key in r.release:
                 m[f"stream/{key}"] = float(r.release[key])
         return m

@@ -93,8 +93,10 @@ def world_size(cfg: RunConfig) -> int:
     return p.tensor_model_parallel_size * p.context_parallel_size * p.data_parallel_size * p.pipeline_model_parallel_size
 
 
-def run_layout(cfg: RunConfig) -> GpuLayout:
-    """The layout of ``cfg``'s trainer ranks and engines (at ``rollout.tensor_parallel_size``)."""
+def run_layout(cfg: RunConfig, rollout_tp: int | None = None, num_engines: int | None = None) -> GpuLayout:
+    """The layout of ``cfg``'s trainer ranks and engines (at ``rollout.tensor_parallel_size``, or the
+    ``num_engines`` engines of TP ``rollout_tp`` an elastic switch runs on the same GPUs)."""
     c = cfg.cluster
-    return gpu_layout(world_size(cfg), cfg.rollout.num_engines, cfg.rollout.tensor_parallel_size, c.num_nodes,
-                      c.gpus_per_node, split=c.placement == "split")
+    return gpu_layout(world_size(cfg), num_engines or cfg.rollout.num_engines,
+                      rollout_tp or cfg.rollout.tensor_parallel_size, c.num_nodes, c.gpus_per_node,
+                      split=c.placement == "split")

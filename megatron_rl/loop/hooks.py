@@ -179,10 +179,11 @@ class LoopServices(Protocol):
     version: int
     """Policy version now in the engines (the number of optimizer steps taken)."""
 
-    async def train_groups(self, groups: list[list[Sample]]) -> list[Sample]:
+    async def train_groups(self, groups: list[list[Sample]], replicas: list[int] | None = None) -> list[Sample]:
         """The loop's preparation of complete groups (zero-variance filter, advantages, on-policy
         check, old/ref logprobs) followed by forward/backward with gradients accumulated and no
-        optimizer step; returns the samples trained (filtered groups are skipped)."""
+        optimizer step, on every trainer rank or (``replicas``) on those DP replicas' ranks only;
+        returns the samples trained (filtered groups are skipped)."""
         ...
 
     async def apply_gradients(self, trained: list[Sample]) -> dict:

@@ -289,16 +289,18 @@ class Trainer:
         off_policy.check_staleness(samples, self.version, self.max_staleness)
         off_policy.mark_staleness(samples, self.version)
 
-    async def _set_logprobs(self, samples: list[Sample]) -> None:
+    async def _set_logprobs(self, samples: list[Sample], **on) -> None:
+        """Old (and reference) logprobs of ``samples`` (``on``: ``replicas=[...]``, the DP replicas that
+        score them, as :meth:`train_groups` trains them)."""
         if self.cfg.algorithm.recomputes_old_logprobs():  # else the training forward scores the batch
-            old = await self.p.policy.compute_logprobs(samples, "policy")
+            old = await self.p.policy.compute_logprobs(samples, "policy", **on)
             for s, lp in zip(samples, old):
                 if len(lp) != len(s.response_ids):
                     raise RuntimeError(f"trainer returned {len(lp)} logprobs for {len(s.response_ids)} tokens "
                                        f"of {s.request_id}")
                 s.old_logprobs = lp
         if self.cfg.algorithm.kl_coef > 0:
-            ref = await self.p.policy.compute_logprobs(samples, "reference")
+            ref = await self.p.policy.compute_logprobs(samples, "reference", **on)
             for s, lp in zip(samples, ref):
                 s.ref_logprobs = lp
 
@@ -349,19 +351,22 @@ class Trainer:
                                          policy_version=self.version)
 
     # ---------------------------------------------------------------- services for plug-ins
-    async def train_groups(self, groups: list[list[Sample]]) -> list[Sample]:
+    async def train_groups(self, groups: list[list[Sample]], replicas: list[int] | None = None) -> list[Sample]:
         """LoopServices: the same per-group preparation as :meth:`_prepare` (advantages are
         group-local, so a chunk gets exactly the values the whole batch would), old logprobs
-        under the current weights, then forward/backward with gradients accumulated."""
+        under the current weights, then forward/backward with gradients accumulated: on every
+        trainer rank, or (``replicas``) on those DP replicas' ranks only, each its own share."""
         kept, _ = self._kept_groups(groups)
         samples = [s for g in kept for s in g]
         if not samples:
             return []
-        await self.colocation.make_trainer_resident()  # streaming trains during the rollout
+        ranks = None if replicas is None else self.p.policy.ranks_of(replicas)
+        await self.colocation.make_trainer_resident(ranks)  # streaming trains during the rollout
         compute_advantages(samples, kind=self.cfg.algorithm.advantage)
         self._check_on_policy(samples)
-        await self._set_logprobs(samples)
-        await self.p.policy.accumulate_gradients(samples)
+        on = {} if replicas is None else {"replicas": list(replicas)}
+        await self._set_logprobs(samples, **on)
+        await self.p.policy.accumulate_gradients(samples, **on)
         return samples
 
     async def apply_gradients(self, trained: list[Sample]) -> dict:

@@ -16,8 +16,11 @@ phases (the weight push, an elastic-TP rebuild, the stream trainer's handoff) is
 5. back to rollout (the first moment again);
 6. elastic TP switch (``planner.enabled``): the old engines shut down, the new ones start with
    their whole pool, then sleep and take a push like (4) (``WeightSync.load_new_engines``);
-7. stream trainer handoff (``stream.enabled``): the trainer resident and training on every GPU
-   while the engines not released still generate on theirs.
+7. stream trainer handoff (``stream.enabled``): the released engines asleep (level 2: weights and KV
+   cache freed) and the trainer ranks of the replicas on their GPUs back and training
+   (``distributed.replica_release``: the released engines' GPUs are exactly whole DP replicas); on the
+   other GPUs an engine generating beside the trainer state as it is during the rollout (offloaded
+   with ``trainer.offload_during_rollout``). No GPU holds a generating engine and the training trainer.
 
 Moments 6 and 7 are checked only when the recipe turns the feature on; otherwise they are shown
 as not used. ``push_order='all_at_once'`` models the earlier order (engines woken with weights
@@ -32,6 +35,25 @@ from megatron_rl.planning.architectures import ModelShape
 from megatron_rl.planning.memory import GIB, MemoryEstimate
 
 PUSH_ORDERS = ("ordered", "all_at_once")
+HANDOFF_TRAIN = "stream handoff, freed GPU (trainer trains)"
+HANDOFF_GENERATE = "stream handoff, generating GPU (engine generates)"
+HANDOFF_MOMENTS = (HANDOFF_TRAIN, HANDOFF_GENERATE)
+"""The stream trainer's two moments: a GPU holds the training trainer or a generating engine, never both."""
+
+
+def overlap_gib(est: MemoryEstimate) -> float:
+    """One GPU holding the training trainer and a generating engine at once (weights, gradients,
+    optimizer, activations and logits beside the engine's weights and KV cache): what a colocated
+    schedule that trains while it generates would need (one-step-off on the same GPUs), GiB."""
+    t, e = est.trainer, est.engine
+    trainer = sum(t[k] for k in ("weights", "gradients", "optimizer", "reference weights", "activations", "logits")
+                  if k in t)
+    return est.overhead_gib + trainer + e["weights"] + e["kv cache"] + e["activation reserve"]
+
+
+def handoff_gib(plan: "MomentPlan") -> float:
+    """The larger of the stream handoff's two moments (GiB per GPU)."""
+    return max(m.total_gib for m in plan.moments if m.name in HANDOFF_MOMENTS)
 MIB = 1024 ** 2
 
 
@@ -125,8 +147,12 @@ def plan_moments(cfg: RunConfig, shape: ModelShape, est: MemoryEstimate,
                           note="trainer offloaded before the KV cache is woken" if offloaded else "trainer resident"))
     moments += _elastic_moments(cfg, shape, est, overhead, trainer, push_trainer_of(trainer, streams, offloaded), staging)
     stream = bool(_section(cfg, "stream", "enabled", False))
-    moments.append(Moment("stream handoff (trainer trains, engine generates)", {**overhead, **trainer, **work, **eweights, **kv},
-                          checked=stream, note="" if stream else "stream.enabled is false: not used"))
+    off = "" if stream else "stream.enabled is false: not used"
+    moments.append(Moment(HANDOFF_TRAIN, {**overhead, **trainer, **work}, checked=stream,
+                          note=off or "a released engine's GPU: the engine asleep (level 2), its replica's rank trains"))
+    moments.append(Moment(HANDOFF_GENERATE, rollout, checked=stream,
+                          note=off or "an engine that stays generates; its GPU's rank as during the rollout"
+                          + (" (offloaded)" if offloaded else " (resident: trainer.offload_during_rollout is false)")))
     plan = MomentPlan(moments, est.capacity_gib)
     for m in moments:
         if m.checked and m.total_gib > est.capacity_gib:

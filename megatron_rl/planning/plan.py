@@ -49,9 +49,35 @@ class ClusterPlan:
             f"rewards: {c.reward.num_workers} workers ({c.reward.kind}, timeout {c.reward.timeout_s:g}s)",
         ]
         out += format_placement(self.nodes)
+        out += stream_lines(self.cfg)
         out += format_memory(self.memory, self.assume)
         out += format_moments(self.moments)
         return out
+
+
+def stream_lines(cfg: RunConfig) -> list[str]:
+    """Which GPUs train while a round streams (RollPacker's stream trainer, ``stream.*``): the engines it
+    releases and the data-parallel replicas whose GPUs they free (``distributed.replica_release``)."""
+    stream = getattr(cfg, "stream", None)
+    if stream is None or not stream.enabled:
+        return []
+    from megatron_rl.distributed.gpu_layout import run_layout
+    from megatron_rl.distributed.replica_release import choose_release, release_units, replica_ranks
+
+    p = cfg.parallel
+    layout = run_layout(cfg)
+    if not stream.release_engines:
+        return [f"stream trainer: {stream.rounds} rounds; nothing released: the trainer ranks train on their own GPUs"]
+    chosen = choose_release(release_units(layout, replica_ranks(p.tensor_model_parallel_size, p.context_parallel_size,
+                                                                p.data_parallel_size, p.pipeline_model_parallel_size)),
+                            stream.release_engines, len(layout.engine_gpus))
+    gpus = sorted(g for unit in chosen for g in unit.gpus)
+    where = ", ".join(f"node {n} gpu{','.join(str(layout.local_gpu(g)) for g in gpus if layout.node_of(g) == n)}"
+                      for n in sorted({layout.node_of(g) for g in gpus}))
+    return [f"stream trainer: {stream.rounds} rounds, from {stream.start_fraction_min:.0%}-{stream.start_fraction_max:.0%} "
+            f"of the prompts complete: engines {','.join(str(e) for u in chosen for e in u.engines)} sleep and DP "
+            f"replicas {','.join(str(r) for u in chosen for r in u.replicas)} train on their GPUs ({where}); "
+            f"the other {len(layout.engine_gpus) - stream.release_engines} engines keep generating beside offloaded ranks"]
 
 
 def make_plan(cfg: RunConfig, hostnames: list[str] | None = None, gpu: str = "h800",

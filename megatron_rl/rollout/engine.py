@@ -172,9 +172,9 @@ class RolloutEngine(abc.ABC):
         """Engines now generating: 1 for a single engine; a pool counts those not released."""
         return 1
 
-    async def release_engines(self, count: int) -> dict[str, float]:
-        """Hand ``count`` whole engines to the trainer (a pool, see ``engine_pool``); a single
-        engine has none to spare."""
+    async def release_engines(self, count: int, members: list[int] | None = None, level: int = 1) -> dict[str, float]:
+        """Hand ``count`` whole engines to the trainer (a pool, see ``engine_pool``): ``members`` (pool
+        indices) or the least loaded, asleep at ``level`` until restored; a single engine has none to spare."""
         raise ValueError(f"{type(self).__name__} runs a single engine: none can be released")
 
     async def restore_engines(self) -> dict[str, float]:

@@ -21,13 +21,12 @@ from pathlib import Path
 from megatron_rl.config.loading import load_config
 from megatron_rl.planning.architectures import resolve_shape
 from megatron_rl.planning.memory import GPUS, estimate_memory
-from megatron_rl.planning.moments import plan_moments
+from megatron_rl.planning.moments import handoff_gib, plan_moments
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "examples" / "qwen2.5"
 OUT = REPO / "docs" / "results" / "recipes.json"
 GPU = "h800"
-HANDOFF = "stream handoff (trainer trains, engine generates)"
 COLUMNS = ["planner", "stream trainer", "stream handoff (GiB per GPU)", "speculation, history routing",
            "offload / sleep"]
 # The parts of the file the recipes determine (what --check and the test compare); the rest is provenance.
@@ -35,16 +34,14 @@ COMPUTED_KEYS = ("columns", "rows", "summary", "models")
 
 
 def _handoff_gib(recipe: Path) -> float | None:
-    """The planner's stream-handoff moment per GPU with the stream trainer forced on (None on CPU recipes)."""
+    """The larger of the planner's two stream-handoff moments per GPU (a freed GPU training, a GPU generating)
+    with the stream trainer forced on (None on CPU recipes)."""
     cfg = load_config(recipe, ["stream.enabled=true"])
     if cfg.cluster.device != "cuda":
         return None
     shape = resolve_shape(cfg.model.hf_path)
     plan = plan_moments(cfg, shape, estimate_memory(cfg, shape, GPUS[GPU]))
-    moment = next((m for m in plan.moments if m.name == HANDOFF), None)
-    if moment is None:
-        raise ValueError(f"{recipe.name}: the planner shows no {HANDOFF!r} moment")
-    return round(moment.total_gib, 1)
+    return round(handoff_gib(plan), 1)
 
 
 def _on_off(flag: bool, detail: str = "") -> str:

@@ -22,9 +22,13 @@ written down; the loop, the weight sync and plug-ins ask for named transitions:
   a checkpoint save between steps.
 * :meth:`Colocation.lend_engines` / :meth:`return_engines`: during a round, hand whole engines to
   the trainer (the stream trainer trains on completed groups meanwhile): the engines' requests
-  migrate, they sleep, the trainer becomes resident and, on CPU, gets the freed cores as threads.
+  migrate, they sleep at level 2 (the push after the step refills their weights), and only the
+  trainer ranks on their GPUs (whole data-parallel replicas, ``distributed.replica_release``) come
+  back and, on CPU, get the freed cores as threads. The other ranks stay offloaded beside the
+  engines that keep generating, so a GPU holds a generating engine or the trainer, never both;
+  they come back with :meth:`to_training` after the round.
 
-It tracks whether the trainer is resident, so repeated requests (every streamed chunk) cost
+It tracks which trainer ranks are resident, so repeated requests (every streamed chunk) cost
 nothing, and records every transition it made (``log``) for tests and debugging. With neither
 option set, every transition is free and does nothing.
 """
@@ -43,8 +47,8 @@ class MovablePolicy(Protocol):
 
     async def free_grad_buffers(self) -> dict: ...
     async def offload_for_rollout(self) -> dict: ...
-    async def reload_for_training(self) -> dict: ...
-    async def set_num_threads(self, n: int) -> None: ...
+    async def reload_for_training(self, ranks: list[int] | None = None) -> dict: ...
+    async def set_num_threads(self, n: int, ranks: list[int] | None = None) -> None: ...
 
 
 class Colocation:
@@ -60,13 +64,18 @@ class Colocation:
         self.on_cpu = on_cpu
         self.clock = clock
         self.trainer_is_resident = not self.offload
-        """train.py offloads the freshly loaded trainer when offload_during_rollout is set."""
+        """Every trainer rank is resident (train.py offloads the freshly loaded trainer when
+        offload_during_rollout is set)."""
+        self.resident_ranks: frozenset[int] = frozenset()
+        """While not every rank is: the ranks brought back on their own (a lent engine's replicas)."""
         self.trainer_grads_freed = False
         """Only the trainer's grad buffers are off the GPU (:meth:`free_trainer_grads`)."""
         self.engines_awake = True
         self.engine_weights_awake = True
         """The engines' weights are on the device (also while their KV cache still sleeps)."""
         self.lent_threads = 0
+        self.lent_ranks: list[int] | None = None
+        """The trainer ranks that got the freed cores (None: every rank)."""
         self.log: list[str] = []
         """Every memory move made, in order ('engine.sleep', 'trainer.reload', ...)."""
 
@@ -150,17 +159,19 @@ class Colocation:
                 await self.wake_engines()
 
     # ------------------------------------------------------------------ during a round
-    async def lend_engines(self, count: int, train_threads: int = 0) -> dict[str, float]:
-        """Hand ``count`` engines to the trainer mid-round: their requests migrate to the others
-        and they sleep (``RolloutEngine.release_engines``); the trainer becomes resident; on CPU
-        it gets ``train_threads`` torch threads (the freed cores). Returns the release figures."""
-        figures = dict(await self.engine.release_engines(count))
-        self.log.append(f"engine.release({count})")
-        await self._set_trainer(True)
+    async def lend_engines(self, engines: list[int], ranks: list[int] | None = None,
+                           train_threads: int = 0) -> dict[str, float]:
+        """Hand ``engines`` (pool members) to the trainer mid-round: their requests migrate to the others
+        and they sleep at level 2 (``RolloutEngine.release_engines``; the weight push after the step
+        refills them); then the trainer ranks on their GPUs (``ranks``; None: every rank, the trainer
+        shares no GPU with the engines) come back, and on CPU get ``train_threads`` torch threads (the
+        freed cores). Returns the release figures."""
+        figures = dict(await self.engine.release_engines(len(engines), members=list(engines), level=2))
+        self.log.append(f"engine.release({','.join(map(str, engines))})")
+        await self.make_trainer_resident(ranks)
         if self.on_cpu and train_threads:
-            await self.policy.set_num_threads(train_threads)
-            self.log.append(f"trainer.threads({train_threads})")
-            self.lent_threads = train_threads
+            await self._threads(train_threads, ranks)
+            self.lent_threads, self.lent_ranks = train_threads, None if ranks is None else list(ranks)
         return figures
 
     async def return_engines(self) -> None:
@@ -169,14 +180,20 @@ class Colocation:
         await self.engine.restore_engines()
         self.log.append("engine.restore")
         if self.lent_threads:
-            await self.policy.set_num_threads(1)
-            self.log.append("trainer.threads(1)")
-            self.lent_threads = 0
+            await self._threads(1, self.lent_ranks)
+            self.lent_threads, self.lent_ranks = 0, None
 
-    async def make_trainer_resident(self) -> None:
-        """The trainer is about to compute during a round (streamed chunks) or load a checkpoint: bring it
-        back if it was offloaded; free when it already is."""
-        await self._set_trainer(True)
+    async def make_trainer_resident(self, ranks: list[int] | None = None) -> None:
+        """The trainer is about to compute during a round (streamed chunks) or load a checkpoint: bring back
+        ``ranks`` (None: every rank) if offloaded; free when they already are."""
+        await self._set_trainer(True, ranks)
+
+    async def _threads(self, n: int, ranks: list[int] | None) -> None:
+        if ranks is None:
+            await self.policy.set_num_threads(n)
+        else:
+            await self.policy.set_num_threads(n, ranks=list(ranks))
+        self.log.append(f"trainer.threads({n})" + ("" if ranks is None else f" ranks {','.join(map(str, ranks))}"))
 
     # ------------------------------------------------------------------ the moves themselves
     async def _sleep_engines(self, level: int) -> None:
@@ -185,16 +202,25 @@ class Colocation:
             await self.engine.sleep(level)
             self.engines_awake = self.engine_weights_awake = False
 
-    async def _set_trainer(self, resident: bool) -> None:
-        if resident == self.trainer_is_resident and not (resident and self.trainer_grads_freed):
+    async def _set_trainer(self, resident: bool, ranks: list[int] | None = None) -> None:
+        if resident and ranks is not None and not self.trainer_is_resident:
+            missing = sorted(set(ranks) - self.resident_ranks)  # some ranks only: a lent engine's replicas
+            if missing:
+                self.log.append(f"trainer.reload(ranks {','.join(map(str, missing))})")
+                await self.policy.reload_for_training(ranks=missing)
+                self.resident_ranks = self.resident_ranks | frozenset(missing)
             return
-        if resident:
+        if resident and self.trainer_is_resident and not self.trainer_grads_freed:
+            return
+        if not resident and not self.trainer_is_resident and not self.resident_ranks:
+            return
+        if resident:  # every rank (those already back reload nothing)
             self.log.append("trainer.reload")
             await self.policy.reload_for_training()
         else:
             self.log.append("trainer.offload")
             await self.policy.offload_for_rollout()
-        self.trainer_is_resident, self.trainer_grads_freed = resident, False
+        self.trainer_is_resident, self.trainer_grads_freed, self.resident_ranks = resident, False, frozenset()
 
     async def _timed(self, move: Callable[[], Awaitable[None]]) -> float:
         start = self.clock()

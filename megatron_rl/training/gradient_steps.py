@@ -87,17 +87,22 @@ class GradientSteps:
         return totals
 
     @with_training_state
-    def accumulate_gradients(self, samples: list[Sample], loss_fn: LossFn) -> dict[str, float]:
-        """Forward+backward over this DP rank's share of ``samples``, adding to the gradient of
-        the step :meth:`apply_accumulated_gradients` will take; no optimizer step.
+    def accumulate_gradients(self, samples: list[Sample], loss_fn: LossFn, own: bool = False) -> dict[str, float]:
+        """Forward+backward over this rank's share of ``samples``, adding to the gradient of the
+        step :meth:`apply_accumulated_gradients` will take; no optimizer step.
 
-        The first call after an optimizer step zeroes the gradients. ``loss_fn`` gets
-        ``num_tokens_total=num_seqs_total=1`` (the batch totals are not known yet), so every
-        loss and metric is a raw sum; the apply call normalises. Megatron's grad finalisation
-        is skipped here: it must run once over the complete sums (re-reducing already reduced
-        buffers per chunk would multiply them). A DP rank without samples skips the compute.
-        Needs ``algorithm.ppo_mini_batches == 1``. Returns this chunk's raw metrics, summed
-        over microbatches and ranks. Collective: every rank calls it with the same samples.
+        ``own=False``: every rank is called with the same chunk and each DP rank takes its share
+        (balanced by tokens, as :meth:`train_step` does). ``own=True``: ``samples`` are this rank's DP
+        replica's own share (the driver split the chunk over the replicas that train it,
+        ``PolicyGroup.accumulate_gradients``), and only that replica's ranks are called: a replica whose
+        GPUs the rollout freed trains while the others stay out of device memory. Either way nothing
+        here talks to another DP replica: the first call after an optimizer step zeroes this rank's
+        gradients, the grad finalisation (DP all-reduce, tied-embedding sync) is skipped (it must run
+        once, over the complete sums), and ``loss_fn`` gets ``num_tokens_total=num_seqs_total=1`` (the
+        batch totals are not known yet), so every loss and metric is a raw sum; the apply call
+        normalises. A DP rank without samples skips the compute. Needs ``algorithm.ppo_mini_batches
+        == 1``. Returns this rank's raw metrics of the chunk (empty but on one rank per replica, the
+        one that reports: ``PolicyGroup`` adds them up).
         """
         from megatron.core.utils import get_model_config
 
@@ -108,7 +113,8 @@ class GradientSteps:
             raise RuntimeError(f"accumulate_gradients: an earlier chunk failed ({self._accumulated.failed}); "
                                "call discard_accumulated_gradients")
         start = time.perf_counter()
-        mbs = self._my_microbatches(samples, fields=True)  # bad samples raise here, before any compute
+        # Bad samples raise here, before any compute.
+        mine, mbs = self._own_microbatches(samples) if own else self._my_share(samples)
         if self._accumulated is None:
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
@@ -118,7 +124,7 @@ class GradientSteps:
         config = get_model_config(self.model)
         finalize, config.finalize_model_grads_func = config.finalize_model_grads_func, None
         try:
-            raw = self._forward_backward(mbs, loss_fn, 1, 1)
+            raw = self._forward_backward(mbs, loss_fn, 1, 1, over_ranks=False)
         except BaseException as exc:  # part of the chunk may be in the buffers: poison the step
             acc.failed = f"{type(exc).__name__}: {exc}"
             raise
@@ -126,35 +132,62 @@ class GradientSteps:
             config.finalize_model_grads_func = finalize
         for key, value in raw.items():
             combine(acc.metrics, key, value)
-        acc.samples += len(samples)
-        acc.tokens += sum(len(s.response_ids) for s in samples)
+        acc.samples += len(mine)
+        acc.tokens += sum(len(samples[i].response_ids) for i in mine)
         acc.time_s += time.perf_counter() - start
         acc.torch_threads = max(acc.torch_threads, torch.get_num_threads())
         return raw
+
+    def _my_share(self, samples: list[Sample]) -> tuple[list[int], list[Microbatch]]:
+        """This DP rank's share of a chunk every rank got (indices into ``samples``) and its microbatches."""
+        from megatron_rl.training.rank_batches import rank_share
+
+        return rank_share([s.num_tokens for s in samples], self.dp_rank, self.dp_size), \
+            self._my_microbatches(samples, fields=True)
+
+    def _own_microbatches(self, samples: list[Sample]) -> tuple[list[int], list[Microbatch]]:
+        """All of ``samples`` (this replica's own share) as this rank's microbatches."""
+        from megatron_rl.training.rank_batches import rank_microbatches
+
+        mine = list(range(len(samples)))
+        return mine, rank_microbatches(samples, mine, self.cfg, self.layout.tensor_model_parallel_size, True)
 
     @with_training_state
     def apply_accumulated_gradients(self, num_tokens_total: int, num_seqs_total: int) -> dict[str, float]:
         """One optimizer step on everything :meth:`accumulate_gradients` added since the last.
 
-        Runs the grad finalisation once, scales the gradient by 1/N (N = ``num_tokens_total``
-        for ``algorithm.loss_agg`` token_mean, else ``num_seqs_total``: the full batch's
-        response tokens and sequences) and steps (with clipping). The raw metrics are kept in
-        the worker; returns them normalised as :meth:`train_step` reports them (loss, pg_loss,
-        kl_loss / N; token metrics / num_tokens_total; counts unchanged) plus grad_norm, lr,
-        tokens, optimizer_steps=1, time_s (all accumulate calls plus this one) and torch_threads (the
-        most of any of these calls). Collective.
+        A rank whose replica trained nothing this step (no chunk reached it) contributes zeros. The
+        ranks first add up what they accumulated (one collective; a chunk that failed on any rank
+        makes every rank refuse, so none waits in a reduce the failed one never joins), then run the
+        grad finalisation once, scale the gradient by 1/N (N = ``num_tokens_total`` for
+        ``algorithm.loss_agg`` token_mean, else ``num_seqs_total``: the full batch's response tokens
+        and sequences) and step (with clipping). Returns the raw metrics normalised as
+        :meth:`train_step` reports them (loss, pg_loss, kl_loss / N; token metrics / num_tokens_total;
+        counts unchanged) plus grad_norm, lr, tokens, optimizer_steps=1, time_s (the slowest
+        replica's accumulate calls plus this one) and torch_threads (the most any rank computed with).
+        Collective: every rank calls it.
         """
         from megatron.core.distributed import finalize_model_grads
 
-        acc = self._accumulated
-        if acc is None or acc.samples == 0:
-            raise RuntimeError("apply_accumulated_gradients: nothing accumulated since the last optimizer step")
-        if acc.failed:
-            raise RuntimeError(f"apply_accumulated_gradients: a chunk failed ({acc.failed}); "
-                               "call discard_accumulated_gradients")
         if num_tokens_total <= 0 or num_seqs_total <= 0:
             raise ValueError(f"num_tokens_total={num_tokens_total} and num_seqs_total={num_seqs_total} must be > 0")
         start = time.perf_counter()
+        acc = self._accumulated or Accumulation()
+        local = dict(acc.metrics)
+        if self._is_loss_rank():  # one rank per replica counts the replica's samples
+            local.update({"__samples": float(acc.samples), "__tokens": float(acc.tokens)})
+        local.update({"__failed_max": float(bool(acc.failed)), "__time_s_max": acc.time_s,
+                      "__torch_threads_max": float(max(acc.torch_threads, torch.get_num_threads()))})
+        total = combine_over_ranks(local)
+        if total.pop("__failed_max"):
+            raise RuntimeError(f"apply_accumulated_gradients: a chunk failed ({acc.failed or 'on another rank'}); "
+                               "call discard_accumulated_gradients")
+        if not total.pop("__samples", 0.0):
+            raise RuntimeError("apply_accumulated_gradients: nothing accumulated since the last optimizer step")
+        if self._accumulated is None:  # this replica trained nothing: its share of the sum is zero
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        tokens, slowest, threads = total.pop("__tokens"), total.pop("__time_s_max"), total.pop("__torch_threads_max")
         norm = num_tokens_total if self.cfg.algorithm.loss_agg == "token_mean" else num_seqs_total
         finalize_model_grads([self.model], None)
         self.model.scale_gradients(1.0 / norm)
@@ -162,10 +195,10 @@ class GradientSteps:
         self._accumulated = None
         self.steps_done += 1
         out = {key: value / norm if key in LOSS_METRICS else value / num_tokens_total if key in TOKEN_METRICS
-               else value for key, value in acc.metrics.items()}
-        out.update({"grad_norm": grad_norm, "lr": self.cfg.optimizer.lr, "tokens": float(acc.tokens),
-                    "optimizer_steps": 1.0, "time_s": acc.time_s + time.perf_counter() - start,
-                    "torch_threads": float(max(acc.torch_threads, torch.get_num_threads()))})
+               else value for key, value in total.items()}
+        out.update({"grad_norm": grad_norm, "lr": self.cfg.optimizer.lr, "tokens": tokens,
+                    "optimizer_steps": 1.0, "time_s": slowest + time.perf_counter() - start,
+                    "torch_threads": threads})
         return out
 
     def discard_accumulated_gradients(self) -> None:
@@ -173,10 +206,11 @@ class GradientSteps:
         self._accumulated = None
 
     def _forward_backward(self, mbs: list[Microbatch], loss_fn: LossFn, num_tokens_total: int,
-                          num_seqs_total: int) -> dict[str, float]:
+                          num_seqs_total: int, over_ranks: bool = True) -> dict[str, float]:
         """Run this DP rank's microbatches forward and backward into the grad buffers with the
-        given loss normalisers; return the loss metrics summed over microbatches and ranks.
-        Collective."""
+        given loss normalisers; return the loss metrics summed over microbatches and, with
+        ``over_ranks`` (a collective of every rank), over the ranks; else this rank's own (one rank
+        per replica reports)."""
 
         def loss_callback(batch: Microbatch, logprobs: torch.Tensor) -> tuple[torch.Tensor, Any]:
             # Fault-injection tests kill a rank here, mid-backward (inert unless armed).
@@ -207,7 +241,7 @@ class GradientSteps:
             for payload in payloads:
                 for key, value in payload.items():
                     combine(local, key, value)
-        return combine_over_ranks(local)
+        return combine_over_ranks(local) if over_ranks else local
 
     def _optimizer_step(self) -> float:
         """Step on the finalised grads (clipping included); returns the gradient norm."""

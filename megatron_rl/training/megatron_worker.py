@@ -89,24 +89,36 @@ class MegatronWorker(ModelLoading, GradientSteps, WeightExport, WeightPush):
 
     # ----------------------------------------------------------------- logprobs
     @with_training_state
-    def compute_logprobs(self, samples: list[Sample], which: str = "policy") -> list[list[float]]:
+    def compute_logprobs(self, samples: list[Sample], which: str = "policy",
+                         own: bool = False) -> list[list[float]] | None:
         """Per-token logprobs of each sample's response under the policy or the reference model.
 
-        Forward-only through Megatron's schedule (PP microbatches, vocab-parallel CE). Every rank
-        returns the full list, in the input order.
+        Forward-only through Megatron's schedule (PP microbatches, vocab-parallel CE).
+        ``own=False``: every rank is called with the same samples, each DP rank scores its share and
+        every rank returns the full list, in the input order (a collective of every rank).
+        ``own=True``: ``samples`` are this DP replica's own (the driver split them over the replicas
+        that score them, ``PolicyGroup.compute_logprobs``); only its ranks are called, nothing is
+        exchanged with another replica, and the replica's reporting rank (the last PP stage's TP rank
+        0) returns their list while the others return None.
         """
         model = {"policy": self.model, "reference": self.reference}.get(which)
         if model is None:
             raise ValueError(f"compute_logprobs: no {which!r} model (call load_hf; reference needs "
                              "model.use_reference_model or algorithm.kl_coef > 0)")
         model.eval()
-        mbs = self._my_microbatches(samples, fields=False)
+        if own:
+            mbs = rank_microbatches(samples, list(range(len(samples))), self.cfg,
+                                    self.layout.tensor_model_parallel_size, fields=False)
+        else:
+            mbs = self._my_microbatches(samples, fields=False)
 
         def collect(batch: Microbatch, logprobs: torch.Tensor) -> tuple[torch.Tensor, Any]:
             return logprobs.sum() * 0.0, dict(zip(batch.seq_ids.tolist(), response_values(logprobs, batch)))
 
         payloads = run_microbatches(model, mbs, collect, self.arch.vocab_size, forward_only=True)
         mine = {k: v for p in payloads for k, v in p.items()} if self._is_loss_rank() else {}
+        if own:
+            return [mine[i] for i in range(len(samples))] if self._is_loss_rank() else None
         gathered: list = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(gathered, mine)
         merged = {k: v for part in gathered for k, v in part.items()}

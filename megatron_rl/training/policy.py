@@ -14,10 +14,12 @@ from megatron_rl.sample import Sample
 class Policy(Protocol):
     """The policy being trained, as the loop, the weight sync and the colocation owner see it."""
 
-    async def compute_logprobs(self, samples: list[Sample], which: str = "policy") -> list[list[float]]:
+    async def compute_logprobs(self, samples: list[Sample], which: str = "policy",
+                               replicas: list[int] | None = None) -> list[list[float]]:
         """Per-token logprobs of each sample's response under the current weights (``'policy'``)
         or the frozen reference model (``'reference'``); one list per sample, one value per
-        response token."""
+        response token. ``replicas``: only those data-parallel replicas compute (the others may be
+        out of device memory)."""
         ...
 
     async def train_step(self, samples: list[Sample]) -> dict:
@@ -26,8 +28,14 @@ class Policy(Protocol):
         training forward scored the batch)."""
         ...
 
-    async def accumulate_gradients(self, samples: list[Sample]) -> dict:
-        """Forward+backward of ``samples`` added to the pending step's gradient; no optimizer step."""
+    async def accumulate_gradients(self, samples: list[Sample], replicas: list[int] | None = None) -> dict:
+        """Forward+backward of ``samples`` added to the pending step's gradient; no optimizer step.
+        ``replicas``: only those data-parallel replicas compute, each its own share, evening out what
+        each trained since the last optimizer step."""
+        ...
+
+    def ranks_of(self, replicas: list[int]) -> list[int]:
+        """Global trainer ranks of the data-parallel ``replicas``."""
         ...
 
     async def apply_accumulated_gradients(self, num_tokens_total: int, num_seqs_total: int) -> dict:
@@ -42,12 +50,12 @@ class Policy(Protocol):
         """Move the trainer state out of device memory (``trainer.offload_during_rollout``)."""
         ...
 
-    async def reload_for_training(self) -> dict:
-        """Bring back what :meth:`offload_for_rollout` moved."""
+    async def reload_for_training(self, ranks: list[int] | None = None) -> dict:
+        """Bring back what :meth:`offload_for_rollout` moved (on every rank, or ``ranks``)."""
         ...
 
-    async def set_num_threads(self, n: int) -> None:
-        """torch intra-op threads on every rank (CPU: cores lent by released engines)."""
+    async def set_num_threads(self, n: int, ranks: list[int] | None = None) -> None:
+        """torch intra-op threads on every rank or ``ranks`` (CPU: cores lent by released engines)."""
         ...
 
     async def write_hf_weights(self, directory: str) -> None:

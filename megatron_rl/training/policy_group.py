@@ -25,6 +25,7 @@ import ray
 
 from megatron_rl.config.schema import RunConfig
 from megatron_rl.distributed.errors import one_line
+from megatron_rl.distributed.replica_release import replica_ranks
 from megatron_rl.runtime.aio import wait_for
 from megatron_rl.runtime.import_cost import collector_paused, preimport
 from megatron_rl.sample import Sample
@@ -78,8 +79,8 @@ class TrainerRank:
         helper = _RANK_HELPERS.get(name)
         if helper is not None:
             return helper(self, *args)
-        if name in _TAKES_LOSS_FN:
-            args = (*args, self._loss_fn())
+        if name in _TAKES_LOSS_FN:  # (samples, loss_fn, *options): the worker's signature
+            args = (args[0], self._loss_fn(), *args[1:])
         if self.device == "cpu":
             from megatron_rl.distributed.cpu_shim import cpu_device_mode
 
@@ -168,8 +169,13 @@ class PolicyGroup:
         hosts the rendezvous store (``RunPlacement.master_addr``: rank 0's node); default loopback on
         one node, else the driver's address."""
         p = cfg.parallel
+        self.cfg = cfg
         self.world_size = (p.tensor_model_parallel_size * p.pipeline_model_parallel_size
                            * p.context_parallel_size * p.data_parallel_size)
+        self._replicas = replica_ranks(p.tensor_model_parallel_size, p.context_parallel_size, p.data_parallel_size,
+                                       p.pipeline_model_parallel_size)
+        self._replica_tokens: dict[int, float] = {}
+        """Tokens each DP replica trained since the last optimizer step (streamed chunks)."""
         per_rank = actor_options if isinstance(actor_options, list) else [actor_options] * self.world_size
         if len(per_rank) != self.world_size:
             raise ValueError(f"PolicyGroup: {len(per_rank)} actor option sets for {self.world_size} trainer ranks")
@@ -190,12 +196,15 @@ class PolicyGroup:
         self._ranks: list[dict] = []
         """Per rank, its ``whereabouts`` (pid, host, node), once :meth:`load_hf` asked."""
 
-    async def _all(self, name: str, *args: Any) -> list[Any]:
-        """``name(*args)`` on every rank at once; each rank's result, in rank order. Raises
+    async def _all(self, name: str, *args: Any, ranks: list[int] | None = None,
+                   args_of: Any = None) -> list[Any]:
+        """``name(*args)`` on every rank at once (``ranks``: on those only; ``args_of(rank)``: each its
+        own arguments); each called rank's result, in the order called. Raises
         :class:`TrainerRankError` when a rank fails or dies (see the module docstring)."""
         if self.broken:
             raise TrainerRankError(f"trainer ranks: {name} refused, the group is broken ({self.broken})")
-        refs = [a.call.remote(name, *args) for a in self.actors]
+        called = list(range(len(self.actors))) if ranks is None else list(ranks)
+        refs = [self.actors[r].call.remote(name, *(args if args_of is None else args_of(r))) for r in called]
         calls = [asyncio.ensure_future(self._await(ref)) for ref in refs]
         waited = CALL_TIMEOUT_S
         try:
@@ -204,7 +213,7 @@ class PolicyGroup:
                 _, pending = await asyncio.wait(pending, timeout=PEER_GRACE_S)
                 waited = PEER_GRACE_S
         except asyncio.CancelledError:  # the caller gave up (its own timeout): the ranks may still be busy
-            self._in_flight.update(enumerate(refs))
+            self._in_flight.update(zip(called, refs))
             for call in calls:
                 call.cancel()
             raise
@@ -215,9 +224,9 @@ class PolicyGroup:
             raise errors[0]  # every rank answered (e.g. all refused a bad batch): the group is still whole
         for call in pending:
             call.cancel()
-        self._in_flight.update((rank, refs[rank]) for rank, c in enumerate(calls) if c in pending)
+        self._in_flight.update((called[i], refs[i]) for i, c in enumerate(calls) if c in pending)
         problems = []
-        for rank, call in enumerate(calls):
+        for rank, call in zip(called, calls):
             if call in pending:
                 what = "after the failure" if waited == PEER_GRACE_S else "in all"
                 problems.append(f"rank {rank} ({self.where[rank]}) gave no answer within {waited:g} s {what}")
@@ -225,7 +234,8 @@ class PolicyGroup:
                 problems.append(f"rank {rank} ({self.where[rank]}) {self._failure(call.exception())}")
         self.broken = f"{name}: " + "; ".join(problems)
         error = TrainerRankError if errors else TrainerRankTimeout
-        raise error(f"trainer ranks failed during {name} ({len(self.actors)} ranks): " + "; ".join(problems))
+        scope = f"{len(self.actors)} ranks" if ranks is None else f"ranks {called} of {len(self.actors)}"
+        raise error(f"trainer ranks failed during {name} ({scope}): " + "; ".join(problems))
 
     @staticmethod
     async def _await(ref: Any) -> Any:
@@ -246,42 +256,113 @@ class PolicyGroup:
         self.where = [f"pid {r['pid']} on node {r['node'][:12]} ({r['ip']})" for r in self._ranks]
         await self._all("load_hf", hf_path)
 
-    async def compute_logprobs(self, samples: list[Sample], which: str = "policy") -> list[list[float]]:
-        """Per-token logprobs of each sample's response under ``which`` ('policy' / 'reference')."""
-        return await self._first("compute_logprobs", samples, which)
+    # ------------------------------------------------------------------ data-parallel replicas
+    @property
+    def num_replicas(self) -> int:
+        """Data-parallel replicas (model copies) of the trainer."""
+        return self.cfg.parallel.data_parallel_size
+
+    def replica_ranks(self, replica: int) -> list[int]:
+        """Global ranks of DP replica ``replica`` (its TP x CP x PP ranks, Megatron's rank order)."""
+        return list(self._replicas[replica])
+
+    def ranks_of(self, replicas: list[int]) -> list[int]:
+        """Global ranks of ``replicas``, ascending."""
+        return sorted(r for replica in replicas for r in self._replicas[replica])
+
+    def _split(self, samples: list[Sample], replicas: list[int]) -> dict[int, list[Sample]]:
+        """``samples`` split over ``replicas`` (``rank_batches.replica_shares``), evening out the tokens
+        each replica trained since the last optimizer step."""
+        from megatron_rl.training.rank_batches import replica_shares  # torch: never on the driver's import
+
+        shares = replica_shares([s.num_tokens for s in samples], replicas, self._replica_tokens)
+        return {r: [samples[i] for i in idx] for r, idx in shares.items()}
+
+    def _check_replicas(self, replicas: list[int]) -> list[int]:
+        bad = [r for r in replicas if not 0 <= r < self.num_replicas]
+        if bad or not replicas or len(set(replicas)) != len(replicas):
+            raise ValueError(f"replicas {replicas}: expected distinct DP indices in 0..{self.num_replicas - 1}")
+        return sorted(replicas)
+
+    # ------------------------------------------------------------------ compute
+    async def compute_logprobs(self, samples: list[Sample], which: str = "policy",
+                               replicas: list[int] | None = None) -> list[list[float]]:
+        """Per-token logprobs of each sample's response under ``which`` ('policy' / 'reference'):
+        on every rank, or (``replicas``) on those DP replicas' ranks only, each scoring its own share
+        (``MegatronWorker.compute_logprobs(own=True)``; the other replicas are not called)."""
+        if replicas is None:
+            return await self._first("compute_logprobs", samples, which)
+        shares = self._split(samples, self._check_replicas(replicas))
+        replica_of = {r: replica for replica in shares for r in self._replicas[replica]}
+        results = await self._all("compute_logprobs", ranks=sorted(replica_of),
+                                  args_of=lambda r: (shares[replica_of[r]], which, True))
+        by_id: dict[int, list[float]] = {}
+        for rank, result in zip(sorted(replica_of), results):
+            if result is not None:
+                by_id.update((id(s), lp) for s, lp in zip(shares[replica_of[rank]], result))
+        return [by_id[id(s)] for s in samples]
 
     async def train_step(self, samples: list[Sample]) -> dict:
         """One training step (``algorithm.ppo_mini_batches`` optimizer steps) over ``samples``."""
         return await self._first("train_step", samples)
 
-    async def accumulate_gradients(self, samples: list[Sample]) -> dict:
-        """Forward+backward of ``samples`` added to the pending step's gradient, no optimizer step."""
-        return await self._first("accumulate_gradients", samples)
+    async def accumulate_gradients(self, samples: list[Sample], replicas: list[int] | None = None) -> dict:
+        """Forward+backward of ``samples`` added to the pending step's gradient, no optimizer step;
+        returns the chunk's raw metrics over the ranks. ``replicas=None``: every rank is called and
+        each DP rank takes its share. Else only those DP replicas' ranks compute, each on its own share
+        (split here, evening out the tokens each replica trained since the last optimizer step, so
+        replicas that streamed earlier take less afterwards and all finish together); the others are
+        not called and may stay out of device memory."""
+        from megatron_rl.training.step_metrics import combine
+
+        if replicas is None:
+            results = await self._all("accumulate_gradients", samples)
+        else:
+            shares = self._split(samples, self._check_replicas(replicas))
+            replica_of = {r: replica for replica in shares for r in self._replicas[replica]}
+            results = await self._all("accumulate_gradients", ranks=sorted(replica_of),
+                                      args_of=lambda r: (shares[replica_of[r]], True))
+            for replica, share in shares.items():
+                self._replica_tokens[replica] = self._replica_tokens.get(replica, 0.0) + sum(s.num_tokens for s in share)
+        total: dict[str, float] = {}
+        for part in results:
+            for key, value in (part or {}).items():
+                combine(total, key, value)
+        return total
 
     async def apply_accumulated_gradients(self, num_tokens_total: int, num_seqs_total: int) -> dict:
         """The one optimizer step over everything accumulated, normalised by the full batch's
-        response tokens and sequences; metrics as :meth:`train_step` returns them."""
-        return await self._first("apply_accumulated_gradients", num_tokens_total, num_seqs_total)
+        response tokens and sequences; metrics as :meth:`train_step` returns them. Every rank."""
+        try:
+            return await self._first("apply_accumulated_gradients", num_tokens_total, num_seqs_total)
+        finally:
+            self._replica_tokens = {}
+
+    def replica_tokens(self) -> dict[int, float]:
+        """Tokens (prompt + response) each DP replica trained since the last optimizer step."""
+        return dict(self._replica_tokens)
 
     async def free_grad_buffers(self) -> dict:
         """Every rank frees only its grad buffers (the first part of :meth:`offload_for_rollout`,
         before a push that reads the weights); returns rank 0's bytes. Only ``Colocation`` calls this."""
         return await self._first("free_grad_buffers")
 
-    async def offload_for_rollout(self) -> dict:
-        """Every rank frees its grad buffers and (GPU) moves optimizer state and weights to host
-        memory; returns rank 0's bytes freed/moved per kind. Only ``Colocation`` calls this."""
-        return await self._first("offload_for_rollout")
+    async def offload_for_rollout(self, ranks: list[int] | None = None) -> dict:
+        """Every rank (or ``ranks``) frees its grad buffers and (GPU) moves optimizer state and weights to
+        host memory; returns the first called rank's bytes freed/moved per kind. Only ``Colocation``
+        calls this."""
+        return (await self._all("offload_for_rollout", ranks=ranks))[0]
 
-    async def reload_for_training(self) -> dict:
-        """Bring back what :meth:`offload_for_rollout` moved. Only ``Colocation`` calls this."""
-        return await self._first("reload_for_training")
+    async def reload_for_training(self, ranks: list[int] | None = None) -> dict:
+        """Bring back what :meth:`offload_for_rollout` moved, on every rank or ``ranks``. Only
+        ``Colocation`` calls this."""
+        return (await self._all("reload_for_training", ranks=ranks))[0]
 
-    async def set_num_threads(self, n: int) -> None:
-        """torch intra-op threads on every rank (hand cores freed by the rollout to training)."""
+    async def set_num_threads(self, n: int, ranks: list[int] | None = None) -> None:
+        """torch intra-op threads on every rank or ``ranks`` (hand cores freed by the rollout to training)."""
         if n < 1:
             raise ValueError(f"set_num_threads: n must be >= 1, got {n}")
-        await self._all("set_num_threads", n)
+        await self._all("set_num_threads", n, ranks=ranks)
 
     async def write_hf_weights(self, directory: str) -> None:
         """The policy as HF safetensors in ``directory`` (rank 0 writes after a gather)."""

@@ -75,3 +75,20 @@ def rank_microbatches(samples: list[Sample], mine: list[int], cfg: RunConfig, tp
             width_multiple=multiple,
         ))
     return out
+
+
+def replica_shares(lengths: list[int], replicas: list[int], prior: dict[int, float] | None = None) -> dict[int, list[int]]:
+    """Indices of the samples (by token count ``lengths``) each of ``replicas`` (DP indices) takes when
+    the driver splits a chunk over some replicas: longest first, each to the replica with the least
+    tokens so far, counting ``prior`` (tokens each replica already trained this step: the replicas the
+    rollout freed stream before the others come back, so after the round the split evens the totals
+    and the replicas finish together). Deterministic; each replica's indices come back sorted."""
+    if not replicas:
+        raise ValueError("replica_shares: no replica to split over")
+    loads = {r: float((prior or {}).get(r, 0.0)) for r in replicas}
+    parts: dict[int, list[int]] = {r: [] for r in replicas}
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        replica = min(replicas, key=lambda r: (loads[r], len(parts[r]), r))
+        parts[replica].append(index)
+        loads[replica] += lengths[index]
+    return {r: sorted(p) for r, p in parts.items()}

@@ -27,7 +27,7 @@ from megatron_rl.config.loading import load_config
 from megatron_rl.config.values import ConfigError
 from megatron_rl.planning.architectures import resolve_shape
 from megatron_rl.planning.memory import GPUS, estimate_memory
-from megatron_rl.planning.moments import plan_moments
+from megatron_rl.planning.moments import overlap_gib
 from megatron_rl.tools import results_record, results_tables
 from rollpacker.config import PlannerConfig, StreamConfig
 from rollpacker.peers.config import PeersConfig
@@ -39,8 +39,6 @@ from rollpacker.simulator.runner import build_cluster, run_policy
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = [f"examples/qwen2.5/qwen2.5_{size}_mixed_{layout}.yaml"
            for size, layout in (("7b", "2x8_tp2_rtp1"), ("14b", "4x8_tp4_rtp2"), ("32b", "8x8_tp8_rtp2"))]
-HANDOFF = "stream handoff (trainer trains, engine generates)"
-"""The planner's moment of a trainer training beside a generating engine on one GPU: colocated one-step-off's."""
 COLUMNS = [("step time (s)", "step_s", "{:.0f}"), ("speedup", "speedup", "{:.2f}"),
            ("off-policy", "off_policy", "{:.2f}"), ("stale, mean", "staleness_mean", "{:.2f}"),
            ("stale, max", "staleness_max", "{:.0f}"), ("wasted (k tok)", "wasted_k", "{:.0f}"),
@@ -97,8 +95,7 @@ def load_recipe(path: str, settings: Settings, overrides: list[str] | None = Non
     colocated = None
     if cfg.cluster.device == "cuda":
         with_stream = load_config(path, [*(overrides or []), "stream.enabled=true"])
-        plan = plan_moments(with_stream, shape, estimate_memory(with_stream, shape, gpu))
-        colocated = next((round(m.total_gib, 1) for m in plan.moments if m.name == HANDOFF), None)
+        colocated = round(overlap_gib(estimate_memory(with_stream, shape, gpu)), 1)
     size = re.search(r"(\d+(?:\.\d+)?)b", shape.name.lower())
     label = f"{size.group(1)}B" if size else Path(path).stem
     return Recipe(label, cluster, features, cfg.section(PeersConfig), split, colocated)

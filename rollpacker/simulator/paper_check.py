@@ -116,7 +116,9 @@ def build(size: PaperSize, inputs: PaperInputs = PaperInputs()) -> Cluster:
     # The paper's layout on the same GPUs; full recompute (16k-32k-token sequences); the paper
     # states no trainer offload, so none is charged.
     train = replace(train, pp=pp, dp=train.gpus // (tp * pp * cp), recompute="full", offload_s=0.0)
-    return build_cluster(cfg, shape, gpu, lengths, train=train, reward=reward, eff=GpuEfficiency(hbm=inputs.hbm))
+    cluster = build_cluster(cfg, shape, gpu, lengths, train=train, reward=reward, eff=GpuEfficiency(hbm=inputs.hbm))
+    # The stream trainer frees one data-parallel replica of the paper's layout (its TP x PP x CP GPUs).
+    return replace(cluster, stream_release_gpus=tp * pp * cp)
 
 
 def _features() -> dict[str, Features]:

@@ -14,9 +14,11 @@ cumulative table):
   type, the round's preemptions)`` after it (per round type: preemptions up > ``growth`` ->
   next larger legal TP, ``quiet_rounds`` rounds without preemption -> next smaller); a TP change
   pays one more weight sync;
-* stream trainer: in long rounds, once ``stream_start`` of the prompts are complete, half of the
-  engines hand their running requests to the others (recompute: prompt + generated tokens are
-  prefilled again) and their GPUs train on completed prompts while the rest still generate.
+* stream trainer: in long rounds, once ``stream_start`` of the prompts are complete, the engines on
+  ``Cluster.stream_release_gpus`` GPUs (whole data-parallel replicas of the trainer, as the RL loop
+  releases them: ``megatron_rl.distributed.replica_release``) hand their running requests to the
+  others (recompute: prompt + generated tokens are prefilled again) and those GPUs, and only those,
+  train on completed prompts at their share of the trainer's throughput while the rest still generate.
 """
 from __future__ import annotations
 
@@ -69,6 +71,10 @@ class Cluster:
     prompts_per_step: int
     responses_per_prompt: int
     total_gpus: int
+    stream_release_gpus: int = 0
+    """GPUs the stream trainer frees in a long round: the released engines' GPUs, whole data-parallel
+    replicas of the trainer (the recipe's ``stream.release_engines`` x its rollout TP; at another rollout
+    TP as many engines as cover them). 0: half of the rollout GPUs."""
     planner: Callable[[], ElasticTPPlanner] | None = None
     """Makes the elastic-TP planner of one simulated run (a fresh one per run; ``build_cluster``
     gives the one the RL loop builds for the recipe). None: an :class:`ElasticTPPlanner` over the
@@ -214,15 +220,17 @@ def _wasted_by(engine: EngineModel, buckets: list[list[SimRequest]], kept: set[i
 def _stream(cl: Cluster, engine: EngineModel, buckets: list[list[SimRequest]], runs: list[EngineRun],
             completions: list[float], need: int, start_frac: float, end: float
             ) -> tuple[float, list[EngineRun], float, int]:
-    """Free half of the engines once ``start_frac`` of the prompts are complete, migrate their
-    unfinished requests (recompute) to the others, and train on the freed GPUs meanwhile."""
+    """Free the engines on ``cl.stream_release_gpus`` GPUs once ``start_frac`` of the prompts are complete,
+    migrate their unfinished requests (recompute) to the others, and train on the freed GPUs meanwhile."""
     if len(buckets) < 2:
         return end, runs, 0.0, sum(r.preemptions for r in runs)
+    release_gpus = cl.stream_release_gpus or cl.rollout_gpus // 2
+    n_free = min(len(buckets) - 1, max(1, math.ceil(release_gpus / engine.gpus)))
     t_s = completions[max(0, math.ceil(start_frac * need) - 1)]
     partial = [simulate_engine(engine, [_copy(r) for r in b], stop_at=t_s) for b in buckets]
     remaining = [sum(r.remaining for r in p.unfinished) for p in partial]
     order = sorted(range(len(buckets)), key=lambda i: remaining[i])
-    freed, kept = order[: len(buckets) // 2], order[len(buckets) // 2:]
+    freed, kept = order[:n_free], order[n_free:]
     migrated = [SimRequest(r.rid, r.prompt_tokens + r.generated, r.remaining, pid=r.pid, arrival=t_s)
                 for i in freed for r in partial[i].unfinished]
     new_buckets = {i: [_copy(r) for r in buckets[i]] for i in kept}

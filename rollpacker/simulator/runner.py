@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from megatron_rl.config.schema import RunConfig
 from megatron_rl.planning.architectures import ModelShape
 from megatron_rl.planning.memory import GpuSpec
-from rollpacker.config import PlannerConfig
+from rollpacker.config import PlannerConfig, StreamConfig
 from rollpacker.planner import legal_tp_sizes, planner_for_run
 from rollpacker.simulator.costs import MixedReward, RewardModel, TrainModel
 from rollpacker.simulator.engine_model import EngineModel, GpuEfficiency
@@ -96,10 +96,19 @@ def build_cluster(cfg: RunConfig, shape: ModelShape, gpu: GpuSpec, lengths: Leng
     planner_for_run(cfg, sizes)  # a bad planner.initial_tp / profile fails here, not mid-simulation
     if reward is None:
         reward = reward_for(cfg)
+    train = train or TrainModel.from_recipe(cfg, shape, gpu)
     return Cluster(rollout_gpus, c.gpus_per_node, engine_for_tp, r.tensor_parallel_size, sizes[-1],
-                   train or TrainModel.from_recipe(cfg, shape, gpu), reward, lengths, cfg.data.prompts_per_step,
+                   train, reward, lengths, cfg.data.prompts_per_step,
                    cfg.data.responses_per_prompt, max(rollout_gpus, c.num_nodes * c.gpus_per_node),
-                   planner=lambda: planner_for_run(cfg, sizes))
+                   stream_release_gpus=stream_release_gpus(cfg, train), planner=lambda: planner_for_run(cfg, sizes))
+
+
+def stream_release_gpus(cfg: RunConfig, train: TrainModel) -> int:
+    """GPUs the stream trainer frees: the recipe's released engines' GPUs, or (none set) one data-parallel
+    replica of the simulated trainer layout (``train.gpus // train.dp``: the smallest release that frees a
+    whole replica on a colocated layout)."""
+    released = cfg.section(StreamConfig).release_engines * cfg.rollout.tensor_parallel_size
+    return released or max(1, train.gpus // max(1, train.dp))
 
 
 def reward_for(cfg: RunConfig) -> RewardModel | MixedReward:

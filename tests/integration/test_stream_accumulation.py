@@ -34,7 +34,16 @@ gradients off by ~4x in every case; finalising the grads per chunk re-sums the t
 (PP2: gradient off by ~0.7 relative) and, under DP, runs the DP all-reduce on the ranks that had
 samples only, which hangs the group until run_spmd's timeout.
 
-The last tests check the driver handle's asyncio plumbing (PolicyGroup) with fake actors.
+Streaming on the GPUs the rollout freed (RollPacker's handoff): one DP replica of two is freed and
+streams every chunk alone (``accumulate_gradients(own=True)`` and ``compute_logprobs(own=True)`` on its
+ranks only, the chunk split by ``rank_batches.replica_shares`` as ``PolicyGroup`` splits it); after the
+round both replicas take the rest, split to even their tokens; one ``apply_accumulated_gradients`` on every
+rank. DP2, TP2xDP2 and PP2xDP2, every loss aggregation, KL and TIS, the same tolerances against the
+ordinary step; each rank counts the forward passes it ran while streaming: the other replica's ranks ran
+none.
+
+The last tests check the driver handle's asyncio plumbing (PolicyGroup) with fake actors: a call on some
+replicas reaches their ranks only.
 """
 from __future__ import annotations
 
@@ -111,6 +120,7 @@ def _error_cases(worker, samples, loss_fn) -> dict[str, str]:
 def stream_scenarios(rank: int, world: int, port: int, model_dir: str, cases: list, samples) -> list | None:
     from megatron_rl.algorithms.losses import compute_policy_loss
     from megatron_rl.training.megatron_worker import MegatronWorker
+    from megatron_rl.training.step_metrics import combine_over_ranks
 
     results = []
     for index, (name, _, tp, pp, loss_agg, kl_coef, tis_cap) in enumerate(cases):
@@ -132,7 +142,8 @@ def stream_scenarios(rank: int, world: int, port: int, model_dir: str, cases: li
         for k, (lo, hi) in enumerate(CHUNKS):
             if k == LOGPROB_CHECK_CHUNK:
                 logprobs_mid = worker.compute_logprobs(batch[lo:hi])
-            chunk_metrics.append(worker.accumulate_gradients(batch[lo:hi], loss_fn))
+            # Each rank answers its own chunk metrics (one rank per replica reports); PolicyGroup adds them up.
+            chunk_metrics.append(combine_over_ranks(worker.accumulate_gradients(batch[lo:hi], loss_fn)))
         stream_metrics = worker.apply_accumulated_gradients(
             sum(len(s.response_ids) for s in batch), len(batch))
         stream = {"grads": worker.export_hf_grads(), "weights": worker.export_hf_state_dict(),
@@ -143,6 +154,87 @@ def stream_scenarios(rank: int, world: int, port: int, model_dir: str, cases: li
             entry["errors"] = _error_cases(worker, batch, loss_fn)
         worker.shutdown(destroy_world=index == len(cases) - 1)
         results.append(entry)
+    return results if rank == 0 else None
+
+
+SUBSET_CASES = [
+    # name, world, tp, pp, loss_agg, kl_coef, tis_cap: DP2, replica 1 freed while replica 0's engine generates
+    ("freed-dp2-seq_mean_token_mean", 2, 1, 1, "seq_mean_token_mean", 0.0, 0.0),
+    ("freed-dp2-token_mean-kl-tis", 2, 1, 1, "token_mean", 0.05, 1.5),
+    ("freed-dp2-seq_mean_token_sum-kl", 2, 1, 1, "seq_mean_token_sum", 0.05, 0.0),
+    ("freed-tp2dp2-token_mean-kl-tis", 4, 2, 1, "token_mean", 0.05, 1.5),
+    ("freed-pp2dp2-seq_mean_token_sum-tis", 4, 1, 2, "seq_mean_token_sum", 0.0, 1.5),
+]
+FREED = [1]
+"""The DP replica the released engine frees (replica 0, rank 0's, keeps generating)."""
+STREAM_END = 6
+"""Samples streamed before the round ends (the chunks of CHUNKS below it); the rest come after."""
+
+
+def _counting_forwards(counter: list[int]):
+    """Patch the worker modules' microbatch runner to count the forward passes this rank runs."""
+    from megatron_rl.training import gradient_steps, logprobs, megatron_worker
+
+    real = logprobs.run_microbatches
+
+    def counted(model, mbs, *args, **kwargs):
+        counter[0] += len(mbs)
+        return real(model, mbs, *args, **kwargs)
+
+    gradient_steps.run_microbatches = megatron_worker.run_microbatches = counted
+    return real
+
+
+def freed_scenarios(rank: int, world: int, port: int, model_dir: str, cases: list, samples) -> list | None:
+    """Each case: the ordinary step, then the freed replica streams alone and both take the rest."""
+    from megatron_rl.algorithms.losses import compute_policy_loss
+    from megatron_rl.training import gradient_steps, megatron_worker
+    from megatron_rl.training.megatron_worker import MegatronWorker
+    from megatron_rl.training.rank_batches import replica_shares
+
+    results = []
+    for index, (name, _, tp, pp, loss_agg, kl_coef, tis_cap) in enumerate(cases):
+        cfg = policy_loss_cfg(tp, pp, loss_agg, kl_coef, tis_cap)
+        loss_fn = functools.partial(compute_policy_loss, cfg=cfg.algorithm)
+        worker = MegatronWorker(cfg, rank, world, "127.0.0.1", port)
+        worker.load_hf(model_dir)
+        batch = [dataclasses.replace(s) for s in samples]
+        _prepare(worker, batch, seed=200 + index)
+        initial = worker.export_hf_state_dict()
+        initial_logprobs = worker.compute_logprobs(batch)
+        ref_metrics = worker.train_step(batch, loss_fn)
+        ref = {"grads": worker.export_hf_grads(), "weights": worker.export_hf_state_dict(), "metrics": ref_metrics}
+
+        worker.load_hf(model_dir)
+        counter = [0]
+        real = _counting_forwards(counter)
+        prior: dict[int, float] = {}
+        logprobs_ok = True
+        try:
+            for lo, hi in [c for c in CHUNKS if c[1] <= STREAM_END]:  # the round: the freed replica alone
+                chunk = batch[lo:hi]
+                shares = replica_shares([s.num_tokens for s in chunk], FREED, prior)
+                for replica, idx in shares.items():
+                    prior[replica] = prior.get(replica, 0.0) + sum(chunk[i].num_tokens for i in idx)
+                if worker.dp_rank in FREED:
+                    mine = [chunk[i] for i in shares[worker.dp_rank]]
+                    scored = worker.compute_logprobs(mine, own=True)
+                    if scored is not None:
+                        logprobs_ok &= scored == [initial_logprobs[lo + i] for i in shares[worker.dp_rank]]
+                    worker.accumulate_gradients(mine, loss_fn, own=True)
+            forwards_while_streaming = counter[0]
+            rest = batch[STREAM_END:]  # the round is over: every replica, evening out the tokens
+            shares = replica_shares([s.num_tokens for s in rest], [0, 1], prior)
+            worker.accumulate_gradients([rest[i] for i in shares[worker.dp_rank]], loss_fn, own=True)
+        finally:
+            gradient_steps.run_microbatches = megatron_worker.run_microbatches = real
+        stream_metrics = worker.apply_accumulated_gradients(sum(len(s.response_ids) for s in batch), len(batch))
+        stream = {"grads": worker.export_hf_grads(), "weights": worker.export_hf_state_dict(), "metrics": stream_metrics}
+        forwards: list = [None] * world
+        torch.distributed.all_gather_object(forwards, (worker.dp_rank, forwards_while_streaming, logprobs_ok))
+        results.append({"name": name, "dp": worker.dp_size, "initial": initial, "ref": ref, "stream": stream,
+                        "forwards_while_streaming": forwards})
+        worker.shutdown(destroy_world=index == len(cases) - 1)
     return results if rank == 0 else None
 
 
@@ -176,6 +268,60 @@ def runs(tiny_model_dir, tmp_path_factory):
         for r in run_spmd(stream_scenarios, world, (str(tiny_model_dir), cases, samples), out, timeout_s=240)[0]:
             results[r["name"]] = r
     return results
+
+
+@pytest.fixture(scope="module")
+def freed_runs(tiny_model_dir, tmp_path_factory):
+    samples = make_samples(NUM_SAMPLES, seed=5)
+    results = {}
+    for world in sorted({c[1] for c in SUBSET_CASES}):
+        cases = [c for c in SUBSET_CASES if c[1] == world]
+        out = tmp_path_factory.mktemp(f"freed_spmd{world}")
+        for r in run_spmd(freed_scenarios, world, (str(tiny_model_dir), cases, samples), out, timeout_s=240)[0]:
+            results[r["name"]] = r
+    return results
+
+
+def _compare(r: dict, case: str) -> None:
+    """The streamed step against the ordinary one (the module docstring's tolerances)."""
+    ref, stream = r["ref"], r["stream"]
+    assert sorted(stream["grads"]) == sorted(ref["grads"])
+    diff_sq = ref_sq = grad_max = param_ratio = 0.0
+    plain = total = 0
+    for name, g in ref["grads"].items():
+        diff = (stream["grads"][name] - g).double()
+        diff_sq, ref_sq = diff_sq + float(diff.norm()) ** 2, ref_sq + float(g.double().norm()) ** 2
+        grad_max = max(grad_max, float(diff.abs().max()) / float(g.abs().max()))
+        ratio, count, _ = _param_check(r, name)
+        param_ratio, plain, total = max(param_ratio, ratio), plain + count, total + g.numel()
+    grad_norm = (diff_sq / ref_sq) ** 0.5
+    print(f"{case}: gradient |diff|/|g| {grad_norm:.2e}, worst tensor max-diff/max {grad_max:.2e}; "
+          f"parameters worst diff/allowance {param_ratio:.2f}")
+    assert grad_norm <= RTOL, (case, grad_norm)
+    assert grad_max <= GRAD_MAX_RTOL, (case, grad_max)
+    assert param_ratio <= 1.0, (case, param_ratio)
+    assert plain >= 0.98 * total, (case, plain / total)
+    assert any(not torch.equal(ref["weights"][n], r["initial"][n]) for n in ref["grads"])
+
+
+@pytest.mark.parametrize("case", [c[0] for c in SUBSET_CASES])
+def test_a_step_streamed_on_the_freed_replica_equals_the_ordinary_step(freed_runs, case):
+    r = freed_runs[case]
+    assert r["dp"] == 2
+    _compare(r, case)
+    ref, stream = r["ref"]["metrics"], r["stream"]["metrics"]
+    for key, value in ref.items():
+        if key not in ("time_s", "torch_threads"):
+            assert stream[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.parametrize("case", [c[0] for c in SUBSET_CASES])
+def test_only_the_freed_replicas_ranks_computed_while_streaming(freed_runs, case):
+    """Replica 0's ranks (beside the engine that keeps generating) ran no forward pass during the round;
+    every rank of the freed replica did, and its logprobs of its share equal the ordinary ones."""
+    per_rank = freed_runs[case]["forwards_while_streaming"]
+    assert all(n == 0 for dp, n, _ in per_rank if dp not in FREED), per_rank
+    assert all(n > 0 and ok for dp, n, ok in per_rank if dp in FREED), per_rank
 
 
 def test_layouts_cover_tp_pp_dp(runs):
@@ -267,7 +413,9 @@ class _FakeActor:
                 actor.calls.append((actor.rank, method, args))
                 future = asyncio.get_running_loop().create_future()
                 if actor.delay_s is not None:  # None: the rank never answers
-                    asyncio.get_running_loop().call_later(actor.delay_s, future.set_result, (actor.rank, method))
+                    # A rank's accumulate_gradients answers its chunk metrics; the rest, who answered.
+                    answer = {"n": 1.0} if args and args[0] == "accumulate_gradients" else (actor.rank, method)
+                    asyncio.get_running_loop().call_later(actor.delay_s, future.set_result, answer)
                 return future
 
         return _Method
@@ -295,18 +443,49 @@ def test_policy_group_calls_reach_every_rank_through_one_forwarder_without_block
                 await asyncio.sleep(0.005)
 
         task = asyncio.create_task(ticker())
-        results = [await group.accumulate_gradients(["s"]),
-                   await group.compute_logprobs(["s"], which="reference"),
+        summed = await group.accumulate_gradients(["s"])
+        results = [await group.compute_logprobs(["s"], which="reference"),
                    await group.apply_accumulated_gradients(7, 3)]
         task.cancel()
-        return results, calls, ticks
+        return summed, results, calls, ticks
 
-    results, calls, ticks = asyncio.run(main())
-    assert results == [(0, "call")] * 3  # rank 0's answer
+    summed, results, calls, ticks = asyncio.run(main())
+    assert results == [(0, "call")] * 2  # rank 0's answer
+    assert summed == {"n": 2.0}  # each rank's chunk metrics, added up
     sent = [("accumulate_gradients", ["s"]), ("compute_logprobs", ["s"], "reference"),
             ("apply_accumulated_gradients", 7, 3)]
     assert calls == [(rank, "call", args) for args in sent for rank in (0, 1)]
     assert ticks >= 5  # the loop kept running while the ranks worked
+
+
+def test_policy_group_calls_on_some_replicas_reach_only_their_ranks():
+    """``replicas=[1]`` (the replica a released engine freed): only its ranks are called, each with its own
+    share; the rest after the round is split over both replicas so that their tokens even out."""
+    from megatron_rl.config.schema import RunConfig
+    from megatron_rl.sample import Prompt, Sample
+
+    def sample(i: int, n: int) -> Sample:
+        return Sample(prompt=Prompt(prompt_id=f"p{i}", token_ids=[1] * 2, answer=""), response_index=0,
+                      request_id=f"r{i}", response_ids=[3] * n)
+
+    async def main():
+        group, calls = _fake_group(delay_s=0.0)
+        cfg = RunConfig()
+        cfg.parallel.data_parallel_size = 2
+        group.cfg, group._replicas, group._replica_tokens = cfg, [(0,), (1,)], {}
+        streamed = [sample(0, 10), sample(1, 4)]
+        await group.accumulate_gradients(streamed, replicas=[1])
+        rest = [sample(2, 10), sample(3, 4), sample(4, 2)]
+        await group.accumulate_gradients(rest, replicas=[0, 1])
+        return calls
+
+    calls = asyncio.run(main())
+    first = [(rank, args) for rank, _, args in calls[:1]]
+    assert [rank for rank, _, _ in calls[:1]] == [1] and len(calls) == 3
+    assert [s.request_id for s in first[0][1][1]] == ["r0", "r1"] and first[0][1][2] is True
+    shares = {rank: [s.request_id for s in args[1]] for rank, _, args in calls[1:]}
+    # Replica 1 streamed 18 tokens: replica 0 takes the two longest of the rest (18), replica 1 the last.
+    assert shares == {0: ["r2", "r3"], 1: ["r4"]}
 
 
 def test_policy_group_call_times_out(monkeypatch):

@@ -17,9 +17,11 @@ engines for a resume at a long round), so no switch precedes the first round.
   every long round, the trainer state offloaded through every rollout and the engines asleep through every
   training phase (with the checkpoints taken from that state), and nothing of either attempt is left
   running, in /dev/shm or in its TMPDIR.
-* Faults, everything on (trainer TP 1: the deaths are the engines'): one of the two engines killed (1) in a
-  long round right after a TP switch, (2) while it receives the weight push after that round, (3) in a short
-  round, (4) while it is lent to the stream trainer. Each time only that engine is replaced and only its
+* Faults, everything on, trainer DP2 (two one-rank replicas, one per engine of the long rounds, as
+  tiny_cpu_full.yaml: a released engine frees its replica, which alone trains the streamed chunks): one of
+  the two engines killed (1) in a long round right after a TP switch, (2) while it receives the weight push
+  after that round, (3) in a short round, (4) while it is lent to the stream trainer (its replacement starts
+  when the rollout resumes). Each time only that engine is replaced and only its
   requests move; the steps stay on-policy; ``fault/engine_restarts`` counts each; nothing is left in
   /dev/shm, nor in the run's TMPDIR (vLLM's rendezvous files, the engines' scratch dirs), whatever TP the
   engine ran and however it started.
@@ -229,7 +231,8 @@ def test_engine_deaths_with_every_mechanism_on(sft_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     args = overrides(sft_model_dir, run_dir, FAULT_STEPS, [*EVERYTHING, "planner.quiet_rounds=1",
                                                            "rollout.max_engine_restarts=4",
-                                                           "parallel.tensor_model_parallel_size=1"])
+                                                           "parallel.tensor_model_parallel_size=1",
+                                                           "parallel.data_parallel_size=2"])
     (tmp_path / "faults").mkdir()
     faults = ("point=engine.submit,step=1,action=kill; point=weight_push.receive,step=2,action=kill; "
               "point=engine.submit,step=2,action=kill; point=engine.sleep,step=3,action=kill")
@@ -263,4 +266,11 @@ def test_engine_deaths_with_every_mechanism_on(sft_model_dir, tmp_path):
     assert rows[1]["weight_sync/engine_replaced"] == 1.0  # the push of version 2 recovered
     lent = [r for r in rows if r["step"] == 3]
     assert lent[0]["round_type"] == "long" and lent[0].get("stream/released_engines") == 1.0, lent
+    # Trainer DP2 beside two TP-1 engines: each released engine frees its replica, which alone trains the
+    # streamed chunks (stream_trainer); the engine that died while lent started again only once the
+    # rollout resumed (its GPU was the trainer's until then).
+    long_rows = [r for r in rows if r["round_type"] == "long" and r.get("stream/released_engines") == 1.0]
+    assert long_rows and all(r["stream/released_replicas"] == 1.0 for r in long_rows), long_rows
+    assert re.search(r"engines \[\d\] released; trainer replicas \[\d\] \(ranks \[\d\]\) train on their GPUs", text)
+    assert "died while lent to the trainer: its replacement starts when the rollout resumes" in text
     _nothing_left(run, tmpdir)

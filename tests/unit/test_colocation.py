@@ -26,11 +26,11 @@ class Moves:
     async def offload_for_rollout(self):
         self.calls.append("trainer.offload")
 
-    async def reload_for_training(self):
-        self.calls.append("trainer.reload")
+    async def reload_for_training(self, ranks=None):
+        self.calls.append("trainer.reload" if ranks is None else f"trainer.reload(ranks {ranks})")
 
-    async def set_num_threads(self, n):
-        self.calls.append(f"trainer.threads({n})")
+    async def set_num_threads(self, n, ranks=None):
+        self.calls.append(f"trainer.threads({n})" if ranks is None else f"trainer.threads({n}, ranks {ranks})")
 
     async def sleep(self, level=1):
         self.calls.append("engine.sleep" if level == 1 else f"engine.sleep(level {level})")
@@ -38,8 +38,8 @@ class Moves:
     async def wake_up(self, tags=None):
         self.calls.append("engine.wake_up" if tags is None else f"engine.wake_up({','.join(tags)})")
 
-    async def release_engines(self, count):
-        self.calls.append(f"engine.release({count})")
+    async def release_engines(self, count, members=None, level=1):
+        self.calls.append(f"engine.release({members}, level {level})")
         return {"released_engines": float(count)}
 
     async def restore_engines(self):
@@ -116,18 +116,43 @@ def test_an_export_for_new_engines_makes_the_trainer_resident_only_for_its_durat
 def test_lending_engines_to_a_stream_and_giving_them_back():
     async def main():
         col, moves = colocation(offload=True, sleep=False, on_cpu=True)
-        figures = await col.lend_engines(1, train_threads=2)
+        figures = await col.lend_engines([1], train_threads=2)  # no ranks named: the trainer has GPUs of its own
         assert figures == {"released_engines": 1.0}
         await col.make_trainer_resident()  # every streamed chunk asks: free after the first
         await col.return_engines()
         await col.to_training()  # rollout over: the trainer is already resident
-        assert moves.calls == ["engine.release(1)", "trainer.reload", "trainer.threads(2)", "engine.restore",
+        assert moves.calls == ["engine.release([1], level 2)", "trainer.reload", "trainer.threads(2)", "engine.restore",
                                "trainer.threads(1)"]
         # On a GPU the lent devices are the engines' memory, not cores: no thread change.
         col, moves = colocation(offload=False, sleep=False, on_cpu=False)
-        await col.lend_engines(1, train_threads=2)
+        await col.lend_engines([1], train_threads=2)
         await col.return_engines()
-        assert moves.calls == ["engine.release(1)", "engine.restore"]
+        assert moves.calls == ["engine.release([1], level 2)", "engine.restore"]
+
+    asyncio.run(main())
+
+
+def test_a_lent_engine_brings_back_only_the_trainer_ranks_on_its_gpus():
+    """The freed replicas' ranks come back (and get the freed cores); the others stay offloaded beside the
+    engines that keep generating, and return with the move to training after the round; an offload then
+    takes every rank out again."""
+    async def main():
+        col, moves = colocation(offload=True, sleep=True, on_cpu=True, level=2)
+        await col.lend_engines([1], ranks=[2, 3], train_threads=2)
+        await col.make_trainer_resident([2, 3])  # a streamed chunk on the same replicas: nothing moves
+        assert not col.trainer_is_resident and col.resident_ranks == {2, 3}
+        await col.return_engines()
+        await col.to_training()
+        assert col.trainer_is_resident
+        await col.to_rollout()
+        assert moves.calls == ["engine.release([1], level 2)", "trainer.reload(ranks [2, 3])",
+                               "trainer.threads(2, ranks [2, 3])", "engine.restore", "trainer.threads(1, ranks [2, 3])",
+                               "engine.sleep(level 2)", "trainer.reload", "trainer.offload", "engine.wake_up"]
+        # An offload with only some ranks back still takes them out.
+        col, moves = colocation(offload=True, sleep=False, on_cpu=False)
+        await col.make_trainer_resident([0, 1])
+        await col.offload_trainer()
+        assert moves.calls == ["trainer.reload(ranks [0, 1])", "trainer.offload"] and col.resident_ranks == set()
 
     asyncio.run(main())
 

@@ -84,6 +84,7 @@ class FakeEngine(RolloutEngine):
             raise RuntimeError(f"sleep with {len(self.requests)} in flight")
         self.asleep = self.weights_asleep = True
         self.sleeps += 1
+        self.sleep_level = level
         self.moves = getattr(self, "moves", []) + [f"sleep({level})"]
 
     async def wake_up(self, tags=None):
@@ -322,6 +323,26 @@ def test_release_refuses_to_release_every_engine():
         single = EnginePool([FakeEngine()])
         with pytest.raises(ValueError, match="1..0 of the 1"):
             await single.release_engines(1)
+
+    asyncio.run(scenario())
+
+
+def test_the_named_members_are_released_at_the_level_asked():
+    """The stream trainer names the engines whose GPUs are whole trainer replicas, and they sleep at level
+    2 (the push after the step refills their weights); members that are not active, or a count that does
+    not match, are refused before anything moves."""
+    async def scenario():
+        engines = [FakeEngine(), FakeEngine(), FakeEngine()]
+        pool = EnginePool(engines)
+        for members in ([3], [0, 0], [0]):
+            with pytest.raises(ValueError, match="members"):
+                await pool.release_engines(2 if members == [0, 0] else 1 if members != [0] else 2, members=members)
+        assert pool.released_indices == []
+        await pool.release_engines(1, members=[0], level=2)
+        assert pool.released_indices == [0] and engines[0].asleep and engines[0].sleep_level == 2
+        assert not engines[1].asleep and not engines[2].asleep  # idle engines 1 and 2 would have been the default
+        with pytest.raises(ValueError, match="members"):
+            await pool.release_engines(1, members=[0])  # already released: not active
 
     asyncio.run(scenario())
 

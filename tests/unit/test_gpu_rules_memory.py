@@ -19,7 +19,7 @@ RECIPES = {size: REPO / f"examples/qwen2.5/qwen2.5_{size}" for size in (
     "7b_math_2x8_tp2_rtp1.yaml", "14b_math_4x8_tp4_rtp2.yaml", "32b_math_8x8_tp8_rtp2.yaml")}
 STEP = ["rollout", "to training", "train", "push (engine weights woken)", "push done, KV cache woken",
         "elastic TP switch: new engines start", "elastic TP switch: push into new engines",
-        "stream handoff (trainer trains, engine generates)"]
+        "stream handoff, freed GPU (trainer trains)", "stream handoff, generating GPU (engine generates)"]
 
 
 def _moments(recipe: Path, overrides=(), push_order="ordered"):
@@ -73,14 +73,22 @@ def test_a_moment_over_the_budget_fails_the_plan_naming_it():
 def test_feature_moments_are_checked_only_when_the_recipe_turns_the_feature_on():
     recipe = RECIPES["32b_math_8x8_tp8_rtp2.yaml"]
     _, _, plan = _moments(recipe, ["planner.enabled=false", "stream.enabled=false"])
-    assert [m.checked for m in plan.moments[-3:]] == [False, False, False] and not plan.problems
-    # The recipe turns the planner on (tests/unit/test_gpu_rules_recipes.py): its switch moments are checked.
+    assert [m.checked for m in plan.moments[-4:]] == [False, False, False, False] and not plan.problems
+    # The recipe turns the planner and the stream trainer on (tests/unit/test_gpu_rules_recipes.py).
     _, _, plan = _moments(recipe)
-    assert [m.checked for m in plan.moments[-3:]] == [True, True, False] and not plan.problems
-    # The stream trainer's handoff holds a generating engine's pool and a training trainer on one GPU.
-    _, _, plan = _moments(recipe, ["stream.enabled=true"])
-    assert plan.moments[-1].checked and [p.split(" needs")[0] for p in plan.problems] == [
-        "moment 'stream handoff (trainer trains, engine generates)'"]
+    assert [m.checked for m in plan.moments[-4:]] == [True, True, True, True] and not plan.problems
+    # The stream handoff: a freed GPU holds the training trainer alone, a generating GPU the engine beside the
+    # trainer as in the rollout (offloaded here); neither holds both, so both are at most the rollout and train.
+    freed, generating = plan.moments[-2], plan.moments[-1]
+    assert "engine KV cache + reserve" not in freed.parts and "trainer activations" in freed.parts
+    assert "trainer activations" not in generating.parts and "engine KV cache + reserve" in generating.parts
+    by_name = {m.name: m.total_gib for m in plan.moments}
+    assert freed.total_gib <= by_name["train"] and generating.total_gib == pytest.approx(by_name["rollout"])
+    # The old handoff (the whole trainer training beside a generating engine) would not have fit.
+    from megatron_rl.planning.moments import overlap_gib
+
+    cfg, shape, _ = _moments(recipe)
+    assert overlap_gib(estimate_memory(cfg, shape, GPUS["h800"])) > 80
     # An elastic switch fits in the push's order (new engines asleep, weights woken alone) ...
     _, _, plan = _moments(recipe, ["planner.enabled=true"])
     assert all(m.checked for m in plan.moments[5:7]) and not plan.problems

@@ -1,20 +1,22 @@
 """GPU rules of the H800 recipes' RollPacker mechanisms (examples/qwen2.5/qwen2.5_*b_*.yaml): every recipe turns
-on the elastic-TP planner with the paper's online rule, and its switch moments fit 80 GB; the stream trainer is on
-exactly where its handoff moment (megatron_rl.planning.moments: the trainer training beside a generating engine on
-one GPU) fits, and a recipe that keeps it off says why in its header with the planner's figure."""
+on the elastic-TP planner with the paper's online rule, and its switch moments fit 80 GB; every recipe streams with
+the paper's settings, releasing the fewest engines whose GPUs are whole data-parallel replicas, and both handoff
+moments (megatron_rl.planning.moments: a freed GPU training, a GPU generating) fit, quoted in its header."""
 from pathlib import Path
 
 import pytest
 
 from megatron_rl.config.loading import load_config
+from megatron_rl.distributed.gpu_layout import run_layout
+from megatron_rl.distributed.replica_release import releasable_counts, release_units, replica_ranks
 from megatron_rl.planning.architectures import resolve_shape
 from megatron_rl.planning.memory import GPUS, estimate_memory
-from megatron_rl.planning.moments import plan_moments
+from megatron_rl.planning.moments import HANDOFF_GENERATE, HANDOFF_TRAIN, plan_moments
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted((REPO / "examples/qwen2.5").glob("qwen2.5_*b_*.yaml"))
 SWITCH = ("elastic TP switch: new engines start", "elastic TP switch: push into new engines")
-HANDOFF = "stream handoff (trainer trains, engine generates)"
+HANDOFF = (HANDOFF_TRAIN, HANDOFF_GENERATE)
 
 
 def _plan(recipe: Path, overrides=()):
@@ -54,31 +56,26 @@ def test_the_planner_is_on_with_the_papers_rule_and_its_switch_fits(recipe):
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
-def test_the_stream_trainer_is_on_exactly_where_its_handoff_fits(recipe):
-    cfg, _ = _plan(recipe)
-    st = cfg.stream
-    # The paper's start rule, kept in the section whether or not the recipe streams.
-    assert (st.rounds, st.start_fraction_min, st.start_fraction_max, st.check_interval) == ("long", 0.2, 0.5, 0.05)
-    _, forced = _plan(recipe, ["stream.enabled=true"])
-    handoff = next(m for m in forced.moments if m.name == HANDOFF)
-    fits = not any(p.startswith(f"moment '{HANDOFF}'") for p in forced.problems)
-    assert fits == (handoff.total_gib <= 80)
-    assert st.enabled == fits, f"{recipe.name}: the stream handoff needs {handoff.total_gib:.1f} GiB per GPU"
+def test_every_recipe_streams_on_the_gpus_it_frees_and_both_handoff_moments_fit(recipe):
+    cfg, plan = _plan(recipe)
+    st, p = cfg.stream, cfg.parallel
+    # The paper's start rule.
+    assert st.enabled and (st.rounds, st.start_fraction_min, st.start_fraction_max, st.check_interval) == (
+        "long", 0.2, 0.5, 0.05)
+    layout = run_layout(cfg)
+    units = release_units(layout, replica_ranks(p.tensor_model_parallel_size, p.context_parallel_size,
+                                                p.data_parallel_size, p.pipeline_model_parallel_size))
+    assert st.release_engines == releasable_counts(units, len(layout.engine_gpus))[0]  # one replica's engines
+    moments = {m.name: m for m in plan.moments}
+    assert all(moments[name].checked and moments[name].total_gib <= 80 for name in HANDOFF) and not plan.problems
     header = _header(recipe)
-    if fits:
-        assert f"needs {handoff.total_gib:.1f} GiB per GPU" in header
-    else:  # off, and the header says why with the planner's figure
-        assert "The stream trainer stays off" in header
-        assert f"needs {handoff.total_gib:.1f} GiB per GPU > 80" in header
+    assert f"handoff moments per GPU {moments[HANDOFF_TRAIN].total_gib:.1f} (a freed GPU training) and " \
+           f"{moments[HANDOFF_GENERATE].total_gib:.1f} (a GPU generating)" in header
 
 
-def test_the_14b_recipes_give_the_kv_cache_share_the_stream_handoff_needs():
-    """At the former rollout.gpu_memory_utilization 0.5 the 14B handoff moment was over 80 GB, so streaming
-    there depends on the 0.48 the recipes now set; the header names both figures."""
+def test_the_14b_recipes_run_the_kv_cache_share_their_rollout_wants():
+    """The old handoff (the whole trainer training beside a generating engine) made the 14B recipes shrink every
+    round's KV cache (gpu_memory_utilization 0.48); on the freed GPUs they run at 0.5 again."""
     for recipe in (r for r in RECIPES if "_14b_" in r.name):
         cfg, plan = _plan(recipe)
-        assert cfg.rollout.gpu_memory_utilization == 0.48 and cfg.stream.enabled and not plan.problems
-        _, before = _plan(recipe, ["rollout.gpu_memory_utilization=0.5"])
-        over = next(m for m in before.moments if m.name == HANDOFF)
-        assert over.total_gib > 80 and any(p.startswith(f"moment '{HANDOFF}'") for p in before.problems)
-        assert f"at 0.5: {over.total_gib:.1f} > 80" in _header(recipe)
+        assert cfg.rollout.gpu_memory_utilization == 0.5 and cfg.stream.enabled and not plan.problems

@@ -263,35 +263,46 @@ def test_aborted_requests_end_instead_of_moving() -> None:
     asyncio.run(main())
 
 
-def test_a_released_member_that_dies_is_replaced_asleep_and_stays_released() -> None:
-    """The stream trainer's handoff: a member lent to training dies; its replacement must not take
-    the memory back (it sleeps) nor be routed to before the engines are restored."""
+def test_a_member_that_dies_while_lent_starts_again_only_when_the_rollout_resumes() -> None:
+    """The stream trainer's handoff: a member lent to training dies. Its GPUs train now, so its replacement
+    must not start there (a starting engine takes its whole pool): the start waits while the member is lent
+    and while the pool sleeps through training; the step's push goes to the other member; the replacement
+    starts once the pool wakes for the rollout (the trainer has left), and joins the next push."""
     async def main():
         h = Harness(members=2, health_check_s=0)
         for i in range(2, 6):
             await h.engine.submit(_request(i, max_tokens=LONG + 10))
-        released = await h.engine.release_engines(1)
-        assert released["released_engines"] == 1.0
-        gone = h.engine.released_indices[0]
-        h.first[gone].die()
-        with pytest.raises(RuntimeError, match=f"engine {gone} of the pool is not healthy"):
+        await h.engine.release_engines(1, members=[1], level=2)
+        h.first[1].die()
+        with pytest.raises(RuntimeError, match="engine 1 of the pool is not healthy"):
             await h.engine.check_health()
-        got = await h.collect(4)
+        got = await h.collect(4)  # the round finishes on member 0
         assert len(got) == 4
+        await h.engine._settled()  # does not wait for the deferred start
+        assert h.started == [] and h.engine.released_indices == [1]
+        await h.engine.sleep(2)  # the round is over: the pool sleeps through training ...
+        await h.engine.restore_engines()  # ... and the stream trainer gives the member back: still not started
+        await asyncio.sleep(0)
+        assert h.started == []
+        await h.engine.check_health()  # a push may go ahead without it
+        await h.engine.wake_up(["weights"])
+        assert await h.engine.weight_receivers() == await h.first[0].weight_receivers()  # the push reaches member 0 only
+        await h.engine.wake_up(["kv_cache"])  # the trainer has left the GPUs: the replacement starts
         await h.engine._settled()
+        assert [index for index, _ in h.started] == [1]
         new = h.started[0][1]
-        assert h.started[0][0] == gone and new.asleep and h.engine.released_indices == [gone]
-        await h.engine.reload_weights("/weights", 4)  # the push after the round: all back, all current
-        assert h.engine.health == [MemberHealth.HEALTHY] * 2 and not new.asleep and new.version == 4
+        assert h.engine.health == [MemberHealth.HEALTHY, MemberHealth.STALE] and not new.asleep
+        await h.engine.reload_weights("/weights", 5)  # the next sync reaches it: current, routed again
+        assert h.engine.health == [MemberHealth.HEALTHY] * 2 and new.version == 5
         await h.engine.shutdown()
 
     asyncio.run(main())
 
 
-def test_a_member_dead_unnoticed_when_chosen_for_release_is_replaced_asleep_and_its_requests_move() -> None:
+def test_a_member_dead_unnoticed_when_chosen_for_release_waits_for_the_rollout_and_its_requests_move() -> None:
     """The stream trainer releases a member whose core was killed after it took its share of a
-    launch (its stream silent, so the pool has not noticed): the release's abort finds the death;
-    the member is replaced asleep and stays lent, its requests finish on the other member."""
+    launch (its stream silent, so the pool has not noticed): the release's abort finds the death; its
+    requests finish on the other member; the member stays lent and its replacement waits for the rollout."""
     async def main():
         h = Harness(members=2, health_check_s=0)
         await h.engine.submit_all([_request(i, max_tokens=LONG + 10) for i in range(2, 6)])
@@ -301,13 +312,16 @@ def test_a_member_dead_unnoticed_when_chosen_for_release_is_replaced_asleep_and_
         got = await h.collect(4)
         assert sorted(got) == ["r2", "r3", "r4", "r5"]
         await h.engine._settled()
-        assert [index for index, _ in h.started] == [1] and h.started[0][1].asleep
+        assert h.started == []
+        await h.engine.restore_engines()  # an awake pool: the rollout resumes, the replacement starts
+        await h.engine._settled()
+        assert [index for index, _ in h.started] == [1] and not h.started[0][1].asleep
         await h.engine.shutdown()
 
     asyncio.run(main())
 
 
-def test_a_member_dead_unnoticed_with_nothing_on_it_is_replaced_asleep_when_released() -> None:
+def test_a_member_dead_unnoticed_with_nothing_on_it_is_found_by_its_release() -> None:
     """As above with nothing left on the member: the death is found by its sleep."""
     async def main():
         h = Harness(members=2, health_check_s=0)
@@ -315,10 +329,10 @@ def test_a_member_dead_unnoticed_with_nothing_on_it_is_replaced_asleep_when_rele
         h.first[1].die(silent=True)
         await h.engine.release_engines(1)
         assert h.engine.released_indices == [1]
-        await h.engine._settled()
-        assert [index for index, _ in h.started] == [1] and h.started[0][1].asleep
         assert sorted(await h.collect(1)) == ["r2"]
-        await h.engine.shutdown()
+        await h.engine._settled()
+        assert h.started == []
+        await h.engine.shutdown()  # a deferred start ends with the pool
 
     asyncio.run(main())
 

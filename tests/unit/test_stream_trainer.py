@@ -39,20 +39,26 @@ class Recorder:
 
     def __init__(self) -> None:
         self.chunks: list[list[str]] = []
+        self.chunk_replicas: list[list[int] | None] = []
+        """Per chunk, the DP replicas it was trained on (None: every replica)."""
         self.applied: list[list[str]] = []
         self.threads: list[int] = []
+        self.thread_ranks: list[list[int] | None] = []
+        self.reloads: list[list[int] | None] = []
 
-    async def train_groups(self, groups):
+    async def train_groups(self, groups, replicas=None):
         await asyncio.sleep(0)
         self.chunks.append([g[0].prompt.prompt_id for g in groups])
+        self.chunk_replicas.append(replicas)
         return [s for g in groups for s in g]
 
     async def apply_gradients(self, samples):
         self.applied.append([s.request_id for s in samples])
         return {"loss": 1.0}
 
-    async def set_num_threads(self, n: int) -> None:
+    async def set_num_threads(self, n: int, ranks=None) -> None:
         self.threads.append(n)
+        self.thread_ranks.append(ranks)
 
     async def free_grad_buffers(self) -> dict:
         return {}
@@ -60,38 +66,43 @@ class Recorder:
     async def offload_for_rollout(self) -> dict:
         return {}
 
-    async def reload_for_training(self) -> dict:
+    async def reload_for_training(self, ranks=None) -> dict:
+        self.reloads.append(ranks)
         return {}
 
 
 class FakeLoop:
     """LoopServices for the stream trainer: the recorder's training, the real Colocation."""
 
-    def __init__(self, cfg: RunConfig, engine, rec: Recorder) -> None:
+    def __init__(self, cfg: RunConfig, engine, rec: Recorder, on_cpu: bool = True) -> None:
         self.cfg, self.engine, self.version, self.weight_sync = cfg, engine, 0, None
-        self.colocation = Colocation(cfg, rec, engine, on_cpu=True)
+        self.colocation = Colocation(cfg, rec, engine, on_cpu=on_cpu)
         self.train_groups, self.apply_gradients = rec.train_groups, rec.apply_gradients
 
 
-def make_stream(cfg: RunConfig, pool, rec: Recorder) -> StreamTrainer:
+def make_stream(cfg: RunConfig, pool, rec: Recorder, on_cpu: bool = True) -> StreamTrainer:
     stream = StreamTrainer(cfg)
-    stream.attach(FakeLoop(cfg, pool, rec))
+    stream.attach(FakeLoop(cfg, pool, rec, on_cpu))
     return stream
 
 
 class PoolStub:
     """Engine-pool stand-in: reports a running count and records release/restore."""
 
+    tensor_parallel_size = 1
+
     def __init__(self, running: int) -> None:
         self.running = running
         self.active_engines = 2
         self.calls: list[str] = []
+        self.routed = [0, 0]
 
     async def stats(self) -> EngineStats:
-        return EngineStats(running=self.running)
+        return EngineStats(running=self.running, extra={"routed_in_flight": list(self.routed)})
 
-    async def release_engines(self, count: int) -> dict:
+    async def release_engines(self, count: int, members=None, level: int = 1) -> dict:
         self.calls.append(f"release {count}")
+        self.released = (list(members or []), level)
         return {"released_engines": count, "migrated_requests": 3, "migrated_tokens": 40, "release_s": 0.01}
 
     async def restore_engines(self) -> None:
@@ -107,11 +118,12 @@ async def feed(stream: StreamTrainer, step: int, groups: list[list[Sample]], bef
             await asyncio.sleep(0)
 
 
-def run_long_round(cfg: RunConfig, pool: PoolStub, rec: Recorder, groups: list[list[Sample]], before_each=None):
+def run_long_round(cfg: RunConfig, pool: PoolStub, rec: Recorder, groups: list[list[Sample]], before_each=None,
+                   on_cpu: bool = True):
     """One long round of ``groups`` through a StreamTrainer; returns its TrainResult."""
 
     async def main():
-        stream = make_stream(cfg, pool, rec)
+        stream = make_stream(cfg, pool, rec, on_cpu)
         stream.on_round_start(0, "long", len(groups))
         await feed(stream, 0, groups, before_each=before_each)
         return await stream.finish(0, groups)
@@ -259,9 +271,17 @@ def test_release_starts_at_the_last_mark_even_when_requests_never_fit():
     assert pool.calls == ["release 1", "restore"]
 
 
+HALF_A_REPLICA = ["stream.enabled=true", "stream.release_engines=1", "rollout.num_engines=4",
+                  "parallel.tensor_model_parallel_size=2", "parallel.data_parallel_size=2", "cluster.num_cpus=16"]
+
+
 @pytest.mark.parametrize("overrides, key", [
     (["stream.enabled=true", "algorithm.ppo_mini_batches=2"], "algorithm.ppo_mini_batches"),
     (["stream.enabled=true", "stream.release_engines=1"], "stream.release_engines"),
+    # On GPUs, two trainer ranks (TP2) per replica beside TP-1 engines: one engine frees half a replica.
+    ([*HALF_A_REPLICA, "cluster.device=cuda"], r"stream\.release_engines=1: .*the smallest is 2"),
+    (["stream.enabled=true", "stream.release_engines=1", "rollout.num_engines=2", "cluster.placement=split",
+      "cluster.num_nodes=2"], "cluster.placement=split"),
     (["stream.rounds=long,medium"], "stream.rounds"),
     (["stream.start_fraction_min=0.6"], "stream.start_fraction_min"),
     (["stream.check_interval=0"], "stream.check_interval"),
@@ -273,7 +293,7 @@ def test_bad_stream_config_names_the_key(overrides, key):
     from megatron_rl.config.values import ConfigError
 
     cfg = load_config(None, overrides)
-    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=key if ".*" in key else key.replace(".", r"\.")):
         validate(cfg, device="cpu")
 
 
@@ -284,6 +304,69 @@ def test_good_stream_config_validates():
     cfg = load_config(None, ["stream.enabled=true", "stream.release_engines=1", "rollout.num_engines=2",
                              "stream.rounds=long,baseline"])
     validate(cfg, device="cpu")
+    # On CPU the trainer may share the cores: a release that frees no whole replica is allowed (every
+    # replica streams, test_a_cpu_release_that_frees_no_whole_replica_streams_on_every_replica).
+    validate(load_config(None, [*HALF_A_REPLICA, "cluster.device=cpu"]), device="cpu")
+
+
+def test_a_release_frees_whole_replicas_and_only_they_stream_then_every_replica_takes_the_rest():
+    """Trainer DP2 beside two engines: engine e shares its GPU with replica e. The released engine (the
+    less loaded, asleep at level 2) frees its replica; only that replica's rank comes back and gets the
+    freed cores, and every streamed chunk goes to it; after the round both replicas take the rest."""
+    cfg = stream_cfg(release_engines=1, train_threads=2, min_new_groups=1)
+    cfg.rollout.num_engines, cfg.parallel.data_parallel_size = 2, 2
+    cfg.trainer.offload_during_rollout = True
+    rec = Recorder()
+    pool = PoolStub(running=0)
+    pool.routed = [3, 1]  # engine 1 holds less to migrate
+    groups = [make_group(i) for i in range(10)]
+
+    async def main():
+        stream = make_stream(cfg, pool, rec)
+        stream.on_round_start(0, "long", len(groups))
+        await feed(stream, 0, groups[:6])
+        await stream.after_rollout(0, None)
+        return await stream.finish(0, groups)  # four groups came with the end of the round
+
+    result = asyncio.run(main())
+    assert pool.released == ([1], 2)
+    assert rec.reloads[0] == [1] and rec.thread_ranks == [[1], [1]] and rec.threads == [2, 1]
+    streamed = [replicas for chunk, replicas in zip(rec.chunks, rec.chunk_replicas)][:-1]
+    assert streamed and all(r == [1] for r in streamed)
+    assert rec.chunk_replicas[-1] == [0, 1]  # the rest: both replicas, split to finish together
+    assert result.metrics["stream/released_replicas"] == 1.0 and len(result.trained) == 20
+
+
+def test_a_cpu_release_that_frees_no_whole_replica_streams_on_every_replica():
+    """Trainer TP2 (one replica of two ranks) beside two TP-1 engines: releasing one engine frees half the
+    replica. On CPU the trainer may share the cores, so the less loaded engine goes, every rank comes back
+    with the freed cores and every chunk is split by the workers (replicas None); on GPUs the same round
+    would train after the rollout (test_gpus_without_a_release_do_not_stream_during_the_round)."""
+    cfg = stream_cfg(release_engines=1, train_threads=2, min_new_groups=1)
+    cfg.rollout.num_engines, cfg.parallel.tensor_model_parallel_size = 2, 2
+    rec = Recorder()
+    pool = PoolStub(running=0)
+    pool.routed = [1, 4]  # engine 0 holds less to migrate
+    groups = [make_group(i) for i in range(6)]
+
+    result = run_long_round(cfg, pool, rec, groups)
+    assert pool.released == ([0], 2)
+    assert rec.thread_ranks == [None, None] and rec.threads == [2, 1]
+    assert rec.chunk_replicas and all(r is None for r in rec.chunk_replicas)
+    assert result.metrics["stream/released_engines"] == 1.0 and "stream/released_replicas" not in result.metrics
+
+
+def test_gpus_without_a_release_do_not_stream_during_the_round():
+    """On colocated GPUs the trainer may not come back beside generating engines: with nothing released
+    (stream.release_engines=0) the round is trained after the rollout, not during it."""
+    cfg = stream_cfg(min_new_groups=1)
+    cfg.rollout.num_engines = 2
+    rec = Recorder()
+    groups = [make_group(i) for i in range(6)]
+
+    result = run_long_round(cfg, PoolStub(running=0), rec, groups, on_cpu=False)
+    assert rec.chunks == [[f"p{i}" for i in range(6)]] and rec.chunk_replicas == [None]
+    assert result.metrics["stream/chunks"] == 1.0 and result.metrics["stream/trained_fraction_before_rollout_end"] == 0.0
 
 
 def test_no_release_when_only_one_engine_is_active():
@@ -291,7 +374,7 @@ def test_no_release_when_only_one_engine_is_active():
     cfg.rollout.num_engines = 2
     rec = Recorder()
     pool = PoolStub(running=0)
-    pool.active_engines = 1  # e.g. the elastic planner runs this round as one TP-2 engine
+    pool.active_engines, pool.tensor_parallel_size = 1, 2  # e.g. the elastic planner runs this round as one TP-2 engine
     groups = [make_group(i) for i in range(4)]
 
     result = run_long_round(cfg, pool, rec, groups)

@@ -1,13 +1,9 @@
 """EnginePool: several rollout engines behind one :class:`RolloutEngine`, with resource handoff.
 
-Routing is least-loaded by this pool's own request count. For RollPacker's stream trainer the
-pool can also shrink mid-round: :meth:`EnginePool.release_engines` takes whole engines (one engine
-is one TP group, so a group is never split) out of routing, migrates their running requests to
-the remaining engines recompute-style (see ``migration``) and puts them to sleep so training can
-use their devices; :meth:`EnginePool.restore_engines` (implied by ``reload_weights``) brings them
-back. The pool as a whole can also sleep (:meth:`EnginePool.sleep`, e.g. through training); while
-it does, restored engines rejoin routing asleep and the pool's :meth:`EnginePool.wake_up` wakes
-them with the rest, so the order of restore and sleep does not matter to the caller.
+Routing is least-loaded by this pool's own request count. For the stream trainer the pool can shrink
+mid-round (``pool_handoff``: release whole engines, migrate their requests, sleep them; restore them). The
+pool can also sleep as a whole; restored engines rejoin routing asleep and wake with the rest, so the
+order of restore and sleep does not matter to the caller.
 
 Two id spaces: the consumer's request ids, and the ids of the *parts* running on engines. A
 request that never moved has one part under its own id; each migration starts a new part under
@@ -107,6 +103,9 @@ class EnginePool(PoolHandoff, PoolSupervision, RolloutEngine):
         self.health = [MemberHealth.HEALTHY] * len(self.engines)
         self._generation = [0] * len(self.engines)  # bumped per replacement: late output of the dead is dropped
         self._replacing: dict[int, asyncio.Task] = {}
+        self._deferred: set[int] = set()  # died while lent: the replacement waits for the rollout to resume
+        self._roles = asyncio.Event()  # set at every release, restore, sleep and wake-up (deferred ones recheck)
+        self._deferring = asyncio.Event()  # set when a replacement starts to wait (who waits for it stops)
         self._orphans: dict[str, GenerationRequest] = {}  # moved off a dead member, no healthy one to take them
         self._failed: Exception | None = None
         self._closed = False
@@ -378,7 +377,8 @@ class EnginePool(PoolHandoff, PoolSupervision, RolloutEngine):
             if isinstance(result, BaseException):
                 self._died(index, result)
                 raise RuntimeError(f"engine {index} of the pool is not healthy: {result!r}") from result
-        down = [f"engine {i} is {h.value}" for i, h in enumerate(self.health) if i not in up]
+        # A lent member's deferred replacement (pool_supervision) joins the push after the next one.
+        down = [f"engine {i} is {h.value}" for i, h in enumerate(self.health) if i not in up and not self._held_back(i)]
         if down:
             raise RuntimeError(f"the pool cannot take a push now: {', '.join(down)}")
 
@@ -388,9 +388,10 @@ class EnginePool(PoolHandoff, PoolSupervision, RolloutEngine):
         Returns the slowest engine's figures."""
         async with self._lock:
             await self._ready_for_weights()
-            figures = await asyncio.gather(*(e.reload_weights(weights_dir, version) for e in self.engines))
+            up = self._up()
+            figures = await asyncio.gather(*(self.engines[i].reload_weights(weights_dir, version) for i in up))
             self._version = version
-            self._mark_current()
+            self._mark_current(up)
         figures = [f for f in figures if f]
         return {k: max(f.get(k, 0.0) for f in figures) for k in figures[0]} if figures else None
 
@@ -401,33 +402,39 @@ class EnginePool(PoolHandoff, PoolSupervision, RolloutEngine):
         self._asleep = False
         if self._released or self._sleeping:
             await self._restore()
+        await self._settled()  # a lent member's deferred replacement, started by the wake-up, joins too
+
+    def _up(self) -> list[int]:
+        """Members that take weights: healthy or stale (a lent member's deferred replacement is not up)."""
+        return [i for i, h in enumerate(self.health) if h in (MemberHealth.HEALTHY, MemberHealth.STALE)]
 
     async def weight_receivers(self) -> list[tuple[str, str]]:
         """Every engine's replicas, engine by engine."""
         await self._settled()
-        return [r for e in self.engines for r in await e.weight_receivers()]
+        return [r for i in self._up() for r in await self.engines[i].weight_receivers()]
 
     async def open_weight_receiver(self, init_infos: list[dict]) -> None:
         """Hand each engine its replicas' init infos (in :meth:`weight_receivers` order)."""
-        counts = [len(await e.weight_receivers()) for e in self.engines]
+        engines = [self.engines[i] for i in self._up()]
+        counts = [len(await e.weight_receivers()) for e in engines]
         if sum(counts) != len(init_infos):
             raise ValueError(f"EnginePool: {len(init_infos)} init infos for {sum(counts)} replicas")
         starts = list(itertools.accumulate([0] + counts))
-        await asyncio.gather(*(e.open_weight_receiver(init_infos[a:b])
-                               for e, a, b in zip(self.engines, starts, starts[1:])))
+        await asyncio.gather(*(e.open_weight_receiver(init_infos[a:b]) for e, a, b in zip(engines, starts, starts[1:])))
 
     async def receive_weights(self, sync_id: int, version: int) -> list[dict]:
         """Like :meth:`reload_weights`: released engines back and sleeping ones woken first (every
         replica must take the push the trainer ranks are sending), then all at once."""
         async with self._lock:
             await self._ready_for_weights()
-            per_engine = await asyncio.gather(*(e.receive_weights(sync_id, version) for e in self.engines))
+            up = self._up()
+            per_engine = await asyncio.gather(*(self.engines[i].receive_weights(sync_id, version) for i in up))
             self._version = version
-            self._mark_current()
+            self._mark_current(up)
         return [f for figures in per_engine for f in figures]
 
     async def close_weight_receiver(self) -> None:
-        await asyncio.gather(*(e.close_weight_receiver() for e in self.engines))
+        await asyncio.gather(*(self.engines[i].close_weight_receiver() for i in self._up()))
 
     # ------------------------------------------------------------------ stats and shutdown
 
@@ -483,9 +490,12 @@ class EnginePool(PoolHandoff, PoolSupervision, RolloutEngine):
     async def shutdown(self) -> None:
         """Shut every engine down (replacements under way are stopped), then stop merging."""
         self._closed = True
+        self._roles.set()  # a deferred replacement stops waiting
         for task in [self._monitor, *self._replacing.values()]:
             if task is not None:
                 task.cancel()
-        await asyncio.gather(*(e.shutdown() for e in self.engines), return_exceptions=True)
+        deferred = set(self._deferred)  # their dead engines were shut down before the wait
+        await asyncio.gather(*(e.shutdown() for i, e in enumerate(self.engines) if i not in deferred),
+                             return_exceptions=True)
         for task in [*self._pumps, *self._resubmits]:
             task.cancel()

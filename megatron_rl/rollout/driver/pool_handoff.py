@@ -24,14 +24,17 @@ class PoolHandoff:
 
     # ------------------------------------------------------------------ resource handoff
 
-    async def release_engines(self, count: int) -> dict[str, float]:
+    async def release_engines(self, count: int, members: list[int] | None = None, level: int = 1) -> dict[str, float]:
         """Hand ``count`` whole engines over to training; the rest finish the round.
 
-        Picks the engines with the fewest of this pool's requests (ties: highest index), stops
-        routing to them, aborts their requests and, as each partial comes back, continues it on
-        the least-loaded remaining engine with the tokens generated so far re-prefilled (a
-        request whose budget is used up ends with reason 'length'). Once the released engines
-        hold nothing, they sleep. At least one engine must stay active.
+        Releases ``members`` (pool indices: the engines whose GPUs are whole trainer replicas,
+        ``distributed.replica_release``), else the engines with the fewest of this pool's requests
+        (ties: highest index); stops routing to them, aborts their requests and, as each partial
+        comes back, continues it on the least-loaded remaining engine with the tokens generated so
+        far re-prefilled (a request whose budget is used up ends with reason 'length'). Once the
+        released engines hold nothing, they sleep at ``level`` (2: their weights are dropped, for a
+        weight sync that refills them before they generate again). At least one engine must stay
+        active.
 
         Returns: released_engines, migrated_requests, migrated_tokens (generated tokens
         re-prefilled instead of regenerated), ended_while_migrating (finished, aborted or out of
@@ -45,11 +48,18 @@ class PoolHandoff:
                     f"active engine(s); at least one must stay active (health {[h.value for h in self.health]}, "
                     f"released {sorted(self._released)}, asleep {sorted(self._sleeping)})"
                 )
+            if members is not None and (len(members) != count or len(set(members)) != count
+                                        or any(i not in active for i in members)):
+                raise ValueError(f"release_engines({count}, members={members}): the members must be {count} distinct "
+                                 f"active engines of {active}")
+            if level not in (1, 2):
+                raise ValueError(f"release_engines: sleep level must be 1 or 2, got {level!r}")
             self._ensure_pumps()
             start = time.monotonic()
             before = dict(self._totals)
-            chosen = sorted(active, key=lambda i: (self._load[i], -i))[:count]
+            chosen = sorted(members) if members is not None else sorted(active, key=lambda i: (self._load[i], -i))[:count]
             self._released.update(chosen)
+            self._roles_changed()
             by_engine: dict[int, list[str]] = {}
             for entry in self._entries.values():
                 if entry.engine in chosen and not entry.aborted:
@@ -61,7 +71,7 @@ class PoolHandoff:
             # failure anywhere else in the pool would have it; its requests move to the others.
             await self._abort_on(by_engine)
             await self._wait_drained(chosen)
-            await self._on_members(chosen, self._sleep_engine)
+            await self._on_members(chosen, lambda i: self._sleep_engine(i, level))
             metrics = {key: float(self._totals[key] - before[key]) for key in self._totals}
             metrics.update(released_engines=float(count), release_s=time.monotonic() - start)
             logger.info("released engines %s: %s", chosen, metrics)
@@ -107,6 +117,7 @@ class PoolHandoff:
             restored = len(self._released | self._sleeping)
             await self._on_members(sorted(self._sleeping), self._wake_engine)
         self._released.clear()
+        self._roles_changed()
         self._place_orphans()
         return {"restored_engines": float(restored), "wake_s": time.monotonic() - start}
 
@@ -131,6 +142,7 @@ class PoolHandoff:
                 raise RuntimeError(f"EnginePool.sleep refused: {len(self._entries)} request(s) in flight")
             await self._settled()
             self._asleep, self._sleep_level = True, level
+            self._roles_changed()
             awake = [i for i in range(len(self.engines)) if i not in self._sleeping]
             await self._on_members(awake, lambda i: self._sleep_engine(i, level))
 

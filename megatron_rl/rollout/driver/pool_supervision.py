@@ -12,7 +12,11 @@ Then (``engine_health`` names the states):
    its prompt with its own seed, so it samples as if it had never run); requests the consumer had
    aborted end with their partial 'abort' completion; with no healthy member left they wait;
 2. ``restarting``: the dead engine is shut down (its actor killed, its /dev/shm segments removed)
-   and the factory starts a new one for the same member (same bundles, same start directory);
+   and the factory starts a new one for the same member (same bundles, same start directory). A member
+   lent to the stream trainer (``release_engines``) is not started while its GPUs train: its start waits
+   until the pool generates again (restored and awake: the trainer has left those GPUs), so a GPU never
+   holds a starting engine's whole pool beside the training trainer; meanwhile pushes and reloads go to
+   the other members, and it joins the first one after its start;
 3. ``stale``: the new engine holds the weights it started from; it rejoins routing with the next
    push or reload, which brings every member to the current version. When no healthy member is
    left to serve (a pool of one), the loop's restorer (``RolloutEngine.supervise``) brings it to
@@ -175,6 +179,10 @@ class PoolSupervision:
         for key in CUMULATIVE_COUNTERS:  # keep the pool's counters monotonic for whoever diffs them
             self._lost_counts[key] += self._last_counts[index].get(key, 0)
         self._last_counts[index] = {}
+        if index in self._released:
+            await self._until_generating(index)
+            if self._closed:
+                return
         try:
             new = await self._start_member(index)
             if index in self._sleeping:  # released to the trainer, or the pool sleeps: so must it
@@ -199,6 +207,28 @@ class PoolSupervision:
             await self._restore_member(index, restorer)  # nobody else serves: bring it up now
         self._place_orphans()
 
+    async def _until_generating(self, index: int) -> None:
+        """Lent member ``index`` died: wait until the pool generates again (the member restored, the pool
+        awake) before its replacement starts (see the module docstring)."""
+        log.warning("rollout engine %d died while lent to the trainer: its replacement starts when the rollout "
+                    "resumes (pushes and reloads skip it until then)", index)
+        self._deferred.add(index)
+        self._deferring.set()
+        try:
+            while not self._closed and (index in self._released or self._asleep):
+                self._roles.clear()
+                await self._roles.wait()
+        finally:
+            self._deferred.discard(index)
+
+    def _held_back(self, index: int) -> bool:
+        """Member ``index``'s replacement waits for the rollout, and the rollout has not resumed."""
+        return index in self._deferred and (index in self._released or self._asleep)
+
+    def _roles_changed(self) -> None:
+        """A release, restore, sleep or wake-up happened: deferred replacements look again."""
+        self._roles.set()
+
     async def _restore_member(self, index: int, restorer: WeightsRestorer) -> None:
         try:
             await restorer(self.engines[index])
@@ -207,10 +237,10 @@ class PoolSupervision:
             return
         self.health[index] = HEALTHY
 
-    def _mark_current(self) -> None:
-        """A push or reload reached every member: stale ones rejoin routing."""
-        for i, health in enumerate(self.health):
-            if health is STALE:
+    def _mark_current(self, reached: list[int]) -> None:
+        """A push or reload reached the members ``reached``: stale ones among them rejoin routing."""
+        for i in reached:
+            if self.health[i] is STALE:
                 self.health[i] = HEALTHY
         self._place_orphans()
 
@@ -252,10 +282,22 @@ class PoolSupervision:
             self._changed.set()
 
     async def _settled(self) -> None:
-        """Wait for replacements under way; raise once the pool failed (budget spent, a start
-        failed)."""
-        while self._replacing:  # each task leaves the dict as it ends; a death meanwhile adds one
-            await asyncio.shield(next(iter(self._replacing.values())))
+        """Wait for replacements under way (not the deferred ones of lent members); raise once the pool
+        failed (budget spent, a start failed)."""
+        while True:  # each task leaves the dict as it ends; a death meanwhile adds one
+            waiting = [task for index, task in self._replacing.items() if not self._held_back(index)]
+            if not waiting:
+                break
+            # A replacement may reach its deferral only after this wait began (its dead engine shut down
+            # first): stop waiting for it then, or a release waiting here would wait for its own end.
+            self._deferring.clear()
+            deferral = asyncio.ensure_future(self._deferring.wait())
+            try:
+                await asyncio.wait([waiting[0], deferral], return_when=asyncio.FIRST_COMPLETED)  # (wait cancels neither)
+            finally:
+                deferral.cancel()
+            if waiting[0].done() and not waiting[0].cancelled() and waiting[0].exception() is not None:
+                raise waiting[0].exception()
         if self._failed is not None:
             raise self._failed
 
@@ -280,10 +322,10 @@ class PoolSupervision:
         if not any(dead) and not self._replacing:
             return False
         await self._settled()
-        for i in range(len(self.engines)):
+        for i in self._up():  # (a lent member's deferred replacement is not up yet)
             self.health[i] = STALE
         if self._supervision.restore is None:
-            self._mark_current()
+            self._mark_current(self._up())
         else:
             await self._supervision.restore(self)  # a push or reload of every member: all current again
         return True
