@@ -209,37 +209,51 @@ class StreamTrainer(TrainerPlugin):
             return
         if self.scfg.release_engines > 0:
             units, engines = self._release_units()
-            try:
-                chosen = choose_release(units, self.scfg.release_engines, engines, await self._engine_load(engines))
-            except ReleaseError as exc:
-                if self.loop.colocation.on_cpu and engines > self.scfg.release_engines:
-                    # On CPU the trainer may share the cores, so no whole replica need be freed: the engines
-                    # holding the fewest requests go and every replica streams on the freed cores.
-                    load = await self._engine_load(engines) or [0.0] * engines
-                    engines_out = sorted(sorted(range(engines), key=lambda e: (load[e], -e))[:self.scfg.release_engines])
-                    r.release = await self.loop.colocation.lend_engines(engines_out, None, self.scfg.train_threads)
-                    log.info("step %d: engines %s released; every trainer replica streams (%s)", r.step, engines_out,
-                             exc)
-                else:
-                    # E.g. the elastic planner runs this round as one large-TP engine: a TP group is never
-                    # split. On GPUs the trainer may not share a generating engine's memory, so the round
-                    # trains after the rollout.
-                    log.info("step %d: %d engine(s) at TP %d, none released for streaming (%s)", r.step, engines,
-                             self.loop.engine.tensor_parallel_size, exc)
-                    r.release = {"released_engines": 0.0}
-                    if not self.loop.colocation.on_cpu:
-                        r.skipped = str(exc)
-                        return
+            if self.loop.engine.active_engines < engines:
+                # A member is being replaced (dead, restarting): a release now could take the engines that
+                # serve. The round streams without a handoff on CPU and trains after its rollout on GPUs.
+                log.info("step %d: %d of %d engines active (a member is being replaced): none released", r.step,
+                         self.loop.engine.active_engines, engines)
+                r.release = {"released_engines": 0.0}
+                if not self.loop.colocation.on_cpu:
+                    r.skipped = "a member was being replaced when streaming would have started"
             else:
-                engines_out = sorted(e for u in chosen for e in u.engines)
-                r.replicas = sorted(rep for u in chosen for rep in u.replicas)
-                ranks = sorted(rank for rep in r.replicas for rank in self._replica_ranks()[rep])
-                r.release = await self.loop.colocation.lend_engines(engines_out, ranks, self.scfg.train_threads)
-                r.release["released_replicas"] = float(len(r.replicas))
-                log.info("step %d: engines %s released; trainer replicas %s (ranks %s) train on their GPUs", r.step,
-                         engines_out, r.replicas, ranks)
+                await self._release(r, units, engines)
+            if r.skipped:
+                return
         log.info("step %d: streaming %s round at %.0f%% of prompts complete", r.step, r.round_type,
                  100 * r.start_fraction)
+
+    async def _release(self, r: _Round, units: list[ReleaseUnit], engines: int) -> None:
+        """Lend ``stream.release_engines`` engines whose GPUs are whole replicas (see the module docstring)."""
+        try:
+            chosen = choose_release(units, self.scfg.release_engines, engines, await self._engine_load(engines))
+        except ReleaseError as exc:
+            if self.loop.colocation.on_cpu and engines > self.scfg.release_engines:
+                # On CPU the trainer may share the cores, so no whole replica need be freed: the engines
+                # holding the fewest requests go and every replica streams on the freed cores.
+                load = await self._engine_load(engines) or [0.0] * engines
+                engines_out = sorted(sorted(range(engines), key=lambda e: (load[e], -e))[:self.scfg.release_engines])
+                r.release = await self.loop.colocation.lend_engines(engines_out, None, self.scfg.train_threads)
+                log.info("step %d: engines %s released; every trainer replica streams (%s)", r.step, engines_out,
+                         exc)
+            else:
+                # E.g. the elastic planner runs this round as one large-TP engine: a TP group is never
+                # split. On GPUs the trainer may not share a generating engine's memory, so the round
+                # trains after the rollout.
+                log.info("step %d: %d engine(s) at TP %d, none released for streaming (%s)", r.step, engines,
+                         self.loop.engine.tensor_parallel_size, exc)
+                r.release = {"released_engines": 0.0}
+                if not self.loop.colocation.on_cpu:
+                    r.skipped = str(exc)
+        else:
+            engines_out = sorted(e for u in chosen for e in u.engines)
+            r.replicas = sorted(rep for u in chosen for rep in u.replicas)
+            ranks = sorted(rank for rep in r.replicas for rank in self._replica_ranks()[rep])
+            r.release = await self.loop.colocation.lend_engines(engines_out, ranks, self.scfg.train_threads)
+            r.release["released_replicas"] = float(len(r.replicas))
+            log.info("step %d: engines %s released; trainer replicas %s (ranks %s) train on their GPUs", r.step,
+                     engines_out, r.replicas, ranks)
 
     def _replica_ranks(self) -> list[tuple[int, ...]]:
         p = self.cfg.parallel

@@ -382,6 +382,24 @@ def test_no_release_when_only_one_engine_is_active():
     assert result.metrics["stream/released_engines"] == 0.0 and len(result.trained) == 8
 
 
+def test_no_release_while_a_member_is_being_replaced():
+    """Two TP-1 engines, one of them restarting when streaming starts (found dead in the round): a release
+    then could take the engine that serves, so none is released; on CPU every replica streams anyway, on
+    GPUs the round trains after its rollout (the whole-system faults run died of this release once)."""
+    for on_cpu in (True, False):
+        cfg = stream_cfg(release_engines=1, train_threads=2, min_new_groups=1)
+        cfg.rollout.num_engines, cfg.parallel.data_parallel_size = 2, 2
+        rec = Recorder()
+        pool = PoolStub(running=0)
+        pool.active_engines = 1
+        groups = [make_group(i) for i in range(4)]
+
+        result = run_long_round(cfg, pool, rec, groups, on_cpu=on_cpu)
+        assert pool.calls == [] and rec.threads == [], on_cpu
+        assert result.metrics["stream/released_engines"] == 0.0 and len(result.trained) == 8
+        assert (result.metrics["stream/trained_fraction_before_rollout_end"] > 0) == on_cpu
+
+
 def test_released_engines_are_given_back_even_when_every_engine_sleeps_through_training():
     # Whether restored engines wake or stay asleep is the pool's rule (it knows whether it sleeps;
     # see test_engine_pool), so the stream trainer gives them back the same way either way.
