@@ -311,14 +311,15 @@ def test_driver_handles_forward_offload_and_reload_to_every_rank():
 
     group, sent = object.__new__(PolicyGroup), []  # no Ray: only the call plumbing
 
-    async def _all(method, *args):
-        sent.append((method, args))
-        return [{"rank": 0}, {"rank": 1}]
+    async def _all(method, *args, ranks=None):
+        sent.append((method, args, ranks))
+        return [{"rank": r} for r in (ranks or [0, 1])]
 
     group._all = _all
     assert asyncio.run(group.offload_for_rollout()) == {"rank": 0}
     assert asyncio.run(group.reload_for_training()) == {"rank": 0}
-    assert sent == [("offload_for_rollout", ()), ("reload_for_training", ())]
+    assert asyncio.run(group.reload_for_training(ranks=[1])) == {"rank": 1}  # a freed replica's ranks alone
+    assert sent == [("offload_for_rollout", (), None), ("reload_for_training", (), None), ("reload_for_training", (), [1])]
 
     class _Worker:
         def offload_for_rollout(self):
