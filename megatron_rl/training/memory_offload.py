@@ -186,38 +186,28 @@ def _optimizer_tensors(model: Any, optimizer: Any) -> list[torch.Tensor]:
     return tensors
 
 
-def with_training_state(fn: _F) -> _F:
-    """Decorator for the MegatronWorker methods that use weights, gradients or optimizer state:
-    runs the call in ``cpu_device_mode`` (like ``with_cpu_device_mode``) after reloading what
-    ``offload_for_rollout`` moved away, so a forgotten ``reload_for_training`` costs time (and a
-    warning), never a wrong result."""
+def _reloading(weights_only: bool) -> Callable[[_F], _F]:
+    """The decorators below: run the call in ``cpu_device_mode`` after reloading what ``offload_for_rollout``
+    moved away (with ``weights_only``, only a full offload: freed grad buffers leave the weights in place)."""
+    def decorate(fn: _F) -> _F:
+        @functools.wraps(fn)
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with cpu_device_mode():
+                if self._offload.active and not (weights_only and self._offload.grads_only):
+                    log.warning("%s called while the trainer state is offloaded: reloading it first "
+                                "(call reload_for_training before the logprob/training calls or the push)", fn.__name__)
+                    self._offload.auto_reloads += 1
+                    self._offload.reload()
+                return fn(self, *args, **kwargs)
 
-    @functools.wraps(fn)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with cpu_device_mode():
-            if self._offload.active:
-                log.warning("%s called while the trainer state is offloaded: reloading it first "
-                            "(call reload_for_training before the logprob/training calls)", fn.__name__)
-                self._offload.auto_reloads += 1
-                self._offload.reload()
-            return fn(self, *args, **kwargs)
+        return wrapper  # type: ignore[return-value]
 
-    return wrapper  # type: ignore[return-value]
+    return decorate
 
 
-def with_weights(fn: _F) -> _F:
-    """As :func:`with_training_state`, for a method that reads only the weights (a weight push): the state
-    a push leaves before it (``free_grad_buffers``: the gradients gone, the weights in place) is enough,
-    so only a full offload is reloaded first."""
-
-    @functools.wraps(fn)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with cpu_device_mode():
-            if self._offload.active and not self._offload.grads_only:
-                log.warning("%s called while the trainer state is offloaded: reloading it first "
-                            "(call reload_for_training before the weight push)", fn.__name__)
-                self._offload.auto_reloads += 1
-                self._offload.reload()
-            return fn(self, *args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
+with_training_state = _reloading(weights_only=False)
+"""Decorator for the MegatronWorker methods that use weights, gradients or optimizer state: a forgotten
+``reload_for_training`` costs time (and a warning), never a wrong result."""
+with_weights = _reloading(weights_only=True)
+"""As :data:`with_training_state`, for a method that reads only the weights (a weight push): the state a push
+leaves before it (``free_grad_buffers``) is enough."""
